@@ -1,0 +1,38 @@
+"""Shared fixtures: a small store per test, and the CUDA skip marker."""
+
+import pytest
+import torch
+
+from tiermem import StoreConfig, TierStore
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m cuda` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    """Factory of stores with small budgets and a spill directory under tmp_path."""
+    stores = []
+
+    def make(**kw):
+        kw.setdefault("gpu_bytes", 1 << 20)
+        kw.setdefault("cpu_bytes", 1 << 20)
+        kw.setdefault("nvme_bytes", 4 << 20)
+        kw.setdefault("nvme_dir", str(tmp_path))
+        kw.setdefault("pool_slab_bytes", 256 << 10)
+        kw.setdefault("io_backend", "posix")
+        kw.setdefault("io_threads", 2)
+        kw.setdefault("io_chunk_bytes", 64 << 10)
+        store = TierStore(StoreConfig(**kw))
+        stores.append(store)
+        return store
+
+    yield make
+    for s in stores:
+        s.close()

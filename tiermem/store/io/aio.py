@@ -1,0 +1,170 @@
+"""I/O backend through ``aiofiles`` (the asyncio file API), for asyncio users of the store.
+
+aiofiles wraps blocking file calls in ``loop.run_in_executor``. This backend runs a private
+asyncio event loop in a background thread; each request is a coroutine scheduled there with
+``asyncio.run_coroutine_threadsafe`` (which hands back a ``concurrent.futures.Future``). A
+request opens its own unbuffered file object with ``aiofiles.open`` (its own file position, so
+``seek`` + ``write``/``readinto`` of concurrent requests do not interfere), moves every byte and
+closes it. Simple and correct; the POSIX backend is faster (no per-request open/seek/close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import aiofiles
+import torch
+
+from .base import IOBackend
+from .posix import ShortReadError, host_view, open_flags, os_error
+
+
+class AioHandle:
+    """An open spill file of :class:`AiofilesBackend`: its path and O_DIRECT flag.
+
+    A descriptor is held (``fd``) so the file stays the one created even if the directory
+    entry were replaced; requests open the path again (O_NOFOLLOW) for their own position.
+    """
+
+    __slots__ = ("fd", "path", "o_direct")
+
+    def __init__(self, fd: int, path: str, o_direct: bool) -> None:
+        self.fd, self.path, self.o_direct = fd, path, o_direct
+
+    def __repr__(self) -> str:
+        return f"AioHandle(path={self.path!r}, o_direct={self.o_direct})"
+
+
+class AiofilesBackend(IOBackend):
+    """Positional I/O via ``aiofiles`` on a private event loop with ``threads`` executor threads.
+
+    Args:
+        threads: executor threads aiofiles runs the blocking calls on (2 is best on 2 cores).
+
+    Raises:
+        ValueError: ``threads`` < 1.
+    """
+
+    name = "aiofiles"
+
+    def __init__(self, threads: int) -> None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"StoreConfig.io_threads={threads!r} must be an int >= 1")
+        self.threads = threads
+        self._executor = ThreadPoolExecutor(max_workers=threads,
+                                            thread_name_prefix="tiermem-aiofiles-io")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="tiermem-aiofiles-loop", daemon=True)
+        self._thread.start()
+        # Guards _pending and _shut: requests are submitted from any thread.
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._shut = False
+
+    def open(self, path: str, *, create: bool, o_direct: bool) -> AioHandle:
+        """Open (``create``: exclusively create, mode 0600) ``path`` with O_NOFOLLOW.
+
+        Raises:
+            OSError: exists (``create``), is a symlink, permission, or ``EINVAL`` when the
+                filesystem refuses O_DIRECT.
+        """
+        path = os.fspath(path)
+        fd = os.open(path, open_flags(create, o_direct), 0o600)
+        return AioHandle(fd, path, o_direct)
+
+    def pwrite(self, handle: AioHandle, buf: torch.Tensor, offset: int) -> Future:
+        """Write all of ``buf`` at byte ``offset``; the future gives the byte count.
+
+        ``buf`` must stay alive and unchanged until the future is done.
+
+        Raises:
+            TypeError/ValueError: ``buf`` is not a contiguous uint8 CPU tensor.
+            RuntimeError: the backend is shut down.
+        """
+        return self._submit(self._awrite(handle, host_view(buf), offset))
+
+    def pread(self, handle: AioHandle, buf: torch.Tensor, offset: int) -> Future:
+        """Read ``buf.numel()`` bytes at ``offset`` into ``buf``; the future gives the count.
+
+        The future raises :class:`~tiermem.store.io.posix.ShortReadError` at end of file and
+        ``OSError`` on I/O errors.
+
+        Raises:
+            TypeError/ValueError: ``buf`` is not a contiguous uint8 CPU tensor.
+            RuntimeError: the backend is shut down.
+        """
+        return self._submit(self._aread(handle, host_view(buf), offset))
+
+    def _submit(self, coro) -> Future:
+        with self._lock:  # _shut and _pending are shared with shutdown() on another thread
+            if self._shut:
+                coro.close()
+                raise RuntimeError("AiofilesBackend is shut down; no new I/O can start")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._pending.add(fut)
+        fut.add_done_callback(self._discard)
+        return fut
+
+    def _discard(self, fut: Future) -> None:
+        with self._lock:  # see _submit
+            self._pending.discard(fut)
+
+    def _aopen(self, handle: AioHandle):
+        flags = open_flags(create=False, o_direct=handle.o_direct)
+        return aiofiles.open(handle.path, "r+b", buffering=0,
+                             opener=lambda p, _flags: os.open(p, flags, 0o600),
+                             loop=self._loop, executor=self._executor)
+
+    async def _awrite(self, handle: AioHandle, view: memoryview, offset: int) -> int:
+        total, done = view.nbytes, 0
+        try:
+            async with self._aopen(handle) as f:
+                await f.seek(offset)
+                while done < total:
+                    n = await f.write(view[done:])  # FileIO.write: one write(2), maybe short
+                    if not n:
+                        raise OSError(errno.EIO, "write made no progress")
+                    done += n
+        except OSError as exc:
+            raise os_error(exc, "writing", total - done, offset + done, handle.path) from exc
+        return total
+
+    async def _aread(self, handle: AioHandle, view: memoryview, offset: int) -> int:
+        total, done = view.nbytes, 0
+        try:
+            async with self._aopen(handle) as f:
+                await f.seek(offset)
+                while done < total:
+                    n = await f.readinto(view[done:])  # FileIO.readinto: one read(2)
+                    if not n:
+                        raise ShortReadError(handle.path, offset + done, total - done)
+                    done += n
+        except ShortReadError:
+            raise
+        except OSError as exc:
+            raise os_error(exc, "reading", total - done, offset + done, handle.path) from exc
+        return total
+
+    def close_file(self, handle: AioHandle) -> None:
+        """Close the handle's descriptor (idempotent). Pending requests on it must be finished."""
+        fd, handle.fd = handle.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def shutdown(self) -> None:
+        """Wait for pending requests, stop the event loop and the executor. Idempotent."""
+        with self._lock:  # see _submit
+            if self._shut:
+                return
+            self._shut = True
+            pending = list(self._pending)
+        wait(pending)  # requests still use the loop and executor: let them finish first
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,760 @@
+"""TierStore: tensors kept in GPU memory, pinned host memory or NVMe files, under byte budgets.
+
+Each key lives in exactly one tier. ``put`` places a tensor, ``get`` returns it on the compute
+device (promoting it there), ``prefetch`` starts that promotion in the background and returns a
+future, ``evict`` moves a key down, ``delete`` drops it. When a tier is full, victims chosen by
+the eviction policy move down (gpu -> cpu -> nvme); keys held by a caller or in flight are never
+chosen. Budgets are hard limits: a move reserves its destination bytes before it starts and
+releases its source bytes only when the copy has finished, so no tier ever holds more than its
+budget, even for an instant.
+
+Moves are asynchronous. Each in-flight move is a ``_Move`` whose completion functions run under
+the store lock, either when somebody needs the key (``_settle``) or when the store reaps finished
+moves at the start of an operation. A move's completion never needs the lock, so waiting on one
+while holding the lock cannot deadlock. A failed write (disk full, I/O error) reverts the key to
+the tier it came from, which still holds its bytes: nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
+
+import torch
+
+from tiermem.config import TIERS, StoreConfig
+from tiermem.store.io import make_backend
+from tiermem.store.nvme import Extent, SpillFull, SpillSpace
+from tiermem.store.policy import make_policy
+from tiermem.store.pool import HostBlock, HostPool
+from tiermem.store.transfer import Copier, TransferFuture
+
+_RANK = {t: i for i, t in enumerate(TIERS)}
+
+
+class TierFullError(MemoryError):
+    """A tensor fits in no allowed tier, even after evicting everything evictable."""
+
+
+class StoreClosedError(RuntimeError):
+    """An operation on a closed :class:`TierStore`."""
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Hashable
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tier: str
+    device_buf: torch.Tensor | None = None  # "gpu": uint8 tensor of nbytes on the device
+    block: HostBlock | None = None          # "cpu": pool block
+    extent: Extent | None = None            # "nvme": spill extent
+    move: "_Move | None" = None             # in-flight move into ``tier``
+    holds: int = 0
+
+
+@dataclass(eq=False)
+class _Move:
+    entry: _Entry
+    src: str | None
+    dst: str
+    future: TransferFuture
+    on_done: Callable[[], None]
+    on_fail: Callable[[BaseException], None]
+    keep: list = field(default_factory=list)  # buffers that must outlive the copy
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"StoreConfig.device={name!r} but CUDA is not available here; "
+                             f"use device='auto' or 'cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class TierStore:
+    """A three-tier tensor store with byte budgets, eviction and asynchronous prefetch.
+
+    Args:
+        config: the store's :class:`~tiermem.StoreConfig`; keyword arguments build one instead
+            (``TierStore(gpu_bytes="1GiB", cpu_bytes="8GiB")``).
+
+    Raises:
+        ValueError: invalid config (negative budget, unwritable ``nvme_dir``, CUDA asked for
+            but absent, ...), naming the field and the fix.
+
+    Tensors come back with their dtype and shape; non-contiguous input is stored contiguous. A
+    device tensor put into the ``"gpu"`` tier is kept by reference when it owns its storage
+    exactly (no copy): do not modify it afterwards. Tensors returned by :meth:`get` share the
+    store's memory; they stay valid while the key is held (:meth:`hold`) or until an operation
+    may move the key.
+    """
+
+    def __init__(self, config: StoreConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise TypeError("TierStore takes a StoreConfig or keyword fields, not both")
+        if config is None:
+            config = StoreConfig(**kwargs)
+        if not isinstance(config, StoreConfig):
+            raise TypeError(f"config must be a tiermem.StoreConfig, got {type(config).__name__}")
+        self.config = config
+        self.device = _resolve_device(config.device)
+        pin = self.device.type == "cuda" if config.pin_memory == "auto" else config.pin_memory
+        if pin and not torch.cuda.is_available():
+            raise ValueError("StoreConfig.pin_memory=True needs CUDA, which is not available "
+                             "here; use pin_memory='auto' or False")
+        self._lock = threading.RLock()  # guards entries, budgets, the pool and the policy
+        self._entries: dict[Hashable, _Entry] = {}
+        self._moves: list[_Move] = []
+        self._budget = {t: config.budget(t) for t in TIERS}
+        self._gpu_used = 0
+        self._pool = HostPool(config.cpu_bytes, config.pool_slab_bytes, pin)
+        self._spill: SpillSpace | None = None
+        if config.nvme_bytes > 0:
+            self._spill = SpillSpace(
+                config.nvme_dir, config.nvme_bytes,
+                backend=make_backend(config.io_backend, config.io_threads),
+                o_direct=config.o_direct, checksum=config.checksum,
+                chunk_bytes=config.io_chunk_bytes)
+        self._copier = Copier(self.device)
+        self._policy = make_policy(config.policy)
+        self._peak = dict.fromkeys(TIERS, 0)
+        self._moved: dict[str, int] = {}
+        self._stall_s = dict.fromkeys(TIERS, 0.0)
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    def put(self, key: Hashable, tensor: torch.Tensor, tier: str | None = None) -> None:
+        """Store ``tensor`` under ``key``, replacing any old value once the new one is placed.
+
+        Args:
+            key: any hashable.
+            tensor: any dtype and shape, on the CPU or on the store's device.
+            tier: ``"gpu"``, ``"cpu"`` or ``"nvme"``; ``None`` places it in the fastest tier that
+                can take it (evicting there if needed).
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+            ValueError: unknown tier, a tensor on another device, a held key.
+            TierFullError: it fits in no allowed tier (nothing stored is lost).
+            StoreClosedError: the store is closed.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put({key!r}): tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self._check_tier(tier, allow_none=True)
+        if tensor.device.type not in ("cpu", self.device.type) or (
+                tensor.device.type == self.device.type != "cpu" and tensor.device != self.device):
+            raise ValueError(f"put({key!r}): tensor is on {tensor.device} but this store's device "
+                             f"is {self.device}; move it with .to({str(self.device)!r}) or make a "
+                             f"store with StoreConfig.device={str(tensor.device)!r}")
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        nbytes = src.numel() * src.element_size()
+        flat = src.reshape(-1).view(torch.uint8) if nbytes else src.new_empty(0, dtype=torch.uint8)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            old = self._entries.get(key)
+            if old is not None and old.holds:
+                raise ValueError(f"put({key!r}): the key is held by a caller; release it first")
+            candidates = [tier] if tier is not None else [
+                t for t in TIERS if self._budget[t] >= nbytes and (t != "nvme" or self._spill)]
+            entry = _Entry(key, nbytes, src.dtype, tuple(src.shape), tier or "gpu")
+            errors = []
+            for t in candidates:
+                try:
+                    self._place(entry, t, flat, owns=src.untyped_storage().nbytes() == nbytes)
+                    break
+                except TierFullError as exc:
+                    errors.append(str(exc))
+            else:
+                raise TierFullError(f"put({key!r}): {nbytes} bytes fit in no tier: "
+                                    + "; ".join(errors) + self._usage_hint())
+            if old is not None:  # replaced only once the new value is placed: a failure keeps it
+                self._drop(old)
+            self._entries[key] = entry
+            self._policy.on_move(key, None, entry.tier)
+            self._policy.on_access(key, entry.tier)
+
+    def get(self, key: Hashable, tier: str = "gpu", *, hold: bool = False) -> torch.Tensor:
+        """Return the tensor of ``key``, moving it into ``tier`` first if it is lower.
+
+        With ``tier="gpu"`` (default) the result is on the compute device and the calling
+        thread's current stream has been made to wait for its copy (the host does not block on
+        a device copy). With ``tier="cpu"`` it is a host tensor in the pool, ready to read.
+
+        Args:
+            key: a stored key.
+            tier: ``"gpu"`` or ``"cpu"``; a key already in a higher tier stays there and is
+                returned from it.
+            hold: keep the key from being evicted or moved until :meth:`release`.
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: ``tier="nvme"`` (data is read through ``"cpu"`` or ``"gpu"``).
+            TierFullError: no room in ``tier`` even after evicting.
+            SpillCorruption, SpillError: the key's spill extent failed its checksum or read.
+        """
+        self._check_tier(tier)
+        if tier == "nvme":
+            raise ValueError("get(tier='nvme'): data is returned from 'gpu' or 'cpu'; to move a "
+                             "key to disk use evict(key, 'nvme')")
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            self._reap()
+            entry = self._lookup(key)
+            from_tier = entry.tier
+            if _RANK[entry.tier] > _RANK[tier]:
+                self._settle(entry)
+                self._promote(entry, tier)
+            move = entry.move
+            if hold:
+                entry.holds += 1
+            self._policy.on_access(key, entry.tier)
+            out = self._view(entry)
+        if move is not None:
+            consumer = self._copier.consumer_stream() if entry.tier == "gpu" else None
+            try:
+                move.future.wait_stream(consumer)
+            except BaseException:
+                with self._lock:
+                    if hold:
+                        entry.holds -= 1
+                    self._settle(entry)  # reverts or keeps the key; re-raises read failures
+                raise
+            if consumer is not None and out.device.type == "cuda":
+                out.record_stream(consumer)  # allocated on the H2D stream; see transfer.py note
+        with self._lock:
+            self._stall_s[from_tier] += time.perf_counter() - t0
+        return out
+
+    def prefetch(self, key: Hashable, tier: str = "gpu") -> TransferFuture:
+        """Start moving ``key`` up into ``tier`` and return a future (``wait()``/``done()``).
+
+        A key already in ``tier`` or higher is left alone (a done future is returned). A later
+        :meth:`get` waits for the prefetch. The future's buffers belong to the store.
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: unknown tier or ``tier="nvme"``.
+            TierFullError: no room in ``tier`` even after evicting.
+        """
+        self._check_tier(tier)
+        if tier == "nvme":
+            raise ValueError("prefetch(tier='nvme') is not a prefetch; use evict(key, 'nvme')")
+        with self._lock:
+            self._check_open()
+            self._reap()
+            entry = self._lookup(key)
+            if _RANK[entry.tier] > _RANK[tier]:
+                self._settle(entry)
+                self._promote(entry, tier)
+            self._policy.on_access(key, entry.tier)
+            return entry.move.future if entry.move is not None else TransferFuture.completed()
+
+    def evict(self, key: Hashable, tier: str = "cpu") -> TransferFuture:
+        """Move ``key`` down into ``tier`` (lower than where it is) and return a future.
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: unknown tier, a tier not lower than the key's, a held key, or
+                ``"nvme"`` without an NVMe budget.
+            TierFullError: no room in ``tier`` even after evicting (the key stays where it is).
+        """
+        self._check_tier(tier)
+        with self._lock:
+            self._check_open()
+            self._reap()
+            entry = self._lookup(key)
+            if _RANK[tier] <= _RANK[entry.tier]:
+                raise ValueError(f"evict({key!r}, {tier!r}): the key is in {entry.tier!r}; evict "
+                                 f"moves down only (gpu -> cpu -> nvme); use prefetch to move up")
+            if entry.holds:
+                raise ValueError(f"evict({key!r}): the key is held by a caller; release it first")
+            self._settle(entry)
+            while entry.tier != tier:
+                self._demote(entry, TIERS[_RANK[entry.tier] + 1])
+                if entry.tier != tier:
+                    self._settle(entry)  # the staging hop must land before the next hop
+            return entry.move.future if entry.move is not None else TransferFuture.completed()
+
+    def delete(self, key: Hashable) -> None:
+        """Remove ``key`` and free its memory (waits for an in-flight move of it).
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: the key is held by a caller.
+        """
+        with self._lock:
+            self._check_open()
+            entry = self._lookup(key)
+            if entry.holds:
+                raise ValueError(f"delete({key!r}): the key is held by a caller; release it first")
+            self._drop(entry)
+            del self._entries[key]
+            self._reap()
+
+    def release(self, key: Hashable) -> None:
+        """Undo one ``get(key, hold=True)``.
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: the key is not held.
+        """
+        with self._lock:
+            entry = self._lookup(key)
+            if entry.holds == 0:
+                raise ValueError(f"release({key!r}): the key is not held")
+            entry.holds -= 1
+
+    @contextlib.contextmanager
+    def hold(self, key: Hashable, tier: str = "gpu") -> Iterator[torch.Tensor]:
+        """Context manager: ``get(key, tier, hold=True)`` and release on exit."""
+        tensor = self.get(key, tier, hold=True)
+        try:
+            yield tensor
+        finally:
+            self.release(key)
+
+    def tier_of(self, key: Hashable) -> str:
+        """Return the tier ``key`` lives in (or is moving into).
+
+        Raises:
+            KeyError: unknown key.
+        """
+        with self._lock:
+            return self._lookup(key).tier
+
+    def nbytes_of(self, key: Hashable) -> int:
+        """Return the size of ``key``'s tensor in bytes.
+
+        Raises:
+            KeyError: unknown key.
+        """
+        with self._lock:
+            return self._lookup(key).nbytes
+
+    def keys(self) -> list[Hashable]:
+        """Return the stored keys."""
+        with self._lock:
+            return list(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def used_bytes(self, tier: str) -> int:
+        """Return the bytes ``tier`` holds now, in-flight copies included."""
+        self._check_tier(tier)
+        if tier == "gpu":
+            return self._gpu_used
+        if tier == "cpu":
+            return self._pool.used_bytes
+        return self._spill.used_bytes if self._spill else 0
+
+    def stats(self) -> dict:
+        """Return per-tier usage and traffic.
+
+        ``{tier: {"budget_bytes", "used_bytes", "peak_bytes", "stall_s"}, "moved_bytes":
+        {"cpu->gpu": n, "gpu->cpu": n, "cpu->nvme": n, "nvme->cpu": n, ...},
+        "pinned_bytes": n}``; ``stall_s`` is the time :meth:`get` blocked for keys that were in
+        that tier.
+        """
+        with self._lock:
+            self._reap()
+            out: dict = {t: {"budget_bytes": self._budget[t], "used_bytes": self.used_bytes(t),
+                             "peak_bytes": self._peak[t], "stall_s": self._stall_s[t]}
+                         for t in TIERS}
+            out["moved_bytes"] = dict(self._moved)
+            out["pinned_bytes"] = self._pool.reserved_bytes if self._pool.pin else 0
+            return out
+
+    def synchronize(self) -> None:
+        """Wait for every in-flight move and apply its completion."""
+        with self._lock:
+            for move in list(self._moves):
+                self._finish(move, wait=True)
+
+    def close(self) -> None:
+        """Wait for in-flight moves, free every tier and remove the spill files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for move in list(self._moves):
+                try:
+                    self._finish(move, wait=True)
+                except Exception:  # closing: failed moves have nothing left to keep
+                    pass
+            self._entries.clear()
+            self._gpu_used = 0
+            self._pool.close()
+            if self._spill is not None:
+                self._spill.close()
+            self._closed = True
+
+    def __enter__(self) -> "TierStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def aget(self, key: Hashable, tier: str = "gpu") -> torch.Tensor:
+        """Asyncio twin of :meth:`get`: waits in a worker thread, never blocking the loop."""
+        return await asyncio.to_thread(self.get, key, tier)
+
+    async def aput(self, key: Hashable, tensor: torch.Tensor, tier: str | None = None) -> None:
+        """Asyncio twin of :meth:`put`."""
+        await asyncio.to_thread(self.put, key, tensor, tier)
+
+    # ------------------------------------------------------------------ placement
+
+    def _place(self, entry: _Entry, tier: str, flat: torch.Tensor, owns: bool) -> None:
+        """Put the bytes ``flat`` (on the CPU or the device) into ``tier`` for a new entry."""
+        n = entry.nbytes
+        entry.tier = tier
+        if n == 0:
+            return
+        if tier == "gpu":
+            self._reserve_gpu(n, entry.key)
+            if flat.device == self.device:
+                entry.device_buf = flat if owns else flat.clone()
+                return
+            self._count("cpu", "gpu", n)
+            buf = self._copier.alloc_device(n)
+            event = self._copier.h2d(buf, flat)
+            entry.device_buf = buf
+            self._start(entry, None, "gpu", self._event_future(event), keep=[flat])
+            return
+        if tier == "nvme" and self._spill is None:
+            raise TierFullError("the nvme tier has no budget (StoreConfig.nvme_bytes=0)")
+        block = self._alloc_block(n, entry.key)
+        event = self._copy_to_block(block, flat)
+        if flat.device.type != "cpu":
+            self._count("gpu", "cpu", n)
+        if tier == "cpu":
+            entry.block = block
+            # no reference to a device source is kept: d2h() marked it used by the D2H stream,
+            # so its memory is reused only after the copy, whenever the caller drops it
+            self._start(entry, None, "cpu", self._event_future(event))
+            return
+        if event is not None:
+            event.synchronize()  # the staging block must hold the bytes before the disk write
+        entry.block = block
+        entry.tier = "cpu"
+        try:
+            self._demote(entry, "nvme")
+        except TierFullError:
+            self._pool.free(block)
+            entry.block = None
+            raise
+
+    def _promote(self, entry: _Entry, tier: str) -> None:
+        """Start moving a settled entry up into ``tier``."""
+        entry.holds += 1  # making room below must not pick this entry as a victim
+        try:
+            self._start_promote(entry, tier)
+        finally:
+            entry.holds -= 1
+
+    def _start_promote(self, entry: _Entry, tier: str) -> None:
+        key, n = entry.key, entry.nbytes
+        if n == 0:
+            entry.tier = tier
+            return
+        if entry.tier == "nvme":
+            block = self._alloc_block(n, key)
+            device_buf = None
+            if tier == "gpu":
+                try:
+                    self._reserve_gpu(n, key)
+                except TierFullError:
+                    self._pool.free(block)
+                    raise
+                device_buf = self._copier.alloc_device(n)
+            extent, spill = entry.extent, self._spill
+            future = TransferFuture()
+            read = spill.read(key, extent, block.tensor)
+
+            def after_read(f, future=future, device_buf=device_buf, block=block):
+                # runs on an I/O thread; needs no store lock (see module docstring)
+                if f.exception() is not None:
+                    future._set_error(f.exception())
+                elif device_buf is None:
+                    future._set_future(f)
+                else:
+                    future._set_event(self._copier.h2d(device_buf, block.tensor[:n]))
+
+            read.add_done_callback(after_read)
+            entry.tier, entry.extent = tier, None
+            if device_buf is None:
+                entry.block = block
+            else:
+                entry.device_buf = device_buf
+
+            def done(extent=extent, block=block, device_buf=device_buf):
+                spill.free(extent)
+                if device_buf is not None:
+                    self._pool.free(block)
+
+            def fail(exc, extent=extent, block=block, device_buf=device_buf):
+                self._pool.free(block)
+                if device_buf is not None:
+                    self._release_gpu(n)
+                entry.tier, entry.extent, entry.block, entry.device_buf = "nvme", extent, None, None
+
+            self._moves.append(_Move(entry, "nvme", tier, future, done, fail))
+            entry.move = self._moves[-1]
+            self._count("nvme", tier, n)
+            return
+        # cpu -> gpu
+        self._reserve_gpu(n, key)
+        buf = self._copier.alloc_device(n)
+        block = entry.block
+        event = self._copier.h2d(buf, block.tensor[:n])
+        entry.tier, entry.device_buf, entry.block = "gpu", buf, None
+
+        def done_h2d(block=block):
+            self._pool.free(block)
+
+        def fail_h2d(exc, block=block):
+            self._release_gpu(n)
+            entry.tier, entry.block, entry.device_buf = "cpu", block, None
+
+        self._add_move(entry, "cpu", "gpu", self._event_future(event), done_h2d, fail_h2d)
+
+    def _demote(self, entry: _Entry, tier: str) -> None:
+        """Start moving a settled entry one tier down (gpu -> cpu or cpu -> nvme)."""
+        key, n = entry.key, entry.nbytes
+        if n == 0:
+            entry.tier = tier
+            return
+        if tier == "cpu":
+            block = self._alloc_block(n, key, exclude=key)
+            buf = entry.device_buf
+            event = self._copier.d2h(block.tensor[:n], buf)
+            entry.tier, entry.block, entry.device_buf = "cpu", block, None
+
+            def done_d2h():
+                self._release_gpu(n)
+
+            def fail_d2h(exc, buf=buf, block=block):
+                self._pool.free(block)
+                entry.tier, entry.block, entry.device_buf = "gpu", None, buf
+
+            self._add_move(entry, "gpu", "cpu", self._event_future(event), done_d2h, fail_d2h,
+                           keep=[buf])
+            return
+        if self._spill is None:
+            raise TierFullError(f"cannot spill {key!r}: the nvme tier has no budget "
+                                f"(set StoreConfig.nvme_bytes and nvme_dir)")
+        block = entry.block
+        try:
+            write = self._spill.write(key, block.tensor, n)
+        except SpillFull as exc:
+            raise TierFullError(f"nvme tier full: {exc}") from exc
+        future = TransferFuture()
+        future._set_future(write)
+        entry.tier, entry.block = "nvme", None
+
+        def done_write(block=block, write=write):
+            entry.extent = write.result()
+            self._pool.free(block)
+
+        def fail_write(exc, block=block):
+            warnings.warn(f"tiermem: spilling {key!r} failed ({exc}); it stays in the cpu tier",
+                          RuntimeWarning, stacklevel=3)
+            entry.tier, entry.block, entry.extent = "cpu", block, None
+
+        self._add_move(entry, "cpu", "nvme", future, done_write, fail_write)
+
+    def _copy_to_block(self, block: HostBlock, flat: torch.Tensor) -> torch.cuda.Event | None:
+        dst = block.tensor[:flat.numel()]
+        if flat.device.type == "cuda":
+            return self._copier.d2h(dst, flat)
+        dst.copy_(flat)
+        return None
+
+    # ------------------------------------------------------------------ budgets and eviction
+
+    def _reserve_gpu(self, nbytes: int, key: Hashable) -> None:
+        self._make_room("gpu", nbytes, key)
+        self._gpu_used += nbytes
+        self._peak["gpu"] = max(self._peak["gpu"], self._gpu_used)
+
+    def _release_gpu(self, nbytes: int) -> None:
+        self._gpu_used -= nbytes
+
+    def _alloc_block(self, nbytes: int, key: Hashable, exclude: Hashable = None) -> HostBlock:
+        if self._budget["cpu"] < nbytes:
+            raise TierFullError(f"cpu tier: {nbytes} bytes for {key!r} exceed its budget "
+                                f"StoreConfig.cpu_bytes={self._budget['cpu']}")
+        while True:
+            block = self._pool.alloc(nbytes)
+            if block is not None:
+                self._peak["cpu"] = max(self._peak["cpu"], self._pool.used_bytes)
+                return block
+            if not self._free_some("cpu", key, exclude):
+                raise TierFullError(
+                    f"cpu tier: no room for {nbytes} bytes of {key!r} (budget "
+                    f"{self._budget['cpu']}, used {self._pool.used_bytes}, the rest held, in "
+                    f"flight or fragmented)")
+
+    def _make_room(self, tier: str, nbytes: int, key: Hashable) -> None:
+        if nbytes > self._budget[tier]:
+            raise TierFullError(f"{tier} tier: {nbytes} bytes for {key!r} exceed its budget "
+                                f"StoreConfig.{tier}_bytes={self._budget[tier]}")
+        while self._budget[tier] - self.used_bytes(tier) < nbytes:
+            if not self._free_some(tier, key, key):
+                raise TierFullError(
+                    f"{tier} tier: no room for {nbytes} bytes of {key!r} (budget "
+                    f"{self._budget[tier]}, used {self.used_bytes(tier)}, the rest held or in flight)")
+
+    def _free_some(self, tier: str, key: Hashable, exclude: Hashable) -> bool:
+        """Free bytes in ``tier``: finish moves out of it, else evict one victim. False: stuck."""
+        leaving = [m for m in self._moves if m.src == tier]
+        if leaving:
+            for move in leaving:
+                self._finish(move, wait=True)
+            return True
+        if tier == "nvme":
+            return False
+        lower = TIERS[_RANK[tier] + 1]
+        for victim_key in self._policy.victims(tier):
+            victim = self._entries.get(victim_key)
+            if victim is None or victim.tier != tier or victim.holds or victim_key == exclude \
+                    or victim.move is not None or victim.nbytes == 0:
+                continue
+            try:
+                self._demote(victim, lower)
+            except TierFullError:
+                return False  # the tier below is full of held or in-flight keys
+            self._policy.on_move(victim_key, tier, lower)
+            self._finish(victim.move, wait=True)  # its bytes leave this tier only once copied
+            return True
+        arriving = [m for m in self._moves if m.dst == tier and m.entry.key != exclude]
+        for move in arriving:  # keys still in flight become victims once they land
+            try:
+                self._finish(move, wait=True)
+            except Exception:  # a failed read reverts its key to nvme: room for us either way
+                pass
+        return bool(arriving)
+
+    # ------------------------------------------------------------------ moves
+
+    def _event_future(self, event: torch.cuda.Event | None) -> TransferFuture:
+        future = TransferFuture()
+        future._set_event(event)
+        return future
+
+    def _start(self, entry, src, dst, future, keep=()):
+        """Track a move whose completion needs no bookkeeping (a put's initial copy)."""
+        self._add_move(entry, src, dst, future, lambda: None, lambda exc: None, keep=list(keep))
+
+    def _add_move(self, entry, src, dst, future, on_done, on_fail, keep=()):
+        move = _Move(entry, src, dst, future, on_done, on_fail, list(keep))
+        self._moves.append(move)
+        entry.move = move
+        if src is not None:
+            self._count(src, dst, entry.nbytes)
+
+    def _count(self, src: str, dst: str, nbytes: int) -> None:
+        name = f"{src}->{dst}"
+        self._moved[name] = self._moved.get(name, 0) + nbytes
+        self._peak[dst] = max(self._peak[dst], self.used_bytes(dst))
+
+    def _finish(self, move: _Move, wait: bool) -> bool:
+        """Apply a finished move's completion (waiting if ``wait``). Return True if applied.
+
+        Raises:
+            Exception: a failed read (the data is not returned), after reverting the entry.
+        """
+        if not wait and not move.future.done():
+            return False
+        try:
+            move.future.wait()  # its completion frees the source only after the copy landed
+        except BaseException as exc:
+            self._detach(move)
+            move.on_fail(exc)
+            if move.src == "nvme" or move.src is None:
+                raise
+            return True
+        self._detach(move)
+        move.on_done()
+        return True
+
+    def _detach(self, move: _Move) -> None:
+        self._moves.remove(move)
+        if move.entry.move is move:
+            move.entry.move = None
+
+    def _settle(self, entry: _Entry) -> None:
+        if entry.move is not None:
+            self._finish(entry.move, wait=True)
+
+    def _reap(self) -> None:
+        for move in list(self._moves):
+            try:
+                self._finish(move, wait=False)
+            except Exception:  # a failed read stays recorded on its entry's tier; get re-raises
+                pass
+
+    def _drop(self, entry: _Entry) -> None:
+        try:
+            self._settle(entry)
+        except Exception:  # dropping: a failed move has nothing left to keep
+            pass
+        if entry.tier == "gpu" and entry.device_buf is not None:
+            self._release_gpu(entry.nbytes)
+        elif entry.tier == "cpu" and entry.block is not None:
+            self._pool.free(entry.block)
+        elif entry.tier == "nvme" and entry.extent is not None:
+            self._spill.free(entry.extent)
+        entry.device_buf = entry.block = entry.extent = None
+        self._policy.on_move(entry.key, entry.tier, None)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _view(self, entry: _Entry) -> torch.Tensor:
+        if entry.nbytes == 0:
+            device = self.device if entry.tier == "gpu" else torch.device("cpu")
+            return torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        buf = entry.device_buf if entry.tier == "gpu" else entry.block.tensor[:entry.nbytes]
+        return buf.view(entry.dtype).view(entry.shape)
+
+    def _lookup(self, key: Hashable) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"key {key!r} is not in this TierStore") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this TierStore is closed; create a new one")
+
+    @staticmethod
+    def _check_tier(tier: str | None, allow_none: bool = False) -> None:
+        if tier is None and allow_none:
+            return
+        if tier not in TIERS:
+            raise ValueError(f"tier={tier!r} is unknown; use one of {', '.join(map(repr, TIERS))}")
+
+    def _usage_hint(self) -> str:
+        used = ", ".join(f"{t} {self.used_bytes(t)}/{self._budget[t]}" for t in TIERS)
+        return f" (used/budget bytes: {used}; raise a budget in StoreConfig or delete keys)"

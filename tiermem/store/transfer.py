@@ -1,0 +1,165 @@
+"""Copies between the device and host tiers on dedicated CUDA streams, and their futures.
+
+On CUDA, host->device copies run on one stream and device->host copies on another, so both
+directions overlap each other and compute. Each copy records an event; a consumer's stream
+waits on that event (never on the whole device). On a machine without CUDA the "device" is the
+CPU: copies are plain synchronous ``copy_`` calls and every future is born done.
+
+Stream-safety note (referred to as "see transfer.py note" elsewhere): a tensor allocated for a
+copy on a side stream belongs to that stream in torch's caching allocator; when it is handed to
+the consumer's stream, the consumer waits on the copy event and the tensor is marked
+``record_stream(consumer)`` so its memory is not reused before the consumer is done with it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Callable
+
+import torch
+
+
+class TransferFuture:
+    """The completion of one store move (a copy, a spill read, or a chain of them).
+
+    ``done()`` polls, ``wait()`` blocks the calling thread. Buffers involved stay owned by the
+    store until the future is done; the caller must not free them.
+    """
+
+    def __init__(self) -> None:
+        self._stages_left = threading.Event()  # set when the last stage is issued
+        self._cuda_event: torch.cuda.Event | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    @classmethod
+    def completed(cls) -> "TransferFuture":
+        """Return a future that is already done."""
+        fut = cls()
+        fut._stages_left.set()
+        return fut
+
+    def _set_event(self, event: torch.cuda.Event | None) -> None:
+        self._cuda_event = event
+        self._stages_left.set()
+
+    def _set_future(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+        self._stages_left.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._stages_left.set()
+
+    def done(self) -> bool:
+        """Return True when the data has arrived (or the move failed)."""
+        if not self._stages_left.is_set():
+            return False
+        if self._error is not None:
+            return True
+        if self._future is not None and not self._future.done():
+            return False
+        return self._cuda_event is None or self._cuda_event.query()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            Exception: the error of a failed move (e.g. ``SpillCorruption``, ``SpillError``).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._stages_left.wait(timeout):
+            raise TimeoutError(f"transfer not issued within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if self._future is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self._future.result(left)
+            except concurrent.futures.TimeoutError as exc:
+                raise TimeoutError(f"transfer not done within {timeout} s") from exc
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()  # host needs the bytes (a host reader or a caller of wait)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` wait for the data without blocking the host on the device copy.
+
+        Raises:
+            Exception: the error of a failed move.
+        """
+        if not self._stages_left.is_set():
+            self._stages_left.wait()
+        if self._error is not None:
+            raise self._error
+        if self._future is not None:
+            self._future.result()
+        if self._cuda_event is not None and stream is not None:
+            stream.wait_event(self._cuda_event)  # consumer reads the copy's destination
+        elif self._cuda_event is not None:
+            self._cuda_event.synchronize()  # no consumer stream given: the host reads it
+
+    def result(self) -> None:
+        """Alias of :meth:`wait` for ``concurrent.futures`` style callers."""
+        self.wait()
+
+
+class Copier:
+    """Issues device<->host copies on dedicated streams (CUDA) or synchronously (CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            with torch.cuda.device(device):
+                self.h2d_stream = torch.cuda.Stream(device)
+                self.d2h_stream = torch.cuda.Stream(device)
+        else:
+            self.h2d_stream = self.d2h_stream = None
+
+    def consumer_stream(self) -> torch.cuda.Stream | None:
+        """The calling thread's current stream on the device (None on CPU)."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        """Allocate a uint8 device buffer owned by the H2D stream (see the module note)."""
+        if self.cuda:
+            with torch.cuda.stream(self.h2d_stream):
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy host ``src`` into device ``dst`` on the H2D stream; return the copy's event."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.h2d_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)  # marks the copy done for consumers and for freeing src
+        return event
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy device ``src`` into host ``dst`` on the D2H stream; return the copy's event.
+
+        The D2H stream first waits for the work queued so far on the caller's stream (which
+        produced ``src``); ``src`` is marked as used by the D2H stream so its memory is not
+        reused before the copy finishes.
+        """
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))  # src must be produced
+        with torch.cuda.stream(self.d2h_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)  # host may read dst / reuse src after this
+        src.record_stream(self.d2h_stream)  # caching allocator: src in use until the copy ends
+        return event
+
+    def d2d(self, src: torch.Tensor) -> torch.Tensor:
+        """Return a contiguous uint8 device copy of ``src`` on the caller's stream."""
+        return src.reshape(-1).view(torch.uint8).clone()
