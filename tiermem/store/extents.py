@@ -41,7 +41,8 @@ class ExtentAllocator:
         if not isinstance(align, int) or align <= 0:
             raise ValueError(f"ExtentAllocator align={align!r} must be a positive int (bytes)")
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(f"ExtentAllocator capacity_bytes={capacity_bytes!r} must be an int >= 0")
+            raise ValueError(f"ExtentAllocator capacity_bytes={capacity_bytes!r} must be an "
+                             f"int >= 0")
         if fit not in ("first", "best"):
             raise ValueError(f"ExtentAllocator fit={fit!r} is not 'first' or 'best'")
         self._align = align

@@ -296,7 +296,8 @@ class SpillSpace:
         if not isinstance(capacity_bytes, int) or capacity_bytes < ALIGN_BYTES:
             raise ValueError(f"StoreConfig.nvme_bytes={capacity_bytes!r} must be an int >= "
                              f"{ALIGN_BYTES} to spill anything (0 disables the nvme tier)")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN_BYTES or chunk_bytes % ALIGN_BYTES:
+        if (not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN_BYTES
+                or chunk_bytes % ALIGN_BYTES):
             raise ValueError(f"StoreConfig.io_chunk_bytes={chunk_bytes!r} must be a positive "
                              f"multiple of {ALIGN_BYTES} (O_DIRECT alignment)")
         if o_direct not in (True, False, "auto"):
@@ -491,7 +492,8 @@ class SpillSpace:
         Raises:
             SpillFull: no free extent of ``round_up(nbytes, 4096)`` bytes.
             TypeError: ``buf`` is not a uint8 CPU tensor.
-            ValueError: ``nbytes`` out of ``[0, buf.numel()]``, non-contiguous ``buf``, closed space.
+            ValueError: ``nbytes`` out of ``[0, buf.numel()]``, non-contiguous ``buf``, closed
+                space.
         """
         view = host_view(buf, "SpillSpace.write buf")
         if not isinstance(nbytes, int) or not 0 <= nbytes <= view.nbytes:

@@ -628,7 +628,10 @@ class TierStore:
 
     def _free_some(self, tier: str, key: Hashable, exclude: Hashable) -> bool:
         """Free bytes in ``tier``: finish moves out of it, else evict one victim. False: stuck."""
-        leaving = [m for m in self._moves if m.src == tier]
+        # an nvme -> gpu move also holds a cpu staging block until it lands: waiting for it
+        # frees cpu bytes too (without this a reload stalls on a cpu tier full of staging)
+        leaving = [m for m in self._moves if m.src == tier
+                   or (tier == "cpu" and m.src == "nvme" and m.dst == "gpu")]
         if leaving:
             for move in leaving:
                 self._finish(move, wait=True)

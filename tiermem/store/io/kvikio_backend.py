@@ -50,7 +50,7 @@ def kvikio_usable() -> tuple[bool, str]:
 def _set_kvikio_threads(kvikio, threads: int) -> None:
     """Set kvikio's global thread pool size (``defaults.set`` in kvikio >= 25.04, else the
     older ``num_threads_reset``)."""
-    defaults = kvikio.defaults
+    defaults = importlib.import_module("kvikio.defaults")  # a submodule: not imported by kvikio
     if hasattr(defaults, "set"):
         defaults.set("num_threads", threads)
     else:
@@ -118,7 +118,8 @@ class KvikioBackend(IOBackend):
         try:
             cufile = self._kvikio.CuFile(path, "r+")
         except Exception as exc:
-            raise OSError(f"kvikio.CuFile({path!r}, 'r+') failed: {type(exc).__name__}: {exc}") from exc
+            raise OSError(f"kvikio.CuFile({path!r}, 'r+') failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
         return KvikioHandle(cufile, path, o_direct)
 
     def pwrite(self, handle: KvikioHandle, buf: torch.Tensor, offset: int) -> Future:
@@ -163,14 +164,16 @@ class KvikioBackend(IOBackend):
         try:
             moved = iofuture.get()
         except Exception as exc:  # kvikio raises RuntimeError/system_error with a message
+            if action == "reading" and "EOF" in str(exc):  # "POSIX error on pread: EOF"
+                raise ShortReadError(path, offset, None) from exc
             err = getattr(exc, "errno", None)
-            raise OSError(err or errno.EIO, f"kvikio failed {action} {nbytes} bytes at offset {offset}: "
-                          f"{type(exc).__name__}: {exc}", path) from exc
+            raise OSError(err or errno.EIO, f"kvikio failed {action} {nbytes} bytes at offset "
+                          f"{offset}: {type(exc).__name__}: {exc}", path) from exc
         if moved != nbytes:
             if action == "reading":
                 raise ShortReadError(path, offset + moved, nbytes - moved)
-            raise OSError(errno.EIO, f"short write: kvikio wrote {moved} of {nbytes} bytes at offset "
-                          f"{offset}", path)
+            raise OSError(errno.EIO, f"short write: kvikio wrote {moved} of {nbytes} bytes at "
+                          f"offset {offset}", path)
         return moved
 
     def close_file(self, handle: KvikioHandle) -> None:

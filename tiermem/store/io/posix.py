@@ -29,10 +29,11 @@ class ShortReadError(OSError):
     missing data starts.
     """
 
-    def __init__(self, path: str, offset: int, nbytes_missing: int) -> None:
+    def __init__(self, path: str, offset: int, nbytes_missing: int | None) -> None:
+        missing = "bytes" if nbytes_missing is None else f"{nbytes_missing} bytes"
         super().__init__(errno.ENODATA,
-                         f"short read: end of file at offset {offset}, {nbytes_missing} bytes "
-                         f"missing (file truncated?)", path)
+                         f"short read: end of file at offset {offset}, {missing} missing "
+                         f"(file truncated?)", path)
         self.offset = offset
 
 
@@ -53,7 +54,8 @@ def host_view(buf: torch.Tensor, what: str = "buf") -> memoryview:
 
 
 def os_error(exc: OSError, action: str, nbytes: int, offset: int, path: str) -> OSError:
-    """Return ``OSError(exc.errno, "<strerror> <action> <nbytes> bytes at offset <offset>", path)``."""
+    """Return an ``OSError(errno, "<strerror> (<action> <nbytes> bytes at offset <offset>)",
+    path)`` for ``exc``."""
     reason = exc.strerror or str(exc)
     return OSError(exc.errno, f"{reason} ({action} {nbytes} bytes at offset {offset})", path)
 

@@ -1,0 +1,273 @@
+"""HybridAdam against torch.optim.AdamW/Adam: parity, clipping, accumulation, state dicts."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from models import TinyGPT, make_batch
+from tiermem import StoreConfig, TierStore
+from tiermem.optim import HybridAdam
+
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_models(seed=0, dtype=torch.float32, device="cpu", **kw):
+    torch.manual_seed(seed)
+    model = TinyGPT(**kw).to(device=device, dtype=dtype)
+    return model
+
+
+def param_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}]
+
+
+def train(model, opt, steps, accum=2, device="cpu", clip=None, freeze_at=None):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    losses = []
+    for step in range(steps):
+        if freeze_at is not None:
+            model.blocks[-1].fc.weight.requires_grad_(step % freeze_at != 0)
+        total = 0.0
+        for micro in range(accum):
+            idx, tgt = make_batch(step * accum + micro)
+            _, loss = model(idx.to(device), tgt.to(device))
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(total)
+    return losses
+
+
+def assert_params_close(a, b, exact):
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        if exact:
+            assert torch.equal(pa, pb), n
+        else:
+            torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_parity_with_torch_adamw_scheduler_and_accumulation(tmp_path, tier, fraction):
+    ref = make_models()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(param_groups(ref), **HP, fused=True)
+    opt = HybridAdam(param_groups(model), **HP, offload_fraction=fraction, state_tier=tier,
+                     nvme_dir=str(tmp_path), chunk_numel=1024, grad_accumulation_steps=2)
+    ref_losses = train(ref, ref_opt, 50)
+    losses = train(model, opt, 50)
+    opt.close()
+    # fraction 0 runs torch's own fused kernel on the same tensors: bit-identical
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-6)
+    assert_params_close(model, ref, exact=fraction == 0.0)
+
+
+def test_overlap_off_gives_the_same_result_as_overlap_on():
+    a, b = make_models(), make_models()
+    opt_a = HybridAdam(a.parameters(), **HP, offload_fraction=0.7, chunk_numel=2048, overlap=True)
+    opt_b = HybridAdam(b.parameters(), **HP, offload_fraction=0.7, chunk_numel=2048, overlap=False)
+    assert train(a, opt_a, 10, accum=1) == train(b, opt_b, 10, accum=1)
+    assert_params_close(a, b, exact=True)
+    opt_a.close(), opt_b.close()
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_adam_l2_and_maximize_parity(adamw):
+    ref, model = make_models(), make_models()
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = cls(ref.parameters(), **HP, maximize=True, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, maximize=True, adamw=adamw, offload_fraction=0.6,
+                     chunk_numel=1024)
+    assert train(model, opt, 8, accum=1) == pytest.approx(train(ref, ref_opt, 8, accum=1), rel=1e-6)
+    assert_params_close(model, ref, exact=False)
+    opt.close()
+
+
+def test_clipping_is_correct_for_grads_already_off_the_gpu():
+    ref, model = make_models(), make_models()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024,
+                     max_grad_norm=0.05)
+    ref_losses = train(ref, ref_opt, 10, accum=1, clip=0.05)
+    losses = train(model, opt, 10, accum=1)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert_params_close(model, ref, exact=False)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        opt.clip_grad_norm_(1.0)
+    opt.close()
+
+
+def test_params_without_grad_are_skipped_like_torch():
+    ref, model = make_models(), make_models()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024)
+    ref_losses = train(ref, ref_opt, 9, accum=1, freeze_at=3)
+    assert train(model, opt, 9, accum=1, freeze_at=3) == pytest.approx(ref_losses, rel=1e-6)
+    assert_params_close(model, ref, exact=False)
+    opt.close()
+
+
+def test_too_many_backward_passes_are_reported():
+    model = make_models()
+    # with overlap=False the check is deterministic; with overlap the offloaded params are
+    # already updated during the first backward, so autograd may object first
+    opt = HybridAdam(model.parameters(), **HP, grad_accumulation_steps=1, chunk_numel=1024,
+                     overlap=False)
+    for seed in range(2):
+        idx, tgt = make_batch(seed)
+        model(idx, tgt)[1].backward()
+    with pytest.raises(RuntimeError, match="grad_accumulation_steps=1"):
+        opt.step()
+    opt.close()
+
+
+def run_steps(model, opt, sched, start, steps):
+    losses = []
+    for step in range(start, start + steps):
+        idx, tgt = make_batch(step)
+        _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def decay(s):
+    return 1.0 / (1 + 0.1 * s)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_state_dict_round_trip_resumes_the_same_trajectory(tmp_path, tier):
+    model = make_models()
+    opt = HybridAdam(param_groups(model), **HP, offload_fraction=0.5, state_tier=tier,
+                     nvme_dir=str(tmp_path), chunk_numel=1024)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    run_steps(model, opt, sched, 0, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "sched": sched.state_dict()}, buf)
+    cont = run_steps(model, opt, sched, 3, 3)
+    opt.close()
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)  # no arbitrary unpickling
+    model2 = make_models(seed=1)
+    model2.load_state_dict(saved["model"])
+    opt2 = HybridAdam(param_groups(model2), **HP, offload_fraction=0.5, state_tier=tier,
+                      nvme_dir=str(tmp_path), chunk_numel=1024)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, decay)  # before the loads, as in torch
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    assert run_steps(model2, opt2, sched2, 3, 3) == cont
+    assert_params_close(model2, model, exact=True)
+    opt2.close()
+
+
+def test_state_dict_matches_torch_format_and_rejects_another_model():
+    ref, model = make_models(), make_models()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024)
+    train(ref, ref_opt, 2, accum=1)
+    train(model, opt, 2, accum=1)
+    mine, theirs = opt.state_dict(), ref_opt.state_dict()
+    assert mine["state"].keys() == theirs["state"].keys()
+    for i in theirs["state"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(mine["state"][i][name], theirs["state"][i][name],
+                                       rtol=1e-6, atol=1e-7)
+        assert float(mine["state"][i]["step"]) == float(theirs["state"][i]["step"])
+    other = HybridAdam(make_models(d_model=16).parameters(), **HP, chunk_numel=1024)
+    with pytest.raises(ValueError, match="has shape .* but the param has"):
+        other.load_state_dict(mine)
+    fewer = HybridAdam(list(model.parameters())[:-1], **HP, chunk_numel=1024)
+    with pytest.raises(ValueError, match="params in the state"):
+        fewer.load_state_dict(mine)
+    for o in (opt, other, fewer):
+        o.close()
+
+
+def test_gpu_state_falls_in_proportion_to_the_fraction():
+    sizes = {}
+    for fraction in (0.0, 0.25, 0.5, 1.0):
+        opt = HybridAdam(make_models().parameters(), **HP, offload_fraction=fraction,
+                         chunk_numel=1024)
+        sizes[fraction] = opt.memory_bytes()["gpu"]
+        opt.close()
+    total = sizes[0.0]
+    for fraction, nbytes in sizes.items():
+        assert abs(nbytes - (1 - fraction) * total) <= 8 * 4  # split within one element
+    assert sizes[1.0] == 0
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(offload_fraction=1.5), ValueError, "offload_fraction=1.5 is outside"),
+    (dict(state_tier="tape"), ValueError, "state_tier='tape' is unknown"),
+    (dict(state_tier="nvme"), ValueError, "needs a spill directory"),
+    (dict(lr=-1.0), ValueError, "Invalid learning rate"),
+    (dict(betas=(0.9, 1.0)), ValueError, "Invalid beta parameter at index 1"),
+    (dict(grad_accumulation_steps=0), ValueError, "grad_accumulation_steps=0"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm=0.0"),
+])
+def test_bad_arguments_are_rejected(kw, err, match):
+    with pytest.raises(err, match=match):
+        HybridAdam(make_models().parameters(), **kw)
+
+
+def test_store_checks(tmp_path):
+    store = TierStore(StoreConfig(cpu_bytes="16MiB", nvme_bytes=0))
+    with pytest.raises(ValueError, match="no nvme tier"):
+        HybridAdam(make_models().parameters(), state_tier="nvme", store=store)
+    meta = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="params are on meta but the store's device is cpu"):
+        HybridAdam(meta.parameters(), store=store)
+    opt = HybridAdam(make_models().parameters(), store=store, chunk_numel=1024)
+    assert store.used_bytes("cpu") > 0
+    opt.close()
+    store.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_cuda_bf16_parity_with_overlap(tmp_path, tier, fraction):
+    """bf16 params on the GPU; reference: fp32 masters + fused AdamW, params = masters.bf16()."""
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=64, n_layers=4).cuda().to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(masters, **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, state_tier=tier,
+                     nvme_dir=str(tmp_path), chunk_numel=4096, overlap=True)
+    for step in range(20):
+        idx, tgt = make_batch(step)
+        _, loss = model(idx.cuda(), tgt.cuda())
+        loss.backward()
+        torch.cuda._sleep(1_000_000)  # widen the window between backward and step
+        opt.step()
+        opt.zero_grad()
+        _, ref_loss = ref_model(idx.cuda(), tgt.cuda())
+        ref_loss.backward()
+        for m, p in zip(masters, ref_model.parameters()):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, ref_model.parameters()):
+                p.copy_(m)
+                p.grad = None
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6, abs=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
