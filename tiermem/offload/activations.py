@@ -1,0 +1,768 @@
+"""Activation offload: saved tensors of chosen layers go through a TierStore, back in reverse order.
+
+``offload_activations(model.blocks)`` is a context manager over
+:class:`torch.autograd.graph.saved_tensors_hooks` that knows the layer boundaries (forward
+pre-hooks on each block). Tensors autograd saves inside an offloaded layer are put into the store
+(``"cpu"``: pinned host memory; ``"nvme"``: spill files) and their device memory is released as
+soon as the forward drops them and the D2H copy has finished. In backward they come back in
+reverse layer order: when backward first needs layer ``i`` it prefetches layers ``i-1 ...
+i-prefetch_depth``.
+
+Note [offload rules] (referred to from code and tests):
+
+1. *Which tensors.* A tensor saved while block ``i`` runs belongs to layer ``i``. A tensor saved
+   outside every block belongs to the next block entered in the same forward: this is how the
+   input of a ``torch.utils.checkpoint`` region (saved just before the block runs) is offloaded
+   with its block. If backward starts first (the tail of the model: final norm, LM head, loss)
+   it stays on the device. Skipped: parameters and buffers of the blocks (unless
+   ``offload_weights``), tensors smaller than ``min_offload_bytes``, tensors not on the store's
+   compute device (e.g. CPU tensors when the device is CUDA), non-strided tensors, and anything
+   saved while backward runs (checkpoint recomputation, double backward).
+2. *Storage, not tensors.* What moves is the tensor's whole storage, once: two saved tensors on
+   the same live storage with the same version counter share one store key (a tensor saved by
+   two ops, or ``q``/``k``/``v`` views of one projection). Unpack rebuilds each saved tensor with
+   ``as_strided`` (same size, stride and storage offset) on the reloaded storage, so views come
+   back as views of the same data.
+3. *Lifetime.* The pack hook keeps no reference to the device tensor (the store marks it used by
+   its D2H stream). Each saved tensor's handle lives exactly as long as autograd keeps the saved
+   variable: backward without ``retain_graph`` releases a node's saved variables right after the
+   node ran, and when the last handle of a key dies the key is deleted from the store, which
+   frees the reloaded copy as soon as backward no longer needs it. With ``retain_graph=True`` the
+   handles live on, so the reloaded copies stay in the store's ``"gpu"`` tier (under its budget;
+   the store evicts them back down under pressure) until the graph is freed; a second backward
+   then works. A graph dropped without backward deletes its keys the same way.
+4. *Forwards.* Every forward gets a new id (a block index that does not increase, or a forward
+   after a backward started, starts a new one), so several forwards before one backward
+   (gradient accumulation) keep separate keys; forwards under ``torch.no_grad()`` save nothing
+   and change no state.
+5. *Synchronisation.* No device-wide synchronisation. The store orders its copies with events on
+   its own streams (see tiermem/store/transfer.py note). Double buffering adds one H2D stream that
+   waits on the compute stream before it overwrites a buffer set, and the compute stream waits on
+   the load's event before it reads one.
+6. *Double buffering* (``double_buffering=True``): reloads land in two persistent device buffer
+   sets used alternately by consecutively loaded layers, instead of fresh allocations. A set is
+   overwritten two loads later, when backward has entered the next layer, i.e. (for a
+   sequential stack of blocks) when no kernel reading the old layer can still be queued after
+   the overwrite. A saved tensor unpacked after its set was reused is reloaded from the store
+   instead (still correct); a *reloaded tensor kept alive by autograd beyond its layer* would see
+   the overwrite, so use double buffering only for sequential stacks of blocks.
+7. *Full tiers.* A saved tensor the store cannot take (``TierFullError`` from ``put``) stays on
+   the device (one ``RuntimeWarning``, counted in ``stats()["store_full"]``). A reload that the
+   store's ``"gpu"`` tier cannot take is copied straight out of the ``"cpu"`` tier with a
+   blocking copy (``stats()["gpu_full"]``): size the gpu budget for the prefetch window to
+   avoid it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Hashable
+
+import torch
+from torch import nn
+
+from tiermem.config import StoreConfig
+from tiermem.store import TierFullError, TierStore
+
+_OFFLOAD_TIERS = ("cpu", "nvme")
+_ALIGN_BYTES = 512  # offsets of records inside a double-buffer set (any dtype view is aligned)
+_HOST_FRACTION = 0.5  # share of MemAvailable a private store may pin for its cpu tier
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine is executing (recomputation, hooks, double backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def available_host_bytes() -> int:
+    """Return the host memory available to new allocations in bytes (``MemAvailable``).
+
+    Falls back to free physical pages where ``/proc/meminfo`` is missing.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_store_config() -> StoreConfig:
+    """Return the config of the private store made when ``offload_activations(store=None)``.
+
+    cpu tier: half of the host memory available now (``MemAvailable``; pinned on CUDA, taken
+    lazily in slabs of up to 256 MiB, so a large budget costs nothing until used). gpu tier (the
+    reloaded activations, which would be on the device anyway without offload): the device's
+    total memory on CUDA, the cpu budget otherwise. No nvme tier: spilling to disk needs a store
+    made with ``nvme_bytes`` and ``nvme_dir`` (a default directory could be a RAM disk).
+    """
+    cpu_bytes = max(1 << 20, int(available_host_bytes() * _HOST_FRACTION) // 4096 * 4096)
+    if torch.cuda.is_available():
+        gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    else:
+        gpu_bytes = cpu_bytes
+    return StoreConfig(gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, nvme_bytes=0,
+                       pool_slab_bytes=min(256 << 20, cpu_bytes))
+
+
+# ---------------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Which layers and which saved tensors are offloaded, and what to prefetch (pure; no torch
+    state, unit-testable).
+
+    Attributes:
+        num_blocks: number of blocks in the stack.
+        layers: indices of the offloaded blocks.
+        min_offload_bytes: smaller saved tensors stay on the device.
+        offload_weights: offload parameters and buffers too.
+        prefetch_depth: layers prefetched ahead of the one backward is in.
+    """
+
+    num_blocks: int
+    layers: frozenset[int]
+    min_offload_bytes: int
+    offload_weights: bool
+    prefetch_depth: int
+
+    def offloads_layer(self, layer: int | None) -> bool:
+        """True if saved tensors of ``layer`` (None: outside every block) are offloaded."""
+        return layer is not None and layer in self.layers
+
+    def offloads_tensor(self, nbytes: int, is_weight: bool, on_device: bool, strided: bool) -> bool:
+        """True if a saved tensor with these properties is a candidate for offload."""
+        if not on_device or not strided or nbytes == 0:
+            return False
+        if is_weight and not self.offload_weights:
+            return False
+        return nbytes >= self.min_offload_bytes
+
+    def prefetch_targets(self, order: Sequence[Hashable], current: Hashable | None) -> list:
+        """Groups to prefetch when backward enters group ``current`` (None: backward starts).
+
+        ``order`` lists the offloaded groups in forward order; backward walks it in reverse, so
+        the targets are the ``prefetch_depth`` groups before ``current`` (or the last ones),
+        nearest first.
+        """
+        end = len(order) if current is None else (
+            order.index(current) if current in order else 0)
+        start = max(0, end - self.prefetch_depth)
+        return list(reversed(order[start:end]))
+
+
+def resolve_layers(num_blocks: int, num_layers: int | None,
+                   layers: Iterable[int] | None) -> frozenset[int]:
+    """Return the offloaded block indices (default: all but the last block).
+
+    Raises:
+        TypeError: both ``num_layers`` and ``layers`` given, or non-integer values.
+        ValueError: ``num_layers`` outside ``[0, num_blocks)`` or an index outside
+            ``[0, num_blocks)``.
+    """
+    where = "offload_activations"
+    if num_layers is not None and layers is not None:
+        raise TypeError(f"{where}: pass num_layers={num_layers!r} or layers={layers!r}, not both "
+                        f"(num_layers offloads the first N blocks, layers names them)")
+    if layers is not None:
+        layers = list(layers)
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"{where}: layers must hold block indices (int), got {i!r}")
+            if not 0 <= i < num_blocks:
+                raise ValueError(f"{where}: layers contains {i}, outside [0, {num_blocks}): the "
+                                 f"model has {num_blocks} blocks; use indices 0..{num_blocks - 1}")
+        return frozenset(layers)
+    if num_layers is None:
+        return frozenset(range(num_blocks - 1))
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(f"{where}: num_layers must be an int, got {num_layers!r}")
+    if not 0 <= num_layers < num_blocks:
+        raise ValueError(f"{where}: num_layers={num_layers} is outside [0, {num_blocks}): the "
+                         f"model has {num_blocks} blocks; pass num_layers < {num_blocks} (the last "
+                         f"block's activations are needed first in backward; to offload it too, "
+                         f"name it in layers=[...])")
+    return frozenset(range(num_layers))
+
+
+# ---------------------------------------------------------------------------------- records
+
+
+@dataclass(eq=False)
+class _Record:
+    """One offloaded storage: a store key shared by the saved tensors on that storage."""
+
+    key: Hashable
+    nbytes: int
+    group: Hashable
+    storage_ref: Any  # weakref to the device storage while it lives (dedup only while alive)
+    version: int
+    live: int = 0  # handles (saved variables) referring to it
+    prefetched: bool = False
+    slot: "tuple[int, int, int] | None" = None  # double buffering: (set, generation, offset)
+
+
+class _Saved:
+    """What the pack hook returns: a saved tensor, offloaded (``record``) or kept (``tensor``)."""
+
+    __slots__ = ("owner", "tensor", "record", "group", "dtype", "size", "stride", "offset",
+                 "version", "__weakref__")
+
+    def __init__(self, owner: "ActivationOffloader", tensor: torch.Tensor) -> None:
+        self.owner = owner
+        self.tensor: torch.Tensor | None = tensor
+        self.record: _Record | None = None
+        self.group: Hashable = None
+        self.dtype = tensor.dtype
+        self.size = tuple(tensor.size())
+        self.stride = tuple(tensor.stride())
+        self.offset = tensor.storage_offset()
+        self.version = tensor._version  # a deferred offload must copy what was saved
+
+    def __del__(self) -> None:
+        record = self.record
+        if record is not None:
+            try:
+                self.owner._release(record)
+            except Exception:  # interpreter shutdown or a closed store: nothing left to free
+                pass
+
+
+# ---------------------------------------------------------------------------------- double buffer
+
+
+@dataclass
+class _BufferSet:
+    buf: torch.Tensor | None = None
+    generation: int = 0  # bumped on every load, so stale slots are detected
+    event: Any = None  # H2D event of the current load (CUDA)
+    holds: list = field(default_factory=list)  # (key) the load reads from, released when done
+
+
+class _DoubleBuffer:
+    """Two persistent device buffer sets that reloads of consecutive groups alternate between."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.sets = [_BufferSet(), _BufferSet()]
+        self.next_set = 0
+        self.loads = 0
+        self.fallbacks = 0
+
+    def capacity_bytes(self) -> int:
+        return sum(s.buf.numel() for s in self.sets if s.buf is not None)
+
+    def load(self, records: list[_Record], store: TierStore) -> list:
+        """Copy ``records`` (their keys held in the store's host tier) into the next set.
+
+        Returns the keys held for the copy; release them with :meth:`release_done`.
+        """
+        index = self.next_set
+        self.next_set ^= 1
+        bset = self.sets[index]
+        self.release_set(bset, store, wait=True)
+        offsets, total = [], 0
+        for rec in records:
+            offsets.append(total)
+            total += -(-rec.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        if bset.buf is None or bset.buf.numel() < total:
+            bset.buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        bset.generation += 1
+        hosts = [store.get(rec.key, tier="cpu", hold=True) for rec in records]
+        bset.holds = [rec.key for rec in records]
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            # the set's previous readers (queued before backward entered this layer) finish first
+            self.stream.wait_stream(compute)
+            with torch.cuda.stream(self.stream):
+                for rec, off, host in zip(records, offsets, hosts):
+                    bset.buf[off:off + rec.nbytes].copy_(host.reshape(-1).view(torch.uint8),
+                                                         non_blocking=True)
+                bset.event = torch.cuda.Event()
+                bset.event.record(self.stream)  # readers wait on it; host blocks may be freed after
+            bset.buf.record_stream(self.stream)  # a regrown set's old memory: written on this stream
+        else:
+            for rec, off, host in zip(records, offsets, hosts):
+                bset.buf[off:off + rec.nbytes].copy_(host.reshape(-1).view(torch.uint8))
+            self.release_set(bset, store, wait=False)
+        for rec, off in zip(records, offsets):
+            rec.slot = (index, bset.generation, off)
+        self.loads += 1
+        return bset.holds
+
+    def view(self, rec: _Record) -> torch.Tensor | None:
+        """The record's bytes in its set, or None if the set was reused since its load."""
+        if rec.slot is None:
+            return None
+        index, generation, off = rec.slot
+        bset = self.sets[index]
+        if bset.generation != generation:
+            rec.slot = None
+            self.fallbacks += 1
+            return None
+        if bset.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(bset.event)  # the load has landed
+        return bset.buf[off:off + rec.nbytes]
+
+    def release_set(self, bset: _BufferSet, store: TierStore, wait: bool) -> None:
+        """Release the store holds of ``bset``'s load once its copy has finished."""
+        if not bset.holds:
+            return
+        if bset.event is not None:
+            if not bset.event.query():
+                if not wait:
+                    return
+                bset.event.synchronize()  # host blocks are reused only after the copy read them
+        for key in bset.holds:
+            try:
+                store.release(key)
+            except (KeyError, ValueError):  # already deleted with its last handle
+                pass
+        bset.holds = []
+
+    def release_key(self, key: Hashable, store: TierStore) -> None:
+        """Release the hold on ``key`` (before deleting it), waiting for its copy if needed."""
+        for bset in self.sets:
+            if key in bset.holds:
+                if bset.event is not None and not bset.event.query():
+                    bset.event.synchronize()  # the H2D still reads this key's host block
+                store.release(key)
+                bset.holds.remove(key)
+
+    def close(self, store: TierStore, keep_buffers: bool) -> None:
+        """Release every store hold (waiting for the loads); free the sets unless kept."""
+        for bset in self.sets:
+            self.release_set(bset, store, wait=True)
+            if not keep_buffers:
+                bset.buf = None
+
+
+# ---------------------------------------------------------------------------------- offloader
+
+
+class ActivationOffloader:
+    """Hook state of :func:`offload_activations` (a context manager; see the module notes).
+
+    Use :func:`offload_activations` to make one; the arguments are documented there. One
+    object can be entered again after it exited (e.g. once per training step).
+    """
+
+    _active: ClassVar["ActivationOffloader | None"] = None
+    _uids = itertools.count()
+
+    def __init__(self, blocks: Sequence[nn.Module], *, store: TierStore | None = None,
+                 tier: str = "cpu", num_layers: int | None = None,
+                 layers: Iterable[int] | None = None, prefetch_depth: int = 1,
+                 min_offload_bytes: int = 1024, offload_weights: bool = False,
+                 double_buffering: bool = False) -> None:
+        where = "offload_activations"
+        if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"{where}: blocks must be a list or nn.ModuleList of the layer "
+                            f"modules (e.g. model.transformer.h), got one {type(blocks).__name__}")
+        try:
+            blocks = list(blocks)
+        except TypeError:
+            raise TypeError(f"{where}: blocks must be a list or nn.ModuleList of the layer "
+                            f"modules, got {type(blocks).__name__}") from None
+        if not blocks:
+            raise ValueError(f"{where}: blocks is empty; pass the model's layer modules")
+        for i, b in enumerate(blocks):
+            if not isinstance(b, nn.Module):
+                raise TypeError(f"{where}: blocks[{i}] is a {type(b).__name__}, not an nn.Module")
+        if tier not in _OFFLOAD_TIERS:
+            raise ValueError(f"{where}: tier={tier!r} is unknown; use 'cpu' (pinned host memory) "
+                             f"or 'nvme' (spill files)")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
+            raise TypeError(f"{where}: prefetch_depth must be an int, got {prefetch_depth!r}")
+        if prefetch_depth < 1:
+            raise ValueError(f"{where}: prefetch_depth={prefetch_depth} must be >= 1 (the number "
+                             f"of layers reloaded ahead of the one backward is in)")
+        if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) \
+                or min_offload_bytes < 0:
+            raise ValueError(f"{where}: min_offload_bytes={min_offload_bytes!r} must be an int "
+                             f">= 0 (bytes)")
+        if double_buffering and prefetch_depth != 1:
+            raise ValueError(f"{where}: double_buffering=True has two buffer sets (the layer in "
+                             f"use and the one loading), so prefetch_depth={prefetch_depth} "
+                             f"cannot work; pass prefetch_depth=1 or double_buffering=False")
+        if store is not None and not isinstance(store, TierStore):
+            raise TypeError(f"{where}: store must be a tiermem.TierStore, got "
+                            f"{type(store).__name__}")
+        if tier == "nvme":
+            if store is None:
+                raise ValueError(f"{where}: tier='nvme' needs a store with an nvme budget: pass "
+                                 f"store=TierStore(StoreConfig(nvme_bytes=..., nvme_dir=...))")
+            if store.config.nvme_bytes == 0:
+                raise ValueError(f"{where}: tier='nvme' but the store has no nvme budget "
+                                 f"(StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir")
+        self.blocks = blocks
+        self.tier = tier
+        self.double_buffering = bool(double_buffering)
+        self.policy = LayerPolicy(len(blocks), resolve_layers(len(blocks), num_layers, layers),
+                                  min_offload_bytes, bool(offload_weights), prefetch_depth)
+        self._own_store = store is None
+        self._store = store
+        self._uid = next(self._uids)
+        self._lock = threading.RLock()  # pack (forward thread), unpack/release (autograd threads)
+        self._seq = itertools.count()
+        self._hooks: list = []
+        self._saved_hooks: Any = None
+        self._entered = False
+        self._closing = False
+        self._weight_ptrs: set[int] = set()
+        # forward state
+        self._fwd = 0
+        self._fresh = True
+        self._last_block = -1
+        self._current: int | None = None
+        self._pending: list[weakref.ref] = []
+        # records
+        self._by_storage: dict[tuple, _Record] = {}
+        self._groups: dict[Hashable, list[_Record]] = {}
+        self._records = 0
+        # backward state
+        self._graph_task = None
+        self._entered_groups: set = set()
+        self._buffers: _DoubleBuffer | None = None
+        self.counters = dict.fromkeys(
+            ("packed", "offloaded", "deduplicated", "kept", "put_bytes", "reloads", "prefetches",
+             "store_full", "gpu_full"), 0)
+        """Event counts (``put_bytes`` in bytes), for tests and benchmarks."""
+
+    # ------------------------------------------------------------------ context manager
+
+    @property
+    def store(self) -> TierStore | None:
+        """The store activations go through (a private one is made on first entry)."""
+        return self._store
+
+    @property
+    def live_keys(self) -> int:
+        """Number of store keys this offloader holds now."""
+        return self._records
+
+    def __enter__(self) -> "ActivationOffloader":
+        if ActivationOffloader._active is not None:
+            raise RuntimeError("offload_activations: another offload context is active; nested "
+                               "use is not supported: exit it first, or give one context all "
+                               "blocks (layers=[...] picks which are offloaded)")
+        if self._own_store and (self._store is None or self._store._closed):
+            self._store = TierStore(default_store_config())
+        if self.double_buffering and (self._buffers is None or
+                                      self._buffers.device != self._store.device):
+            self._buffers = _DoubleBuffer(self._store.device)
+        self._closing = False
+        self._weight_ptrs = {t.untyped_storage().data_ptr() for b in self.blocks
+                             for t in itertools.chain(b.parameters(), b.buffers())}
+        for i, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._make_enter_hook(i)))
+            self._hooks.append(block.register_forward_hook(self._make_exit_hook(i),
+                                                           always_call=True))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self._fresh = True
+        self._current = None
+        ActivationOffloader._active = self
+        self._entered = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._entered:
+            return
+        self._saved_hooks.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        ActivationOffloader._active = None
+        self._entered = False
+        with self._lock:
+            self._pending.clear()  # tensors saved after the last block stay where they are
+            self._closing = True
+            self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        """Once no key is left after exit (backward may run after the ``with``): release the
+        double buffer's store holds and close a private store (with it, the buffer sets; with
+        a caller's store they persist across steps until :meth:`close`)."""
+        if not (self._closing and self._records == 0):
+            return
+        if self._buffers is not None:
+            self._buffers.close(self._store, keep_buffers=not self._own_store)
+        if self._own_store and self._store is not None:
+            self._store.close()
+
+    def close(self) -> None:
+        """Free the double-buffer sets and close a private store (waits for nothing else).
+
+        Raises:
+            RuntimeError: the context is active or keys are still live (a graph not yet run
+                backward).
+        """
+        if self._entered or self._records:
+            raise RuntimeError(f"offload_activations.close(): {self._records} keys are live or "
+                               f"the context is active; run backward (or drop the graph) and "
+                               f"exit first")
+        if self._buffers is not None:
+            self._buffers.close(self._store, keep_buffers=False)
+        if self._own_store and self._store is not None:
+            self._store.close()
+
+    # ------------------------------------------------------------------ layer boundaries
+
+    def _make_enter_hook(self, index: int):
+        def hook(module, args):
+            self._on_block_enter(index)
+        return hook
+
+    def _make_exit_hook(self, index: int):
+        def hook(module, args, output):
+            self._on_block_exit(index)
+        return hook
+
+    def _on_block_enter(self, index: int) -> None:
+        if not torch.is_grad_enabled() or _in_backward():
+            return  # eval forwards and checkpoint recomputation change no state
+        with self._lock:
+            if self._fresh or index <= self._last_block:
+                self._fwd += 1
+                self._fresh = False
+            self._last_block = index
+            self._current = index
+            pending, self._pending = self._pending, []
+            if self.policy.offloads_layer(index):
+                for ref in pending:
+                    handle = ref()
+                    if handle is not None and handle.tensor is not None \
+                            and handle.tensor._version == handle.version:
+                        self._offload(handle, index)
+
+    def _on_block_exit(self, index: int) -> None:
+        if not torch.is_grad_enabled() or _in_backward():
+            return
+        with self._lock:
+            self._current = None
+
+    # ------------------------------------------------------------------ pack
+
+    def _is_candidate(self, t: torch.Tensor) -> bool:
+        strided = t.layout == torch.strided and type(t) in (torch.Tensor, nn.Parameter)
+        is_weight = isinstance(t, nn.Parameter) or (
+            strided and t.untyped_storage().data_ptr() in self._weight_ptrs)
+        return self.policy.offloads_tensor(t.numel() * t.element_size(), is_weight,
+                                           t.device == self._store.device, strided)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        # what is kept is detached: a saved output returned with its grad_fn would make a
+        # reference cycle (node -> saved variable -> tensor -> node) and leak the graph;
+        # autograd restores the grad_fn on unpack, and detach() shares the version counter
+        if _in_backward() or not self._is_candidate(t):
+            return t.detach()
+        with self._lock:
+            self.counters["packed"] += 1
+            layer = self._current
+            if layer is None:  # outside every block: belongs to the next one (note rule 1)
+                handle = _Saved(self, t.detach())
+                self._pending.append(weakref.ref(handle))
+                return handle
+            if not self.policy.offloads_layer(layer):
+                self.counters["kept"] += 1
+                return t.detach()
+            handle = _Saved(self, t.detach())
+            self._offload(handle, layer)
+            return handle
+
+    def _offload(self, handle: _Saved, layer: int) -> None:
+        """Move ``handle``'s storage into the store (or share an existing key); keep no ref."""
+        t = handle.tensor
+        group = (self._fwd, layer)
+        storage = t.untyped_storage()
+        dkey = (storage.data_ptr(), t._version)
+        rec = self._by_storage.get(dkey)
+        if rec is not None and (rec.storage_ref() is not storage or rec.live == 0):
+            rec = None
+        if rec is None:
+            key = ("act", self._uid, next(self._seq))
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            try:
+                self._store.put(key, flat, tier=self.tier)
+            except TierFullError as exc:
+                self.counters["store_full"] += 1
+                if self.counters["store_full"] == 1:
+                    warnings.warn(f"offload_activations: the store is full ({exc}); saved tensors "
+                                  f"that do not fit stay on the device", RuntimeWarning,
+                                  stacklevel=3)
+                return
+            rec = _Record(key, flat.numel(), group, weakref.ref(storage), t._version)
+            self._by_storage[dkey] = rec
+            self._records += 1
+            self.counters["offloaded"] += 1
+            self.counters["put_bytes"] += rec.nbytes
+        else:
+            self.counters["deduplicated"] += 1
+        group_records = self._groups.setdefault(group, [])
+        if not group_records or group_records[-1] is not rec and rec not in group_records:
+            group_records.append(rec)
+        rec.live += 1
+        handle.record, handle.group, handle.tensor = rec, group, None
+
+    # ------------------------------------------------------------------ unpack
+
+    def _unpack(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, torch.Tensor):
+            return handle
+        with self._lock:
+            self._note_backward()
+            rec = handle.record
+            if rec is None:
+                return handle.tensor
+            self._enter_group(handle.group)
+            data = self._load(rec)
+        base = data.view(handle.dtype)  # as_strided's offset counts from the storage start
+        return base.as_strided(handle.size, handle.stride, base.storage_offset() + handle.offset)
+
+    def _note_backward(self) -> None:
+        """On the first unpack of a backward: drop pending tensors, prefetch the last groups."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._graph_task:
+            return
+        self._graph_task = task
+        self._pending.clear()  # the model's tail (after the last block) stays on the device
+        self._fresh = True
+        self._entered_groups.clear()
+        self._prefetch(self.policy.prefetch_targets(list(self._groups), None))
+
+    def _enter_group(self, group: Hashable) -> None:
+        if group in self._entered_groups:
+            return
+        self._entered_groups.add(group)
+        self._prefetch(self.policy.prefetch_targets(list(self._groups), group))
+
+    def _prefetch(self, groups: list) -> None:
+        for group in groups:
+            records = [r for r in self._groups.get(group, ()) if r.live and not r.prefetched]
+            if not records:
+                continue
+            for rec in records:
+                rec.prefetched = True
+            if self._buffers is not None:
+                self._load_buffered(records)
+                continue
+            for rec in records:
+                try:
+                    self._store.prefetch(rec.key, "gpu")
+                    self.counters["prefetches"] += 1
+                except TierFullError:  # no room now: get() loads it when it is needed
+                    pass
+
+    def _load_buffered(self, records: list[_Record]) -> None:
+        try:
+            self._buffers.load(records, self._store)
+            self.counters["prefetches"] += len(records)
+        except TierFullError:  # host tier full while reading back from disk: get() loads later
+            for rec in records:
+                rec.slot = None
+
+    def _load(self, rec: _Record) -> torch.Tensor:
+        """The record's bytes on the compute device (uint8, ``rec.nbytes``)."""
+        self.counters["reloads"] += 1
+        if self._buffers is not None:
+            data = self._buffers.view(rec)
+            if data is not None:
+                return data
+        try:
+            return self._store.get(rec.key).reshape(-1).view(torch.uint8)
+        except TierFullError:  # the store's gpu tier cannot take it: copy it out directly
+            self.counters["gpu_full"] += 1
+            host = self._store.get(rec.key, tier="cpu").reshape(-1).view(torch.uint8)
+            # a blocking copy: the host block may be reused by the store once we return
+            return host.to(self._store.device, copy=True)
+
+    # ------------------------------------------------------------------ release
+
+    def _release(self, rec: _Record) -> None:
+        """A handle of ``rec`` died (note rule 3): delete the key when it was the last."""
+        with self._lock:
+            rec.live -= 1
+            if rec.live:
+                return
+            if self._buffers is not None:
+                self._buffers.release_key(rec.key, self._store)
+            self._store.delete(rec.key)
+            self._records -= 1
+            for g in list(self._groups):  # a deduplicated record can sit in several groups
+                recs = self._groups[g]
+                if rec in recs:
+                    recs.remove(rec)
+                    if not recs:
+                        del self._groups[g]
+            for dkey in [k for k, r in self._by_storage.items() if r is rec]:
+                del self._by_storage[dkey]
+            self._maybe_close()
+
+    def stats(self) -> dict:
+        """Return ``counters`` plus ``live_keys`` and, with double buffering, its figures."""
+        out = dict(self.counters, live_keys=self._records)
+        if self._buffers is not None:
+            out.update(buffer_loads=self._buffers.loads, buffer_fallbacks=self._buffers.fallbacks,
+                       buffer_bytes=self._buffers.capacity_bytes())
+        return out
+
+
+def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None = None,
+                        tier: str = "cpu", num_layers: int | None = None,
+                        layers: Iterable[int] | None = None, prefetch_depth: int = 1,
+                        min_offload_bytes: int = 1024, offload_weights: bool = False,
+                        double_buffering: bool = False) -> ActivationOffloader:
+    """Offload the activations autograd saves inside chosen blocks; use as a context manager.
+
+    ::
+
+        with offload_activations(model.blocks, num_layers=20):
+            loss = model(idx, targets)[1]
+            loss.backward()          # may also run after the with block
+
+    Args:
+        blocks: the model's layer modules in execution order (a list, ``nn.ModuleList`` or
+            ``nn.Sequential``, e.g. ``model.transformer.h``).
+        store: the :class:`~tiermem.TierStore` to use; None makes a private one (see
+            :func:`default_store_config`), closed when the context has exited and its last key
+            is gone.
+        tier: ``"cpu"`` (pinned host memory) or ``"nvme"`` (spill files; needs a store with an
+            nvme budget).
+        num_layers: offload the first ``num_layers`` blocks, in ``[0, len(blocks))``. Default
+            (and ``layers`` not given): all but the last block, whose activations backward needs
+            first (Megatron's choice).
+        layers: explicit block indices to offload instead of ``num_layers``.
+        prefetch_depth: when backward enters layer ``i``, layers ``i-1 ... i-prefetch_depth``
+            are reloaded in the background (>= 1).
+        min_offload_bytes: saved tensors smaller than this many bytes stay on the device.
+        offload_weights: also offload parameters and buffers that autograd saves.
+        double_buffering: reload into two persistent device buffer sets, alternating between
+            layers, instead of fresh allocations (needs ``prefetch_depth=1``; for sequential
+            stacks of blocks, see note rule 6 in this module).
+
+    Returns:
+        an :class:`ActivationOffloader` (enter it with ``with``).
+
+    Raises:
+        TypeError: ``blocks`` is not a sequence of modules, ``num_layers`` and ``layers`` both
+            given, a non-integer count, ``store`` not a TierStore.
+        ValueError: ``num_layers`` or a ``layers`` index outside ``[0, len(blocks))``,
+            ``prefetch_depth`` < 1, unknown ``tier``, ``tier="nvme"`` without an nvme budget,
+            ``double_buffering`` with ``prefetch_depth`` > 1, ``min_offload_bytes`` < 0.
+        RuntimeError: (on entry) another offload context is active.
+    """
+    return ActivationOffloader(blocks, store=store, tier=tier, num_layers=num_layers, layers=layers,
+                               prefetch_depth=prefetch_depth, min_offload_bytes=min_offload_bytes,
+                               offload_weights=offload_weights, double_buffering=double_buffering)
