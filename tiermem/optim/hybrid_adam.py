@@ -93,7 +93,8 @@ class HybridAdam(torch.optim.Optimizer):
             already copied off the GPU); ``None``: no clipping.
         grad_accumulation_steps: backward passes per optimizer step; gradients are copied off
             the GPU only in the last one.
-        cpu_threads: threads of the CPU step (``None``: ``torch.get_num_threads()``).
+        cpu_threads: threads of the CPU step (``None``: ``torch.get_num_threads()``, less one
+            with overlap on CUDA so backward's kernel launches keep a core).
         nvme_lookahead_chunks: chunks of NVMe state read ahead of the CPU step.
 
     Raises:
@@ -162,6 +163,8 @@ class HybridAdam(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self.max_grad_norm = max_grad_norm
         self.grad_accumulation_steps = grad_accumulation_steps
+        if cpu_threads is None and overlap and self.device.type == "cuda":
+            cpu_threads = max(1, torch.get_num_threads() - 1)  # one core launches GPU work
         self.cpu_threads = cpu_threads
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
         self._groups = [

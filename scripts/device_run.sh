@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU-machine run: install tiermem, run the CUDA tests and the benchmarks, logs under $OUT.
+# Usage (device tool, carry .whl): bash scripts/device_run.sh PART   (PART: tests | optim | all)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+part=${1:-all}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+SPILL=${SPILL:-$HOME/tiermem-spill}; mkdir -p "$SPILL"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run() {  # run NAME SECONDS CMD...: one stage, its own log, bounded in time
+  local name=$1 secs=$2; shift 2
+  echo "=== $name: $*" | tee -a "$OUT/summary.txt"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$OUT/$name.log" | tee -a "$OUT/summary.txt"; echo "rc=$rc" | tee -a "$OUT/summary.txt"
+}
+if [[ $part == tests || $part == all ]]; then
+  run cuda_tests 200 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests
+  run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
+  run bench_adam 90 tiermem bench adam --numel 200000000
+  run bench_io 90 tiermem bench io --dir "$SPILL" --nbytes 1GiB
+  run bench_activations 150 tiermem bench activations --steps 3 --warmup 1
+fi
+if [[ $part == optim || $part == all ]]; then
+  run bench_optim 540 tiermem bench optim --steps 4 --nvme-steps 1 --nvme-dir "$SPILL"
+fi

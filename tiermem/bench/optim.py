@@ -1,0 +1,209 @@
+"""``tiermem bench optim``: training-step time and peak GPU memory of optimizer placements.
+
+Side by side in one run, on the reference GPT (bf16 params; DESIGN.md), for each tokens-per-step
+setting (micro-batches accumulated per optimizer step):
+- ``gpu``: fp32 masters and torch fused AdamW on the GPU (what users do without offload);
+- ``naive``: grads D2H after backward, torch fused AdamW on pinned fp32 masters, cast, H2D
+  (a straightforward full offload);
+- ``hybrid f=F``: HybridAdam with ``offload_fraction=F`` and state in pinned RAM;
+- ``hybrid f=1 nvme``: HybridAdam with all state streamed through NVMe.
+Times are medians of the timed steps; ``x`` is relative to ``gpu`` at the same tokens/step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+
+import torch
+
+from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.optim import HybridAdam
+
+HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class _GpuMasters:
+    """fp32 masters + torch fused AdamW on the GPU, params = masters cast (the baseline)."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.masters = [p.detach().float() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, **HP, fused=True)
+
+    def step(self):
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float()
+        self.opt.step()
+        for m, p in zip(self.masters, self.params):
+            p.data.copy_(m)
+            m.grad = None
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def close(self):
+        pass
+
+
+class _NaiveOffload:
+    """Grads D2H after backward, torch fused AdamW on pinned fp32 masters, cast, H2D."""
+
+    def __init__(self, params):
+        pin = torch.cuda.is_available()
+        self.params = list(params)
+        self.masters = [p.detach().float().cpu().pin_memory() if pin else p.detach().float().cpu()
+                        for p in self.params]
+        self.grads = [torch.empty_like(m) for m in self.masters]
+        self.out = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
+        for m, g in zip(self.masters, self.grads):
+            m.grad = g
+        self.opt = torch.optim.AdamW(self.masters, **HP, fused=True)
+
+    def step(self):
+        for g, p in zip(self.grads, self.params):
+            g.copy_(p.grad, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the CPU step needs the gradients (this is the naive way)
+        self.opt.step()
+        for o, m, p in zip(self.out, self.masters, self.params):
+            o.copy_(m)
+            p.data.copy_(o, non_blocking=True)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def close(self):
+        pass
+
+
+def _make_opt(name: str, model: torch.nn.Module, nvme_dir: str, accum: int, cpu_threads):
+    if name == "gpu":
+        return _GpuMasters(model.parameters())
+    if name == "naive":
+        return _NaiveOffload(model.parameters())
+    fraction, _, tier = name.partition(":")
+    return HybridAdam(model.parameters(), **HP, offload_fraction=float(fraction),
+                      state_tier=tier or "cpu", nvme_dir=nvme_dir, grad_accumulation_steps=accum,
+                      cpu_threads=cpu_threads)
+
+
+def _label(name: str) -> str:
+    if name in ("gpu", "naive"):
+        return {"gpu": "GPU-only fused AdamW", "naive": "naive full offload"}[name]
+    fraction, _, tier = name.partition(":")
+    return f"HybridAdam f={float(fraction):g} {tier or 'cpu'}"
+
+
+def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps: int,
+        nvme_dir: str, cpu_threads: int | None = None, nvme_steps: int = 2) -> list[dict]:
+    """Time each setup; return rows with ``ms``, ``x`` and ``peak_gib``.
+
+    Raises:
+        ValueError: an unknown setup name.
+    """
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    for accum in accums:
+        base_ms = None
+        for name in setups:
+            torch.manual_seed(0)
+            model = GPT(cfg).to(device=device, dtype=dtype)
+            opt = _make_opt(name, model, nvme_dir, accum, cpu_threads)
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
+            n_steps = nvme_steps if name.endswith("nvme") else steps
+            times, losses = [], []
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            for step in range(n_steps + 1):  # the first step warms up
+                t0 = time.perf_counter()
+                for _ in range(accum):
+                    _, loss = model(idx, idx)
+                    (loss / accum).backward()
+                opt.step()
+                opt.zero_grad()
+                if cuda:
+                    torch.cuda.synchronize()
+                if step:
+                    times.append(time.perf_counter() - t0)
+                losses.append(loss.item())
+            ms = 1e3 * statistics.median(times)
+            if name == "gpu":
+                base_ms = ms
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            rows.append({"setup": _label(name), "tokens": batch * cfg.seq_len * accum,
+                         "ms": ms, "x": ms / base_ms if base_ms else float("nan"),
+                         "peak_gib": peak, "loss": losses[-1]})
+            print(format_table(rows[-1:], header=False), flush=True)
+            opt.close()
+            del model, opt
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[dict], header: bool = True) -> str:
+    """Render rows as a fixed-width table."""
+    lines = [f"{'setup':<28}{'tokens/step':>12}{'ms/step':>10}{'x':>8}{'peak GiB':>10}{'loss':>9}"] \
+        if header else []
+    for r in rows:
+        lines.append(f"{r['setup']:<28}{r['tokens']:>12}{r['ms']:>10.1f}{r['x']:>7.2f}x"
+                     f"{r['peak_gib']:>10.1f}{r['loss']:>9.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tiermem bench optim`` (see ``--help``); returns the exit code."""
+    big = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="tiermem bench optim", description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24 if big else 2)
+    parser.add_argument("--d-model", type=int, default=2048 if big else 64)
+    parser.add_argument("--heads", type=int, default=16 if big else 4)
+    parser.add_argument("--seq", type=int, default=2048 if big else 32)
+    parser.add_argument("--vocab", type=int, default=32000 if big else 128)
+    parser.add_argument("--batch", type=int, default=8 if big else 2, help="micro-batch size")
+    parser.add_argument("--accum", default="1,4", help="micro-batches per step, comma-separated")
+    parser.add_argument("--setups", default="gpu,naive,0.25,0.5,1.0,1.0:nvme",
+                        help="gpu, naive, a fraction F (pinned RAM) or F:nvme")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per setup")
+    parser.add_argument("--nvme-steps", type=int, default=2, help="timed steps of NVMe setups")
+    parser.add_argument("--nvme-dir", default=None, help="spill directory (default: a temp dir)")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU Adam")
+    args = parser.parse_args(argv)
+    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                    seq_len=args.seq, vocab=args.vocab)
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    for s in setups:
+        if s not in ("gpu", "naive"):
+            f, _, tier = s.partition(":")
+            try:
+                ok = 0.0 <= float(f) <= 1.0 and tier in ("", "cpu", "nvme")
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--setups: {s!r} is not gpu, naive, F or F:nvme with F in [0, 1]")
+    if "gpu" in setups:
+        setups.remove("gpu")
+    setups.insert(0, "gpu")
+    accums = [int(a) for a in args.accum.split(",")]
+    print(f"bench optim: GPT {cfg.num_params() / 1e9:.2f}B params, micro-batch {args.batch} x "
+          f"{args.seq} tokens, on {torch.cuda.get_device_name() if big else 'CPU'}", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
+        rows = run(cfg, args.batch, accums, setups, args.steps, tmp, args.cpu_threads,
+                   args.nvme_steps)
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
