@@ -17,12 +17,16 @@ run() {  # run NAME SECONDS CMD...: one stage, its own log, bounded in time
   tail -n 25 "$OUT/$name.log" | tee -a "$OUT/summary.txt"; echo "rc=$rc" | tee -a "$OUT/summary.txt"
 }
 if [[ $part == tests || $part == all ]]; then
-  run cuda_tests 200 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests
+  run cuda_tests 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests
   run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
   run bench_adam 90 tiermem bench adam --numel 200000000
   run bench_io 90 tiermem bench io --dir "$SPILL" --nbytes 1GiB
   run bench_activations 150 tiermem bench activations --steps 3 --warmup 1
 fi
 if [[ $part == optim || $part == all ]]; then
-  run bench_optim 540 tiermem bench optim --steps 4 --nvme-steps 1 --nvme-dir "$SPILL"
+  run bench_optim 420 tiermem bench optim --steps 3 --nvme-steps 1 --nvme-dir "$SPILL"
+fi
+if [[ $part == cudatests_optim ]]; then
+  run cuda_tests 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests
+  run bench_optim 420 tiermem bench optim --steps 3 --nvme-steps 1 --nvme-dir "$SPILL"
 fi
