@@ -30,3 +30,7 @@ if [[ $part == cudatests_optim ]]; then
   run cuda_tests 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests
   run bench_optim 420 tiermem bench optim --steps 3 --nvme-steps 1 --nvme-dir "$SPILL"
 fi
+if [[ $part == optim2 ]]; then
+  run cuda_hybrid 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py
+  run bench_optim 420 tiermem bench optim --steps 3 --nvme-steps 1 --setups gpu,0.25,0.5,1.0,1.0:nvme --nvme-dir "$SPILL"
+fi

@@ -239,9 +239,10 @@ def test_store_checks(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
-def test_cuda_bf16_parity_with_overlap(tmp_path, tier, fraction):
+def test_cuda_bf16_parity(tmp_path, tier, fraction, overlap):
     """bf16 params on the GPU; reference: fp32 masters + fused AdamW, params = masters.bf16()."""
     torch.manual_seed(0)
     model = TinyGPT(d_model=64, n_layers=4).cuda().to(torch.bfloat16)
@@ -249,7 +250,7 @@ def test_cuda_bf16_parity_with_overlap(tmp_path, tier, fraction):
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(masters, **HP, fused=True)
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, state_tier=tier,
-                     nvme_dir=str(tmp_path), chunk_numel=4096, overlap=True)
+                     nvme_dir=str(tmp_path), chunk_numel=4096, overlap=overlap)
     for step in range(20):
         idx, tgt = make_batch(step)
         _, loss = model(idx.cuda(), tgt.cuda())

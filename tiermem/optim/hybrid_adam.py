@@ -218,10 +218,13 @@ class HybridAdam(torch.optim.Optimizer):
             cpu_bytes = buf_bytes + chunk_bytes * (self.nvme_lookahead_chunks + 3)
             # slack: chunk extents are freed on read and reallocated on write-back
             nvme_bytes = state_bytes + chunk_bytes * (self.nvme_lookahead_chunks + 3)
+        # slabs hold a whole number of chunks; slack for the buffers' partial slabs
+        slab_bytes = chunk_bytes * max(1, (1 << 30) // chunk_bytes)
+        cpu_bytes += 2 * chunk_bytes
         return TierStore(StoreConfig(
-            gpu_bytes=0, cpu_bytes=max(cpu_bytes, 4096), nvme_bytes=nvme_bytes,
+            gpu_bytes=0, cpu_bytes=cpu_bytes, nvme_bytes=nvme_bytes,
             nvme_dir=nvme_dir if nvme_bytes else None, device=str(self.device),
-            pool_slab_bytes=max(4096, min(1 << 30, max(cpu_bytes, 4096)))))
+            pool_slab_bytes=min(slab_bytes, cpu_bytes)))
 
     def _init_state(self) -> None:
         for g in self._groups:
