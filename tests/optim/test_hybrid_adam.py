@@ -277,3 +277,24 @@ def test_cuda_bf16_parity(tmp_path, tier, fraction, overlap):
         if fraction == 0.0:
             assert torch.equal(p, q)
     opt.close()
+
+
+@pytest.mark.cuda
+def test_cuda_native_step_matches_torch_cuda_fused_on_same_inputs():
+    """Isolates the kernel: identical inputs to the native CPU step and torch's CUDA kernel."""
+    from tiermem.optim.cpu_adam import adam_step_
+
+    gen = torch.Generator().manual_seed(0)
+    n = 100_003
+    master = torch.randn(n, generator=gen)
+    m, v = torch.zeros(n), torch.zeros(n)
+    ref = master.cuda().requires_grad_(True)
+    ref_opt = torch.optim.AdamW([ref], **HP, fused=True)
+    for step in range(1, 11):
+        grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        adam_step_(master, grad, m, v, step=step, lr=HP["lr"], beta1=0.9, beta2=0.95, eps=1e-8,
+                   weight_decay=0.1, param_out=out, offset=0, numel=n)
+        ref.grad = grad.float().cuda()
+        ref_opt.step()
+        torch.testing.assert_close(master, ref.detach().cpu(), rtol=1e-6, atol=1e-7)
