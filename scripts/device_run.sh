@@ -34,6 +34,9 @@ if [[ $part == optim2 ]]; then
   run cuda_hybrid 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py
   run bench_optim 420 tiermem bench optim --steps 3 --nvme-steps 1 --setups gpu,0.25,0.5,1.0,1.0:nvme --nvme-dir "$SPILL"
 fi
+if [[ $part == hybrid ]]; then
+  run cuda_hybrid 120 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py
+fi
 if [[ $part == diag ]]; then
   run diag_kernel 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py -k "same_inputs or 1.0-cpu-False"
   TIERMEM_NATIVE_ISA=avx2 run diag_avx2 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py -k "same_inputs or 1.0-cpu-False"
