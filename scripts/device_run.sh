@@ -41,3 +41,6 @@ if [[ $part == diag ]]; then
   run diag_kernel 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py -k "same_inputs or 1.0-cpu-False"
   TIERMEM_NATIVE_ISA=avx2 run diag_avx2 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim/test_hybrid_adam.py -k "same_inputs or 1.0-cpu-False"
 fi
+if [[ $part == store ]]; then
+  run cuda_store 90 python3 -m pytest -m cuda -q -p no:cacheprovider tests/store
+fi
