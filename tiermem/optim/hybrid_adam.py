@@ -40,7 +40,16 @@ from tiermem.store.pool import round_up
 from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
 
-_STATE_ROWS = 3  # master, exp_avg, exp_avg_sq
+
+def _state_numel(numel: int, moments_dtype: torch.dtype) -> int:
+    """fp32 elements of one chunk's state blob: the master, then both moments."""
+    return numel * (3 if moments_dtype == torch.float32 else 2)
+
+
+def _state_views(blob: torch.Tensor, numel: int, moments_dtype: torch.dtype):
+    """(master fp32, exp_avg, exp_avg_sq) views of a chunk's fp32 state blob."""
+    moments = blob[numel:].view(moments_dtype).view(2, numel)
+    return blob[:numel], moments[0], moments[1]
 
 
 def _fused_op(adamw: bool):
@@ -93,6 +102,9 @@ class HybridAdam(torch.optim.Optimizer):
             already copied off the GPU); ``None``: no clipping.
         grad_accumulation_steps: backward passes per optimizer step; gradients are copied off
             the GPU only in the last one.
+        moments_dtype: dtype of the offloaded side's moments: ``torch.float32`` (exact torch
+            semantics) or ``torch.bfloat16`` (half the state bytes, a deliberate precision trade:
+            moments are rounded to bf16 after each update; the GPU side keeps fp32).
         cpu_threads: threads of the CPU step (``None``: ``torch.get_num_threads()``, less one
             with overlap on CUDA so backward's kernel launches keep a core).
         nvme_lookahead_chunks: chunks of NVMe state read ahead of the CPU step.
@@ -109,7 +121,8 @@ class HybridAdam(torch.optim.Optimizer):
                  maximize: bool = False, offload_fraction: float = 1.0, state_tier: str = "cpu",
                  store: TierStore | None = None, nvme_dir: str | None = None, overlap: bool = True,
                  chunk_numel: int = 1 << 22, max_grad_norm: float | None = None,
-                 grad_accumulation_steps: int = 1, cpu_threads: int | None = None,
+                 grad_accumulation_steps: int = 1, moments_dtype: torch.dtype = torch.float32,
+                 cpu_threads: int | None = None,
                  nvme_lookahead_chunks: int = 2) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -140,6 +153,9 @@ class HybridAdam(torch.optim.Optimizer):
         if not isinstance(grad_accumulation_steps, int) or grad_accumulation_steps < 1:
             raise ValueError(f"HybridAdam: grad_accumulation_steps={grad_accumulation_steps!r} "
                              f"must be an int >= 1")
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"HybridAdam: moments_dtype={moments_dtype} is not supported; use "
+                             f"torch.float32 or torch.bfloat16")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
@@ -163,6 +179,7 @@ class HybridAdam(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self.max_grad_norm = max_grad_norm
         self.grad_accumulation_steps = grad_accumulation_steps
+        self.moments_dtype = moments_dtype
         if cpu_threads is None and overlap and self.device.type == "cuda":
             cpu_threads = max(1, torch.get_num_threads() - 1)  # one core launches GPU work
         self.cpu_threads = cpu_threads
@@ -208,8 +225,8 @@ class HybridAdam(torch.optim.Optimizer):
         n = self._offloaded_numel()
         buf_bytes = sum(round_up(g.plan.cpu_numel * g.params[0].element_size()) * 2
                         for g in self._groups if g.plan.cpu_numel)
-        chunk_bytes = round_up(_STATE_ROWS * 4 * self.chunk_numel)
-        state_bytes = sum(round_up(_STATE_ROWS * 4 * c.numel) for g in self._groups
+        chunk_bytes = round_up(4 * _state_numel(self.chunk_numel, self.moments_dtype))
+        state_bytes = sum(round_up(4 * _state_numel(c.numel, self.moments_dtype)) for g in self._groups
                           for c in g.plan.chunks)
         if self.state_tier == "cpu":
             cpu_bytes = buf_bytes + state_bytes
@@ -250,10 +267,11 @@ class HybridAdam(torch.optim.Optimizer):
             g.out_buf = self._store.get(g.out_key, "cpu", hold=True)
             flat_params = [g.params[i].detach().view(-1) for i in range(len(g.params))]
             for chunk in g.plan.chunks:
-                state = torch.zeros(_STATE_ROWS, chunk.numel, dtype=torch.float32)
+                state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
+                master = state[:chunk.numel]
                 for pc in chunk.pieces:
                     lo = pc.flat_offset - chunk.flat_start
-                    state[0, lo:lo + pc.numel].copy_(flat_params[pc.param][pc.start:pc.start + pc.numel])
+                    master[lo:lo + pc.numel].copy_(flat_params[pc.param][pc.start:pc.start + pc.numel])
                 key = ("hybrid_adam", id(self), g.index, "chunk", chunk.index)
                 self._store.put(key, state, tier=self.state_tier)
                 g.chunk_keys.append(key)
@@ -351,8 +369,9 @@ class HybridAdam(torch.optim.Optimizer):
                 event.synchronize()  # the CPU reads the gradient bytes of this D2H copy
         self._compute_allowed.wait()  # with clipping: step() has set the clip coefficient
         key = group.chunk_keys[c]
-        state = self._store.get(key, "cpu", hold=True)
+        blob = self._store.get(key, "cpu", hold=True)
         try:
+            master, exp_avg, exp_avg_sq = _state_views(blob, chunk.numel, self.moments_dtype)
             self._prefetch_after(g, c)
             lo, hi = chunk.flat_start, chunk.flat_start + chunk.numel
             grad, out = group.grad_buf[lo:hi], group.out_buf[lo:hi]
@@ -363,7 +382,7 @@ class HybridAdam(torch.optim.Optimizer):
                 for start, numel, _ in runs:
                     grad[start:start + numel].mul_(self._clip_coef)
             for start, numel, step in runs:
-                adam_step_(state[0], grad, state[1], state[2], step=step, lr=float(hp["lr"]),
+                adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, lr=float(hp["lr"]),
                            beta1=beta1, beta2=beta2, eps=hp["eps"],
                            weight_decay=hp["weight_decay"], adamw=hp["adamw"],
                            maximize=hp["maximize"], param_out=out, offset=start, numel=numel,
@@ -532,15 +551,16 @@ class HybridAdam(torch.optim.Optimizer):
                 if "master" in st:
                     st["master"].view(-1)[sl] = g.gpu_masters[k].cpu()
             for chunk, key in zip(g.plan.chunks, g.chunk_keys):
-                with self._chunk_state(key) as state:
+                with self._chunk_state(key) as blob:
+                    state = _state_views(blob, chunk.numel, self.moments_dtype)
                     for pc in chunk.pieces:
                         st = states[pc.param]
                         rel = pc.flat_offset - chunk.flat_start
                         sl = slice(pc.start, pc.start + pc.numel)
-                        st["exp_avg"].view(-1)[sl] = state[1, rel:rel + pc.numel]
-                        st["exp_avg_sq"].view(-1)[sl] = state[2, rel:rel + pc.numel]
+                        st["exp_avg"].view(-1)[sl] = state[1][rel:rel + pc.numel]
+                        st["exp_avg_sq"].view(-1)[sl] = state[2][rel:rel + pc.numel]
                         if "master" in st:
-                            st["master"].view(-1)[sl] = state[0, rel:rel + pc.numel]
+                            st["master"].view(-1)[sl] = state[0][rel:rel + pc.numel]
             out.append(states)
         return out
 
@@ -622,14 +642,15 @@ class HybridAdam(torch.optim.Optimizer):
             if g.gpu_masters[k] is not g.gpu_views[k]:
                 g.gpu_masters[k].copy_(master_of(pc.param)[sl])
         for chunk, key in zip(g.plan.chunks, g.chunk_keys):
-            with self._chunk_state(key) as state:
+            with self._chunk_state(key) as blob:
+                state = _state_views(blob, chunk.numel, self.moments_dtype)
                 for pc in chunk.pieces:
                     st = sts[pc.param]
                     rel = pc.flat_offset - chunk.flat_start
                     sl = slice(pc.start, pc.start + pc.numel)
-                    state[0, rel:rel + pc.numel] = master_of(pc.param)[sl]
+                    state[0][rel:rel + pc.numel] = master_of(pc.param)[sl]
                     for row, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
-                        state[row, rel:rel + pc.numel] = st[name].reshape(-1)[sl] if st else 0
+                        state[row][rel:rel + pc.numel] = st[name].reshape(-1)[sl] if st else 0
 
     # ------------------------------------------------------------------ misc
 
