@@ -1,0 +1,145 @@
+"""tiermem plan: the memory model, verdicts on the H200 machine, and the command's exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiermem import cli
+from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes, main, plan)
+
+
+def preset_plan(size, **kw):
+    s = PRESETS[size]
+    kw.setdefault("batch", s.micro_batch)
+    return plan(s.num_params(), n_layers=s.n_layers, d_model=s.d_model, n_heads=s.n_heads,
+                vocab=s.vocab, seq=s.seq_len, **kw)
+
+
+def test_activation_formula_is_34_bytes_per_token_and_width_in_bf16():
+    b, s, d = 8, 2048, 2048
+    assert activation_bytes_per_block(batch=b, seq=s, d_model=d, n_heads=16, dtype_bytes=2) \
+        == 34 * b * s * d
+    eager = activation_bytes_per_block(batch=b, seq=s, d_model=d, n_heads=16, dtype_bytes=2,
+                                       eager_attention=True)
+    assert eager - 34 * b * s * d == 2 * b * 16 * s * s * 2
+    assert head_bytes(batch=1, seq=1, d_model=1, vocab=10, dtype_bytes=2) == 2 * 2 + 10 * 12
+
+
+def test_reference_gpt_matches_the_measured_peak_within_ten_percent():
+    """DESIGN.md: the 1.34B reference, GPU-only AdamW, micro-batch 8, peaked at 52.5 GiB."""
+    p = preset_plan("1b", gpu_reserve_bytes=0)
+    assert p.fits and p.offload_fraction == 0.0
+    assert p.used["gpu"] / GiB == pytest.approx(52.5, rel=0.10)
+
+
+def test_presets_count_parameters_like_the_reference_gpt():
+    s = PRESETS["1b"]
+    cfg = GPTConfig(n_layers=s.n_layers, d_model=s.d_model, n_heads=s.n_heads, vocab=s.vocab,
+                    seq_len=s.seq_len)
+    assert s.num_params() == cfg.num_params()
+    assert 1.3e9 < s.num_params() < 1.4e9
+    for size, low, high in (("7b", 6e9, 7.5e9), ("13b", 12e9, 14e9), ("30b", 30e9, 34e9)):
+        assert low < PRESETS[size].num_params() < high
+
+
+@pytest.mark.parametrize("size", ["1b", "7b"])
+def test_1b_and_7b_fit_on_the_h200_without_offload(size):
+    p = preset_plan(size)
+    assert p.fits and p.offload_fraction == 0.0 and p.offload_layers == 0
+    assert p.used["gpu"] <= 141 * GB
+
+
+def test_13b_fits_only_with_optimizer_offload_in_ram():
+    p = preset_plan("13b")
+    assert p.fits
+    assert 0.3 < p.offload_fraction < 1.0 and p.state_tier == "cpu"
+    assert p.used["host"] <= 128 * GiB
+    no_offload = preset_plan("13b", offload_fraction=0.0)
+    assert not no_offload.fits
+    assert any(r.startswith("gpu needs") for r in no_offload.reasons)
+    # all of it on NVMe does not fit the 64 GiB disk
+    assert not preset_plan("13b", offload_fraction=1.0, state_tier="nvme").fits
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_30b_does_not_fit_even_with_everything_offloaded(moments):
+    p = preset_plan("30b", moments_dtype=moments)
+    assert not p.fits and p.offload_fraction == 1.0
+    text = p.table()
+    assert "DOES NOT FIT" in text
+    per = 12 if moments == "fp32" else 8
+    assert f"is {PRESETS['30b'].num_params() * per / GB:,.0f} GB ({per} B/param)" in text
+    assert "more than RAM + NVMe together (206 GB): no placement fits" in text
+
+
+def test_placement_accounts_every_tier():
+    p = preset_plan("13b", offload_fraction=0.5, state_tier="nvme", offload_layers=10,
+                    checkpoint=True)
+    rows = {i.name: i for i in p.items}
+    n = p.num_params
+    assert rows["optimizer state, offloaded"].nvme == round(0.5 * n) * 12
+    assert rows["pinned staging (grads + params)"].host == 4 * round(0.5 * n)
+    assert rows["activations"].host > 0
+    assert p.used["nvme"] == sum(i.nvme for i in p.items)
+
+
+def test_plan_takes_a_model():
+    model = GPT(GPTConfig(n_layers=2, d_model=64, n_heads=2, vocab=100, seq_len=32))
+    p = plan(model, seq=32, batch=2, gpu_bytes="2GiB", host_bytes="1GiB", nvme_bytes=0,
+             host_reserve_bytes=0)
+    assert p.num_params == sum(q.numel() for q in model.parameters())
+    assert p.inputs["dtype"] == "fp32" and p.inputs["n_layers"] == 2
+    assert p.fits
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "give the model size"),
+    ({"num_params": 1e9}, "needs the shape: n_layers and d_model"),
+    ({"num_params": -5, "n_layers": 2, "d_model": 8}, "num_params=-5 must be a positive number"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "offload_fraction": 1.5},
+     "offload_fraction=1.5 must be in [0.0, 1.0]"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "dtype": "int4"}, "dtype='int4' is not one of"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "offload_layers": 2},
+     "offload_layers=2 must be an int in [0, 2)"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "state_tier": "disk"}, "state_tier='disk'"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "gpu_bytes": "lots"}, "gpu_bytes='lots'"),
+])
+def test_plan_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        plan(**kwargs)
+    assert message in str(err.value)
+
+
+def test_command_exit_codes_and_table(capsys):
+    assert main(["--model-size", "13b"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "optimizer state, offloaded" in out and "configure:" in out
+    assert main(["--model-size", "30b"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["--params", "13e9", "--layers", "40", "--d-model", "5120",
+                 "--offload-fraction", "0"]) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give the model"),
+    (["--params", "13e9"], "needs the shape"),
+    (["--model-size", "13b", "--layers", "3"], "--model-size sets the shape"),
+    (["--model-size", "2b"], "invalid choice: '2b'"),
+    (["--params", "lots", "--layers", "2", "--d-model", "8"], "'lots' is not a number"),
+    (["--model-size", "1b", "--offload-fraction", "1.5"], "offload_fraction=1.5"),
+    (["--model-size", "1b", "--gpu", "huge"], "gpu_bytes='huge' is not a byte size"),
+])
+def test_command_bad_usage_exits_2_with_one_clear_error(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_json_output_and_the_tiermem_command(capsys):
+    assert cli.main(["plan", "--model-size", "7b", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["num_params"] == PRESETS["7b"].num_params()
+    assert cli.main(["plan", "--help"]) == 0
+    assert "--model-size" in capsys.readouterr().out

@@ -1,0 +1,591 @@
+"""``tiermem plan``: what must go where (GPU / pinned host RAM / NVMe), and does it fit.
+
+Like DeepSpeed's ``estimate_zero*_model_states_mem_needs``, but for all three tiers and with
+activations: given a model (size or shape), the batch and the machine's capacities, it places
+every part of the training state with tiermem's actual layout and says whether the run fits.
+``plan(...)`` is the Python API, ``main(argv)`` the command (exit code 0 fits, 1 does not fit,
+2 bad usage).
+
+Memory model (bytes; N parameters, L blocks, width d, heads h, vocabulary V, sequence s,
+micro-batch b, parameter dtype size p (bf16: 2, fp32: 4), activation dtype size a = p, offloaded
+moments dtype size m (fp32: 4, bf16: 2), offload fraction f, offloaded layers k):
+
+==========================  ==============================================================
+part                        bytes and place
+==========================  ==============================================================
+parameters                  N·p on the GPU
+gradients                   N·p on the GPU (``param.grad`` in the model dtype)
+GPU-side optimizer state    (1-f)·N·(8 + 4·[p != 4]): fp32 moments, plus an fp32 master copy
+                            unless the params are fp32 already (they are their own master)
+offloaded optimizer state   f·N·(4 + 2·m): fp32 master + moments, in pinned RAM
+                            (``state_tier="cpu"``) or in spill files (``"nvme"``)
+staging buffers             f·N·2·p pinned RAM: HybridAdam's gradient and updated-param
+                            buffers (one element each per offloaded param)
+NVMe read-ahead             (lookahead+3)·chunk_numel·12 pinned RAM, with ``"nvme"`` only
+activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
+                            r (4: 17·b·s·d·a, 34·b·s·d in bf16 = Megatron's sbh·34 with
+                            flash attention): block input, LN1 out, QKV (3), attention out,
+                            its reshaped copy, residual, LN2 out, FC out (r), GELU out (r).
+                            ``eager_attention`` adds the softmax probabilities 2·b·h·s²·a.
+checkpointing               a block keeps only its input b·s·d·a; one block's A is rebuilt
+                            at a time in backward
+activation placement        L-k blocks on the GPU; k blocks in the host tier (pinned; or
+                            NVMe), of which prefetch_depth+1 blocks are back on the GPU at
+                            a time during backward
+head and loss               b·s·(2·d·a + V·(2·a + 8)): final-LN in/out, logits, the fp32
+                            log-softmax the loss saves, the logits' gradients in backward
+GPU reserve                 CUDA context, cuBLAS workspace, allocator fragmentation:
+                            ``gpu_reserve_bytes`` (default 1 GiB + 5 % of the GPU)
+host reserve                OS, Python, torch, page cache: ``host_reserve_bytes`` (8 GiB)
+==========================  ==============================================================
+
+Checked against DESIGN.md's measurement of the reference 1.34B GPT (micro-batch 8, bf16, all on
+the GPU): the model gives 51.5 GiB without the reserve, the H200 measured a 52.5 GiB peak.
+
+Automatic placement (``offload_fraction=None``, ``state_tier="auto"``, ``offload_layers=None``):
+keep activations on the GPU if possible, and find the smallest offload fraction (in steps of
+0.01) with which the GPU fits; put the offloaded state in RAM, else on NVMe. Only when even
+``f = 1`` does not fit the GPU are the activations of all blocks but the last offloaded (to the
+host tier). HybridAdam keeps one optimizer's offloaded state in one tier, so the state is never
+split between RAM and NVMe; when no placement fits, the plan says which tier overflows, by how
+much, and whether RAM + NVMe together could hold the offloaded state at all (with fp32 and with
+bf16 moments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+from tiermem.config import parse_bytes
+
+GB = 1000 ** 3
+GiB = 1 << 30
+
+H200_GPU_BYTES = 141 * GB
+"""Default GPU capacity: one H200 (141 GB)."""
+H200_HOST_BYTES = 128 * GiB
+"""Default host RAM: the H200 machine's 128 GiB."""
+H200_NVME_BYTES = 64 * GiB
+"""Default NVMe capacity: the H200 machine's 64 GiB disk."""
+
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+"""Accepted dtype names and their sizes in bytes."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT shape (vocab 32000, MLP ratio 4) and the micro-batch its preset uses."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab: int = 32000
+    seq_len: int = 2048
+    micro_batch: int = 1
+    mlp_ratio: int = 4
+
+    def num_params(self) -> int:
+        """Parameters of ``tiermem.bench._gpt.GPT`` with this shape (untied head)."""
+        d, h = self.d_model, self.mlp_ratio * self.d_model
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+        return self.vocab * d * 2 + self.seq_len * d + self.n_layers * block + 2 * d
+
+
+PRESETS: dict[str, ModelShape] = {
+    "1b": ModelShape(24, 2048, 16, micro_batch=8),   # DESIGN.md's reference GPT, 1.34B
+    "7b": ModelShape(32, 4096, 32),                  # 6.71B
+    "13b": ModelShape(40, 5120, 40),                 # 12.92B
+    "30b": ModelShape(60, 6656, 52),                 # 32.34B
+    "70b": ModelShape(80, 8192, 64),                 # 64.96B
+}
+"""``--model-size`` presets: GPT shapes of common sizes (sequence 2048)."""
+
+
+@dataclass
+class Item:
+    """One row of the plan: bytes of one part of the training state per tier."""
+
+    name: str
+    gpu: int = 0
+    host: int = 0
+    nvme: int = 0
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The placement and the verdict. All sizes in bytes.
+
+    Attributes:
+        fits: every tier within its capacity.
+        offload_fraction: chosen (or given) fraction of optimizer state off the GPU.
+        state_tier: ``"cpu"`` or ``"nvme"``: where the offloaded state lives.
+        offload_layers: blocks whose activations go to the host tier.
+        items: the rows (what goes where).
+        capacity, used: per tier (``"gpu"``, ``"host"``, ``"nvme"``).
+        reasons: why it does not fit (empty when it fits).
+        notes: hints (how to configure it, what else would fit).
+    """
+
+    num_params: int
+    fits: bool
+    offload_fraction: float
+    state_tier: str
+    offload_layers: int
+    checkpoint: bool
+    items: list[Item]
+    capacity: dict[str, int]
+    used: dict[str, int]
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain-data form (for ``--json``)."""
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        """The human-readable plan: a table of parts per tier, totals, verdict and notes."""
+        def gb(n: int) -> str:
+            return f"{n / GB:,.1f} GB" if n else "-"
+        rows = [("part", "GPU", "host RAM", "NVMe", "")]
+        rows += [(i.name, gb(i.gpu), gb(i.host), gb(i.nvme), i.note) for i in self.items]
+        rows.append(("total", gb(self.used["gpu"]), gb(self.used["host"]), gb(self.used["nvme"]), ""))
+        rows.append(("capacity", gb(self.capacity["gpu"]), gb(self.capacity["host"]),
+                     gb(self.capacity["nvme"]), ""))
+        free = {t: self.capacity[t] - self.used[t] for t in self.capacity}
+        rows.append(("free", *(f"{free[t] / GB:,.1f} GB" for t in ("gpu", "host", "nvme")), ""))
+        width = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = []
+        for n, r in enumerate(rows):
+            cells = [r[0].ljust(width[0])] + [r[i].rjust(width[i]) for i in (1, 2, 3)]
+            lines.append("  ".join(cells) + (f"  {r[4]}" if r[4] else ""))
+            if n == 0 or n == len(self.items):
+                lines.append("-" * len(lines[-1]))
+        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        where = f" (state_tier={self.state_tier})" if self.offload_fraction else ""
+        head = (f"{self.num_params / 1e9:.2f}B params: {verdict} with optimizer state "
+                f"{self.offload_fraction:.0%} off the GPU{where}, "
+                f"activations of {self.offload_layers} blocks offloaded"
+                f"{', checkpointing' if self.checkpoint else ''}")
+        out = [head, ""] + lines
+        out += [""] + [f"does not fit: {r}" for r in self.reasons]
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out).rstrip() + "\n"
+
+
+def _dtype_bytes(name: str, field_name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"{field_name}={name!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return value
+
+
+def activation_bytes_per_block(*, batch: int, seq: int, d_model: int, n_heads: int,
+                               dtype_bytes: int, mlp_ratio: int = 4,
+                               eager_attention: bool = False) -> int:
+    """Bytes autograd saves for one pre-LN GPT block (see the module's table).
+
+    ``b·s·d·a·(9 + 2·mlp_ratio)``, plus ``2·b·h·s²·a`` for the softmax of eager attention.
+    """
+    n = batch * seq * d_model * dtype_bytes * (9 + 2 * mlp_ratio)
+    if eager_attention:
+        n += 2 * batch * n_heads * seq * seq * dtype_bytes
+    return n
+
+
+def head_bytes(*, batch: int, seq: int, d_model: int, vocab: int, dtype_bytes: int) -> int:
+    """Bytes of the head and loss: ``b·s·(2·d·a + V·(2·a + 8))`` (see the module's table)."""
+    return batch * seq * (2 * d_model * dtype_bytes + vocab * (2 * dtype_bytes + 8))
+
+
+def plan(num_params=None, *, model=None, n_layers: int | None = None,
+         d_model: int | None = None, n_heads: int | None = None, vocab: int = 32000,
+         seq: int = 2048, batch: int = 1, mlp_ratio: int = 4, dtype: str = "bf16",
+         moments_dtype: str = "fp32", gpu_bytes=H200_GPU_BYTES, host_bytes=H200_HOST_BYTES,
+         nvme_bytes=H200_NVME_BYTES, offload_fraction: float | None = None,
+         state_tier: str = "auto", offload_layers: int | None = None,
+         activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
+         eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
+         chunk_numel: int = 1 << 22, nvme_lookahead_chunks: int = 2) -> Plan:
+    """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
+
+    Args:
+        num_params: parameter count, or an ``nn.Module`` (its parameters are counted, its
+            dtype taken, and its ``cfg`` read when it is a ``tiermem.bench._gpt.GPT``).
+        model: an ``nn.Module`` (alternative to passing it as ``num_params``).
+        n_layers, d_model, n_heads: the transformer's shape, for the activation estimate
+            (required unless the model is a tiermem GPT; ``n_heads`` only matters with
+            ``eager_attention``; default d_model/128).
+        vocab: vocabulary size (tokens), for the head and loss.
+        seq: tokens per sequence.
+        batch: sequences per micro-batch.
+        mlp_ratio: MLP width / d_model.
+        dtype: parameter (and activation) dtype: ``"bf16"`` or ``"fp32"`` (``"fp16"``: 2 bytes).
+        moments_dtype: dtype of the offloaded moments, ``"fp32"`` or ``"bf16"``.
+        gpu_bytes, host_bytes, nvme_bytes: capacities in bytes (ints or strings like
+            ``"141GB"``, ``"128GiB"``); defaults: the H200 machine.
+        offload_fraction: fraction of the optimizer state off the GPU in [0, 1]; None: the
+            smallest that fits.
+        state_tier: ``"cpu"``, ``"nvme"`` or ``"auto"`` (RAM if it fits, else NVMe).
+        offload_layers: blocks whose activations are offloaded, in [0, n_layers); None:
+            0, or n_layers-1 when the GPU cannot fit otherwise.
+        activation_tier: ``"cpu"`` or ``"nvme"``: where offloaded activations go.
+        checkpoint: activation checkpointing of every block.
+        prefetch_depth: blocks reloaded ahead in backward (offloaded activations).
+        eager_attention: the attention saves its softmax (no flash/efficient SDPA kernel).
+        gpu_reserve_bytes: GPU bytes kept free for the CUDA context, workspaces and
+            fragmentation; None: 1 GiB + 5 % of ``gpu_bytes``.
+        host_reserve_bytes: host bytes kept free for the OS, Python and torch.
+        chunk_numel, nvme_lookahead_chunks: HybridAdam's, for the NVMe read-ahead buffers.
+
+    Returns:
+        a :class:`Plan` (``plan.fits``, ``plan.table()``).
+
+    Raises:
+        ValueError: a missing or non-positive size, an unknown dtype or tier, a fraction
+            outside [0, 1], ``offload_layers`` outside [0, n_layers), naming the argument.
+        TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``.
+    """
+    if model is not None and num_params is not None:
+        raise TypeError("plan: pass num_params or model, not both")
+    model = model if model is not None else (None if num_params is None or
+                                             isinstance(num_params, (int, float)) else num_params)
+    if model is not None:
+        import torch
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"plan: num_params must be a number or an nn.Module, got "
+                            f"{type(model).__name__}")
+        params = list(model.parameters())
+        num_params = sum(p.numel() for p in params)
+        if params and dtype == "bf16" and params[0].dtype == torch.float32:
+            dtype = "fp32"  # the model's own dtype wins over the default
+        cfg = getattr(model, "cfg", None)
+        if cfg is not None:
+            n_layers = n_layers or getattr(cfg, "n_layers", None)
+            d_model = d_model or getattr(cfg, "d_model", None)
+            n_heads = n_heads or getattr(cfg, "n_heads", None)
+            vocab = getattr(cfg, "vocab", vocab)
+            mlp_ratio = getattr(cfg, "mlp_ratio", mlp_ratio)
+    if num_params is None:
+        raise ValueError("plan: give the model size: num_params (e.g. 13e9) or a model")
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) \
+            or not num_params >= 1 or not math.isfinite(num_params):
+        raise ValueError(f"plan: num_params={num_params!r} must be a positive number")
+    n = int(num_params)
+    if n_layers is None or d_model is None:
+        raise ValueError("plan: the activation estimate needs the shape: n_layers and d_model "
+                         "(command line: --layers and --d-model, or --model-size)")
+    n_layers = _positive_int("n_layers", n_layers)
+    d_model = _positive_int("d_model", d_model)
+    n_heads = _positive_int("n_heads", n_heads or max(1, d_model // 128))
+    for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
+                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth),
+                        ("chunk_numel", chunk_numel)):
+        _positive_int(name, value)
+    if isinstance(nvme_lookahead_chunks, bool) or not isinstance(nvme_lookahead_chunks, int) \
+            or nvme_lookahead_chunks < 0:
+        raise ValueError(f"nvme_lookahead_chunks={nvme_lookahead_chunks!r} must be an int >= 0")
+    p = _dtype_bytes(dtype, "dtype")
+    m = _dtype_bytes(moments_dtype, "moments_dtype")
+    if m not in (2, 4) or moments_dtype in ("fp16", "float16"):
+        raise ValueError(f"moments_dtype={moments_dtype!r} must be fp32 or bf16")
+    cap = {"gpu": parse_bytes(gpu_bytes, "gpu_bytes"), "host": parse_bytes(host_bytes, "host_bytes"),
+           "nvme": parse_bytes(nvme_bytes, "nvme_bytes")}
+    if cap["gpu"] == 0:
+        raise ValueError("gpu_bytes=0: the plan needs a GPU capacity")
+    gpu_reserve = (GiB + cap["gpu"] // 20) if gpu_reserve_bytes is None else \
+        parse_bytes(gpu_reserve_bytes, "gpu_reserve_bytes")
+    host_reserve = parse_bytes(host_reserve_bytes, "host_reserve_bytes")
+    if offload_fraction is not None and (isinstance(offload_fraction, bool) or not isinstance(
+            offload_fraction, (int, float)) or not 0.0 <= offload_fraction <= 1.0):
+        raise ValueError(f"offload_fraction={offload_fraction!r} must be in [0.0, 1.0] or None "
+                         f"(auto)")
+    if state_tier not in ("auto", "cpu", "nvme"):
+        raise ValueError(f"state_tier={state_tier!r} is not 'auto', 'cpu' or 'nvme'")
+    if activation_tier not in ("cpu", "nvme"):
+        raise ValueError(f"activation_tier={activation_tier!r} is not 'cpu' or 'nvme'")
+    if offload_layers is not None and (isinstance(offload_layers, bool) or not isinstance(
+            offload_layers, int) or not 0 <= offload_layers < n_layers):
+        raise ValueError(f"offload_layers={offload_layers!r} must be an int in [0, {n_layers}) "
+                         f"(the last block's activations stay on the GPU)")
+
+    shape = dict(batch=batch, seq=seq, d_model=d_model, dtype_bytes=p)
+    per_block = activation_bytes_per_block(**shape, n_heads=n_heads, mlp_ratio=mlp_ratio,
+                                           eager_attention=eager_attention)
+    block_input = batch * seq * d_model * p
+    kept_per_block = block_input if checkpoint else per_block
+    head = head_bytes(**shape, vocab=vocab)
+    gpu_state_per_param = 8 + (4 if p != 4 else 0)
+    off_state_per_param = 4 + 2 * m
+    inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
+                  seq=seq, batch=batch, dtype=dtype, moments_dtype=moments_dtype,
+                  checkpoint=checkpoint, activation_tier=activation_tier,
+                  prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
+                  host_reserve_bytes=host_reserve)
+
+    def build(f: float, tier: str, k: int) -> Plan:
+        off_n = round(f * n)
+        gpu_n = n - off_n
+        items = [Item("parameters", gpu=n * p, note=f"{dtype}"),
+                 Item("gradients", gpu=n * p, note=f"{dtype}")]
+        items.append(Item("optimizer state, GPU side", gpu=gpu_n * gpu_state_per_param,
+                          note=f"{gpu_state_per_param} B/param"
+                               f"{' (fp32 master + moments)' if p != 4 else ' (moments)'}"))
+        state = off_n * off_state_per_param
+        items.append(Item("optimizer state, offloaded",
+                          host=state if tier == "cpu" else 0, nvme=state if tier == "nvme" else 0,
+                          note=f"{off_state_per_param} B/param (fp32 master + {moments_dtype} "
+                               f"moments)" if off_n else ""))
+        if off_n:
+            items.append(Item("pinned staging (grads + params)", host=2 * p * off_n,
+                              note=f"{2 * p} B/offloaded param"))
+            if tier == "nvme":
+                look = (nvme_lookahead_chunks + 3) * chunk_numel * 12
+                items.append(Item("NVMe read-ahead buffers", host=look,
+                                  note=f"{nvme_lookahead_chunks}+3 chunks"))
+        on_gpu_blocks = n_layers - k
+        window = min(k, prefetch_depth + 1)
+        act = Item("activations", gpu=on_gpu_blocks * kept_per_block + window * kept_per_block,
+                   note=f"{kept_per_block / GB:.2f} GB/block"
+                        f"{' (checkpointed)' if checkpoint else ''} x {on_gpu_blocks} blocks"
+                        + (f" + {window} reloading" if k else ""))
+        if checkpoint:
+            act.gpu += per_block  # the block being recomputed in backward
+            act.note += " + 1 recomputed"
+        if k:
+            setattr(act, "host" if activation_tier == "cpu" else "nvme", k * kept_per_block)
+            act.note += f"; {k} blocks offloaded to {activation_tier}"
+        items.append(act)
+        items.append(Item("head + loss", gpu=head, note="logits, fp32 log-softmax, grads"))
+        items.append(Item("reserve", gpu=gpu_reserve, host=host_reserve,
+                          note="CUDA context/workspace/fragmentation; OS + Python"))
+        used = {t: sum(getattr(i, t) for i in items) for t in ("gpu", "host", "nvme")}
+        reasons = [f"{t} needs {used[t] / GB:,.1f} GB, has {cap[t] / GB:,.1f} GB "
+                   f"(over by {(used[t] - cap[t]) / GB:,.1f} GB)"
+                   for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
+        return Plan(n, not reasons, f, tier, k, checkpoint, items, dict(cap), used, reasons,
+                    inputs=inputs)
+
+    def gpu_fixed(k: int) -> int:
+        return build(1.0, "cpu", k).used["gpu"]
+
+    def min_fraction(k: int) -> float:
+        room = cap["gpu"] - gpu_fixed(k)
+        if room >= n * gpu_state_per_param:
+            return 0.0
+        f = math.ceil((1.0 - room / (n * gpu_state_per_param)) * 100) / 100
+        return f  # > 1 when even full offload does not fit
+
+    layer_options = [offload_layers] if offload_layers is not None else \
+        sorted({0, n_layers - 1})
+    tiers = ["cpu", "nvme"] if state_tier == "auto" else [state_tier]
+    best: Plan | None = None
+    for k in layer_options:
+        f = offload_fraction if offload_fraction is not None else min(1.0, min_fraction(k))
+        for tier in tiers:
+            candidate = build(f, tier, k)
+            if candidate.fits:
+                best = candidate
+                break
+            if best is None or _overflow(candidate) < _overflow(best):
+                best = candidate  # the nearest miss: GPU fitting first, then least overflow
+        if best is not None and best.fits:
+            break
+    assert best is not None
+    _add_notes(best, n, cap, host_reserve, off_state_per_param, p, moments_dtype)
+    return best
+
+
+def _overflow(p: Plan) -> tuple[int, int]:
+    over = {t: max(0, p.used[t] - p.capacity[t]) for t in p.capacity}
+    return over["gpu"], sum(over.values())
+
+
+def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, state_pp: int, p: int,
+               moments_dtype: str) -> None:
+    f = pl.offload_fraction
+    if pl.fits:
+        cfg = [f"optimizer.offload_fraction={f:g}"]
+        if f > 0:
+            cfg.append(f"optimizer.state_tier={pl.state_tier}")
+        if moments_dtype != "fp32":
+            cfg.append("optimizer.moments_dtype=bfloat16")
+        cfg.append(f"activations.enabled={'true' if pl.offload_layers else 'false'}")
+        if pl.offload_layers:
+            cfg.append(f"activations.num_layers={pl.offload_layers}")
+        if pl.state_tier == "nvme" and f > 0:
+            cfg.append("store.nvme_dir=/path/on/ssd")
+        pl.notes.append("configure: " + " ".join(cfg))
+        if f == 0 and not pl.offload_layers:
+            pl.notes.append("fits on the GPU alone: tiermem is not needed for memory "
+                            "(offload only costs time here)")
+        return
+    over = {t: pl.used[t] > cap[t] for t in cap}
+    if over["gpu"]:
+        if f < 1.0:
+            pl.notes.append(f"the GPU overflows: raise the offload fraction (now {f:g}; "
+                            f"--offload-fraction auto finds the least that fits) or offload "
+                            f"activations")
+        else:
+            pl.notes.append("the GPU overflows even with all optimizer state off it: offload "
+                            "activations (activations.num_layers), use checkpointing, a smaller "
+                            "micro-batch or shorter sequences; parameters and gradients "
+                            f"themselves take {2 * p * n / GB:,.0f} GB")
+    if (over["host"] or over["nvme"]) and f > 0:
+        if f == 1.0:  # could the offloaded state fit anywhere at all? (RAM + NVMe together)
+            total = cap["host"] + cap["nvme"]
+            both = max(0, cap["host"] - host_reserve - 2 * p * n) + cap["nvme"]
+            for label, per in (("fp32 moments", 12), ("bf16 moments", 8)):
+                need = n * per
+                if need > total:
+                    verdict = f"more than RAM + NVMe together ({total / GB:,.0f} GB): no " \
+                              f"placement fits"
+                elif need > both:
+                    verdict = f"RAM + NVMe hold {both / GB:,.0f} GB after the {2 * p} B/param " \
+                              f"pinned staging and the host reserve: no placement fits"
+                else:
+                    verdict = f"RAM + NVMe could hold it ({both / GB:,.0f} GB after staging) only " \
+                              f"split between them, which one HybridAdam does not do (it keeps " \
+                              f"its offloaded state in one tier)"
+                pl.notes.append(f"with {label} the optimizer state of all {n / 1e9:.1f}B params "
+                                f"is {need / GB:,.0f} GB ({per} B/param): {verdict}")
+        elif moments_dtype == "fp32":
+            pl.notes.append("the offloaded state overflows its tier: bf16 moments "
+                            "(--moments-dtype bf16, optimizer.moments_dtype=bfloat16) cut it "
+                            "from 12 to 8 B/param; or lower the offload fraction if the GPU "
+                            "has room")
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def _fraction(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1] or 'auto'") from None
+
+
+def _layers(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or 'auto'") from None
+
+
+def _count(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 13e9)") from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tiermem plan",
+        description="Say what must go where (GPU / pinned host RAM / NVMe) to train a GPT-style "
+                    "model, and whether it fits. Exit code 0: fits; 1: does not fit; 2: bad "
+                    "usage. The memory model is documented in tiermem/plan.py and "
+                    "docs/design.md.")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--model-size", choices=sorted(PRESETS, key=lambda s: float(s[:-1])),
+                      help="a GPT preset (vocab 32000, seq 2048; 1b: 24x2048 micro-batch 8, "
+                           "7b: 32x4096, 13b: 40x5120, 30b: 60x6656, 70b: 80x8192, batch 1)")
+    size.add_argument("--params", type=_count, help="parameter count, e.g. 13e9 "
+                      "(needs --layers and --d-model)")
+    p.add_argument("--layers", type=int, help="transformer blocks")
+    p.add_argument("--d-model", type=int, help="model width")
+    p.add_argument("--heads", type=int, help="attention heads (eager attention only)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=int, help="sequences per micro-batch (default: preset's, or 1)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="parameter dtype (default bf16)")
+    p.add_argument("--moments-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype of the offloaded Adam moments (default fp32)")
+    p.add_argument("--gpu", default="141GB", help="GPU capacity (default 141GB: one H200)")
+    p.add_argument("--host", default="128GiB", help="host RAM (default 128GiB)")
+    p.add_argument("--nvme", default="64GiB", help="NVMe space for spill files (default 64GiB)")
+    p.add_argument("--gpu-reserve", default=None,
+                   help="GPU bytes kept free (default 1GiB + 5%% of --gpu)")
+    p.add_argument("--host-reserve", default="8GiB", help="host bytes kept free (default 8GiB)")
+    p.add_argument("--offload-fraction", type=_fraction, default=None, metavar="F|auto",
+                   help="optimizer state off the GPU, 0..1 (default auto: the least that fits)")
+    p.add_argument("--state-tier", default="auto", choices=["auto", "cpu", "nvme"],
+                   help="where offloaded state lives (default auto: RAM, else NVMe)")
+    p.add_argument("--offload-layers", type=_layers, default=None, metavar="K|auto",
+                   help="blocks whose activations are offloaded (default auto)")
+    p.add_argument("--activation-tier", default="cpu", choices=["cpu", "nvme"],
+                   help="where offloaded activations go (default cpu)")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="blocks reloaded ahead (1)")
+    p.add_argument("--eager-attention", action="store_true",
+                   help="attention saves its softmax (no flash/efficient SDPA kernel)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``tiermem plan``; return 0 (fits), 1 (does not fit) or 2 (bad usage).
+
+    Bad usage prints one line (or argparse's usage message) on stderr and returns 2.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        if args.model_size is None and args.params is None:
+            raise ValueError("give the model: --model-size 1b|7b|13b|30b|70b, or --params N "
+                             "with --layers and --d-model")
+        shape = PRESETS.get(args.model_size)
+        kw = dict(
+            n_layers=args.layers or (shape.n_layers if shape else None),
+            d_model=args.d_model or (shape.d_model if shape else None),
+            n_heads=args.heads or (shape.n_heads if shape else None),
+            vocab=args.vocab or (shape.vocab if shape else 32000),
+            seq=args.seq or (shape.seq_len if shape else 2048),
+            batch=args.batch or (shape.micro_batch if shape else 1),
+            dtype=args.dtype, moments_dtype=args.moments_dtype, gpu_bytes=args.gpu,
+            host_bytes=args.host, nvme_bytes=args.nvme, gpu_reserve_bytes=args.gpu_reserve,
+            host_reserve_bytes=args.host_reserve, offload_fraction=args.offload_fraction,
+            state_tier=args.state_tier, offload_layers=args.offload_layers,
+            activation_tier=args.activation_tier, checkpoint=args.checkpoint,
+            prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention)
+        if shape is not None:
+            if args.layers or args.d_model:
+                raise ValueError("--model-size sets the shape; use --params with --layers and "
+                                 "--d-model for another shape")
+            n = dataclasses.replace(shape, vocab=kw["vocab"], seq_len=kw["seq"]).num_params()
+        else:
+            n = args.params
+        result = plan(n, **kw)
+    except (ValueError, TypeError) as exc:
+        print(f"tiermem plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.table(), end="")
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
