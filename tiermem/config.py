@@ -100,6 +100,10 @@ class StoreConfig:
     """Verify a CRC-32C per spill chunk on read (a corrupted file raises, never returns data)."""
     policy: Any = "lru"
     """Eviction policy: ``"lru"``, ``"trace"`` or a :class:`tiermem.store.policy.Policy` instance."""
+    prefetch_lookahead: int = 0
+    """Accesses of the recorded step the store looks ahead after each access, prefetching them
+    into free room (or over keys needed later) with :class:`tiermem.schedule.Prefetcher`;
+    0 turns it off. Needs ``policy="trace"`` (or a ``TracePolicy`` instance)."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes", "pool_slab_bytes", "io_chunk_bytes"):
@@ -124,6 +128,14 @@ class StoreConfig:
             raise ValueError(f"StoreConfig.pool_slab_bytes={self.pool_slab_bytes} must be >= 4096")
         if isinstance(self.policy, str):
             _check_choice("StoreConfig.policy", self.policy, ("lru", "trace"))
+        if isinstance(self.prefetch_lookahead, bool) or not isinstance(self.prefetch_lookahead, int) \
+                or self.prefetch_lookahead < 0:
+            raise ValueError(f"StoreConfig.prefetch_lookahead={self.prefetch_lookahead!r} must be "
+                             f"an int >= 0 (accesses looked ahead; 0 turns prefetch off)")
+        if self.prefetch_lookahead and self.policy == "lru":
+            raise ValueError(f"StoreConfig.prefetch_lookahead={self.prefetch_lookahead} needs the "
+                             f"recorded step of the trace policy: set StoreConfig.policy='trace', "
+                             f"or prefetch_lookahead=0")
 
     def budget(self, tier: str) -> int:
         """Return the byte budget of ``tier``.
@@ -185,3 +197,177 @@ def from_dict(cls, section: dict | None, name: str):
         raise ValueError(f"unknown field(s) {', '.join(f'{name}.{u}' for u in unknown)}; "
                          f"valid fields of {name}: {', '.join(sorted(known))}")
     return cls(**section)
+
+
+# ------------------------------------------------------------------ training-loop sections
+# The sections of examples/train_gpt.py's YAML (and ``tiermem demo``) besides ``store``
+# (StoreConfig) and ``model`` (tiermem.bench._gpt.GPTConfig). Each mirrors the keyword
+# arguments of the API it feeds, so ``HybridAdam(params, **optimizer.kwargs())`` works.
+
+DTYPES = ("float32", "bfloat16")
+"""Parameter dtypes accepted by :class:`TrainConfig`."""
+
+
+def _check_number(field: str, value: Any, *, low: float | None = None, high: float | None = None,
+                  integer: bool = False, low_open: bool = False) -> None:
+    kind = "an int" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        raise TypeError(f"{field} must be {kind}, got {type(value).__name__} {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{field}={value!r} must be {'>' if low_open else '>='} {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{field}={value!r} must be <= {high}")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The ``optimizer`` section: :class:`tiermem.optim.HybridAdam`'s arguments (AdamW)."""
+
+    lr: float = 3e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
+    eps: float = 1e-8
+    """Term added to the denominator."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) weight decay, applied to matrices only (not biases, norms)."""
+    offload_fraction: float = 0.5
+    """Fraction of parameter bytes whose fp32 master and moments live off the GPU, in
+    [0.0, 1.0]; the last layers go first. 0.0 keeps everything on the GPU."""
+    state_tier: Literal["cpu", "nvme"] = "cpu"
+    """Where offloaded state lives: ``"cpu"`` (pinned RAM) or ``"nvme"`` (needs store.nvme_bytes
+    and store.nvme_dir)."""
+    overlap: bool = True
+    """Step offloaded chunks on the CPU during backward, as their gradients land."""
+    chunk_numel: int = 1 << 22
+    """Elements per offloaded chunk (unit of the CPU step and NVMe I/O), >= 1024."""
+    max_grad_norm: float | None = None
+    """Clip gradients to this global 2-norm inside ``step()``; None: no clipping."""
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the offloaded moments: ``"float32"`` (exact torch semantics, 12 bytes of state
+    per param) or ``"bfloat16"`` (8 bytes per param; moments rounded after each update)."""
+    cpu_threads: int | None = None
+    """Threads of the CPU step; None: torch's thread count (less one with overlap on CUDA)."""
+    nvme_lookahead_chunks: int = 2
+    """Chunks of NVMe-resident state read ahead of the CPU step (``state_tier="nvme"``)."""
+
+    def __post_init__(self) -> None:
+        _check_number("optimizer.lr", self.lr, low=0.0)
+        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2):
+            raise ValueError(f"optimizer.betas={self.betas!r} must be two numbers, e.g. [0.9, 0.95]")
+        self.betas = tuple(self.betas)
+        for i, beta in enumerate(self.betas):
+            _check_number(f"optimizer.betas[{i}]", beta, low=0.0)
+            if not beta < 1.0:
+                raise ValueError(f"optimizer.betas[{i}]={beta!r} must be < 1.0")
+        _check_number("optimizer.eps", self.eps, low=0.0)
+        _check_number("optimizer.weight_decay", self.weight_decay, low=0.0)
+        _check_number("optimizer.offload_fraction", self.offload_fraction, low=0.0, high=1.0)
+        _check_choice("optimizer.state_tier", self.state_tier, ("cpu", "nvme"))
+        _check_choice("optimizer.overlap", self.overlap, (True, False))
+        _check_number("optimizer.chunk_numel", self.chunk_numel, low=1024, integer=True)
+        if self.max_grad_norm is not None:
+            _check_number("optimizer.max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
+        _check_choice("optimizer.moments_dtype", self.moments_dtype, ("float32", "bfloat16"))
+        if self.cpu_threads is not None:
+            _check_number("optimizer.cpu_threads", self.cpu_threads, low=1, integer=True)
+        _check_number("optimizer.nvme_lookahead_chunks", self.nvme_lookahead_chunks, low=0,
+                      integer=True)
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for ``HybridAdam`` (all but params, store and accumulation steps);
+        ``moments_dtype`` becomes a ``torch.dtype`` and is left out when float32 (the default)."""
+        out = dataclasses.asdict(self)
+        if out.pop("moments_dtype") != "float32":
+            import torch  # the config module itself does not need torch
+            out["moments_dtype"] = getattr(torch, self.moments_dtype)
+        return out
+
+
+@dataclass(kw_only=True)
+class ActivationConfig:
+    """The ``activations`` section: :func:`tiermem.offload.offload_activations`'s arguments."""
+
+    enabled: bool = True
+    """Offload saved activations at all (False: they stay on the device)."""
+    tier: Literal["cpu", "nvme"] = "cpu"
+    """``"cpu"`` (pinned host memory) or ``"nvme"`` (needs store.nvme_bytes and nvme_dir)."""
+    num_layers: int | None = None
+    """Offload the first N blocks, in [0, n_layers); None: all but the last block."""
+    prefetch_depth: int = 1
+    """Layers reloaded ahead of the one backward is in (>= 1)."""
+    min_offload_bytes: int = 1024
+    """Saved tensors smaller than this many bytes stay on the device."""
+    offload_weights: bool = False
+    """Also offload parameters and buffers that autograd saves."""
+    double_buffering: bool = False
+    """Reload into two persistent device buffer sets (needs prefetch_depth=1)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("activations.enabled", self.enabled, (True, False))
+        _check_choice("activations.tier", self.tier, ("cpu", "nvme"))
+        if self.num_layers is not None:
+            _check_number("activations.num_layers", self.num_layers, low=0, integer=True)
+        _check_number("activations.prefetch_depth", self.prefetch_depth, low=1, integer=True)
+        _check_number("activations.min_offload_bytes", self.min_offload_bytes, low=0, integer=True)
+        _check_choice("activations.offload_weights", self.offload_weights, (True, False))
+        _check_choice("activations.double_buffering", self.double_buffering, (True, False))
+        if self.double_buffering and self.prefetch_depth != 1:
+            raise ValueError(f"activations.double_buffering=True needs activations."
+                             f"prefetch_depth=1 (got {self.prefetch_depth}): two buffer sets hold "
+                             f"the layer in use and the one loading")
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for ``offload_activations`` (everything but blocks and store)."""
+        out = dataclasses.asdict(self)
+        del out["enabled"]
+        return out
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The ``train`` section: the loop of examples/train_gpt.py and ``tiermem demo``."""
+
+    steps: int = 30
+    """Optimizer steps."""
+    micro_batch: int = 8
+    """Sequences per micro-batch."""
+    grad_accumulation_steps: int = 1
+    """Micro-batches (backward passes) per optimizer step."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: the model's ``seq_len``."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype. float32 compares bit-for-bit with the baseline; bfloat16 keeps fp32
+    masters in the optimizer, and the two runs' losses drift apart by rounding (float16 would
+    need loss scaling and is not offered)."""
+    device: str = "auto"
+    """``"auto"`` (CUDA if present), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    seed: int = 0
+    """Seed of the model init and of the data."""
+    checkpoint: bool = False
+    """Run each block under activation checkpointing (both runs)."""
+    baseline: bool = True
+    """After the offloaded run, train the same model without offload and compare."""
+    tolerance: float = 1e-6
+    """Largest accepted |loss difference| against the baseline (absolute)."""
+    markov_branching: int = 4
+    """Likely successors per token in the generated Markov chain (lower: easier to learn)."""
+    log_every: int = 1
+    """Print the per-step line every N steps (0: never)."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("micro_batch", 1), ("grad_accumulation_steps", 1),
+                          ("seed", 0), ("markov_branching", 1),
+                          ("log_every", 0)):
+            _check_number(f"train.{name}", getattr(self, name), low=low, integer=True)
+        if self.seq_len is not None:
+            _check_number("train.seq_len", self.seq_len, low=1, integer=True)
+        _check_choice("train.dtype", self.dtype, DTYPES)
+        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", str(self.device))):
+            raise ValueError(f"train.device={self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        for name in ("checkpoint", "baseline", "progress"):
+            _check_choice(f"train.{name}", getattr(self, name), (True, False))
+        _check_number("train.tolerance", self.tolerance, low=0.0)

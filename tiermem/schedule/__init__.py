@@ -1,0 +1,7 @@
+"""Schedules keyed to the execution order: the access trace of one step, next-use (Belady)
+eviction, lookahead prefetch, and the policy tuner (:mod:`tiermem.schedule.tuner`)."""
+
+from tiermem.schedule.prefetch import Prefetcher
+from tiermem.schedule.trace import Access, AccessTrace, StepOrdinalKeys, TracePolicy
+
+__all__ = ["Access", "AccessTrace", "StepOrdinalKeys", "TracePolicy", "Prefetcher"]

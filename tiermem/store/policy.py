@@ -60,9 +60,10 @@ def make_policy(policy: str | Policy) -> Policy:
     if policy == "lru":
         return LRUPolicy()
     if policy == "trace":
-        from tiermem.schedule.trace import TracePolicy  # the execution-order policy
+        from tiermem.schedule.trace import StepOrdinalKeys, TracePolicy  # execution order
 
-        return TracePolicy()
+        # activation-offload keys are new each step: match them by their order in the step
+        return TracePolicy(key_fn=StepOrdinalKeys.activations())
     if isinstance(policy, str):
         raise ValueError(f"StoreConfig.policy={policy!r} is unknown; use 'lru', 'trace' or a Policy")
     raise TypeError(f"StoreConfig.policy must be 'lru', 'trace' or a tiermem Policy, "

@@ -68,6 +68,7 @@ class _Move:
     on_done: Callable[[], None]
     on_fail: Callable[[BaseException], None]
     keep: list = field(default_factory=list)  # buffers that must outlive the copy
+    started_s: float = 0.0  # perf_counter() at the start (set only with a recorder)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -90,10 +91,14 @@ class TierStore:
     Args:
         config: the store's :class:`~tiermem.StoreConfig`; keyword arguments build one instead
             (``TierStore(gpu_bytes="1GiB", cpu_bytes="8GiB")``).
+        recorder: a :class:`tiermem.telemetry.Recorder` told about every memory change, move
+            and stall (None: no telemetry; costs one ``if`` per event). Also settable later
+            through the ``recorder`` attribute.
 
     Raises:
         ValueError: invalid config (negative budget, unwritable ``nvme_dir``, CUDA asked for
             but absent, ...), naming the field and the fix.
+        TypeError: ``prefetch_lookahead`` > 0 with a policy that is not a ``TracePolicy``.
 
     Tensors come back with their dtype and shape; non-contiguous input is stored contiguous. A
     device tensor put into the ``"gpu"`` tier is kept by reference when it owns its storage
@@ -102,7 +107,8 @@ class TierStore:
     may move the key.
     """
 
-    def __init__(self, config: StoreConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: StoreConfig | None = None, *, recorder: Any = None,
+                 **kwargs: Any) -> None:
         if config is not None and kwargs:
             raise TypeError("TierStore takes a StoreConfig or keyword fields, not both")
         if config is None:
@@ -134,6 +140,28 @@ class TierStore:
         self._moved: dict[str, int] = {}
         self._stall_s = dict.fromkeys(TIERS, 0.0)
         self._closed = False
+        self._evict_only: Callable[[Hashable], bool] | None = None  # set by try_prefetch
+        self._recorder = None
+        self.recorder = recorder
+        bind = getattr(self._policy, "bind", None)
+        if bind is not None:
+            bind(self)  # the trace policy reads key sizes
+        self._prefetcher = None
+        if config.prefetch_lookahead:
+            from tiermem.schedule.prefetch import Prefetcher
+
+            self._prefetcher = Prefetcher(self, self._policy, config.prefetch_lookahead)
+
+    @property
+    def recorder(self) -> Any:
+        """The :class:`tiermem.telemetry.Recorder` this store reports to, or None."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, recorder: Any) -> None:
+        if recorder is not None:
+            recorder.attach(self)
+        self._recorder = recorder
 
     # ------------------------------------------------------------------ public API
 
@@ -189,6 +217,10 @@ class TierStore:
             self._entries[key] = entry
             self._policy.on_move(key, None, entry.tier)
             self._policy.on_access(key, entry.tier)
+            if self._recorder is not None:
+                self._sample()
+        if self._prefetcher is not None:
+            self._prefetcher.after_access(key)
 
     def get(self, key: Hashable, tier: str = "gpu", *, hold: bool = False) -> torch.Tensor:
         """Return the tensor of ``key``, moving it into ``tier`` first if it is lower.
@@ -221,7 +253,9 @@ class TierStore:
             from_tier = entry.tier
             if _RANK[entry.tier] > _RANK[tier]:
                 self._settle(entry)
+                old_tier = entry.tier
                 self._promote(entry, tier)
+                self._policy.on_move(key, old_tier, entry.tier)
             move = entry.move
             if hold:
                 entry.holds += 1
@@ -239,8 +273,13 @@ class TierStore:
                 raise
             if consumer is not None and out.device.type == "cuda":
                 out.record_stream(consumer)  # allocated on the H2D stream; see transfer.py note
+        t1 = time.perf_counter()
         with self._lock:
-            self._stall_s[from_tier] += time.perf_counter() - t0
+            self._stall_s[from_tier] += t1 - t0
+        if self._recorder is not None and (move is not None or from_tier != entry.tier):
+            self._recorder.stall(key, from_tier, t0, t1)
+        if self._prefetcher is not None:
+            self._prefetcher.after_access(key)
         return out
 
     def prefetch(self, key: Hashable, tier: str = "gpu") -> TransferFuture:
@@ -263,8 +302,59 @@ class TierStore:
             entry = self._lookup(key)
             if _RANK[entry.tier] > _RANK[tier]:
                 self._settle(entry)
+                old_tier = entry.tier
                 self._promote(entry, tier)
+                self._policy.on_move(key, old_tier, entry.tier)
             self._policy.on_access(key, entry.tier)
+            future = entry.move.future if entry.move is not None else TransferFuture.completed()
+        if self._prefetcher is not None:
+            self._prefetcher.after_access(key)
+        return future
+
+    def try_prefetch(self, key: Hashable, tier: str = "gpu", *,
+                     evictable: Callable[[Hashable], bool] | None = None) -> TransferFuture | None:
+        """Start moving ``key`` up into ``tier`` only if that needs no unwanted eviction.
+
+        A hint, unlike :meth:`prefetch`: it never waits for in-flight moves to make room, never
+        raises for lack of room, and does not count as an access for the policy (it reports the
+        move through ``Policy.on_move`` only). Room comes from free bytes of ``tier`` (and of
+        the ``"cpu"`` tier for an nvme -> gpu move's staging block) and, when ``evictable`` is
+        given, from evicting (in policy order, cascading down) resident keys for which
+        ``evictable(key)`` is True; the key itself and keys held or in flight are never evicted.
+
+        Returns:
+            the move's future (a done one when ``key`` is already in ``tier`` or higher, the
+            in-flight move's future when it is moving); None when nothing was started: unknown
+            or held key, or no room without evicting a key ``evictable`` rejects.
+
+        Raises:
+            ValueError: unknown tier or ``tier="nvme"``.
+            StoreClosedError: the store is closed.
+        """
+        self._check_tier(tier)
+        if tier == "nvme":
+            raise ValueError("try_prefetch(tier='nvme') is not a prefetch; use evict(key, 'nvme')")
+        with self._lock:
+            self._check_open()
+            self._reap()
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry.move is not None:
+                return entry.move.future
+            if _RANK[entry.tier] <= _RANK[tier]:
+                return TransferFuture.completed()
+            if entry.holds:
+                return None
+            old_tier = entry.tier
+            self._evict_only = evictable if evictable is not None else (lambda k: False)
+            try:
+                self._promote(entry, tier)
+            except TierFullError:
+                return None
+            finally:
+                self._evict_only = None
+            self._policy.on_move(key, old_tier, entry.tier)
             return entry.move.future if entry.move is not None else TransferFuture.completed()
 
     def evict(self, key: Hashable, tier: str = "cpu") -> TransferFuture:
@@ -287,10 +377,12 @@ class TierStore:
             if entry.holds:
                 raise ValueError(f"evict({key!r}): the key is held by a caller; release it first")
             self._settle(entry)
+            old_tier = entry.tier
             while entry.tier != tier:
                 self._demote(entry, TIERS[_RANK[entry.tier] + 1])
                 if entry.tier != tier:
                     self._settle(entry)  # the staging hop must land before the next hop
+            self._policy.on_move(key, old_tier, entry.tier)
             return entry.move.future if entry.move is not None else TransferFuture.completed()
 
     def delete(self, key: Hashable) -> None:
@@ -330,6 +422,20 @@ class TierStore:
             yield tensor
         finally:
             self.release(key)
+
+    def mark_step(self) -> None:
+        """Mark a training-step boundary.
+
+        The trace policy ends its recorded step here (and starts following it), and a recorder
+        marks the step on its timeline. Call it once per training step, e.g. after
+        ``optimizer.step()``; other policies ignore it.
+        """
+        with self._lock:
+            mark = getattr(self._policy, "mark_step", None)
+            if mark is not None:
+                mark()
+            if self._recorder is not None:
+                self._recorder.mark_step()
 
     def tier_of(self, key: Hashable) -> str:
         """Return the tier ``key`` lives in (or is moving into).
@@ -521,6 +627,8 @@ class TierStore:
 
             self._moves.append(_Move(entry, "nvme", tier, future, done, fail))
             entry.move = self._moves[-1]
+            if self._recorder is not None:
+                entry.move.started_s = time.perf_counter()
             self._count("nvme", tier, n)
             return
         # cpu -> gpu
@@ -627,11 +735,17 @@ class TierStore:
                     f"{self._budget[tier]}, used {self.used_bytes(tier)}, the rest held or in flight)")
 
     def _free_some(self, tier: str, key: Hashable, exclude: Hashable) -> bool:
-        """Free bytes in ``tier``: finish moves out of it, else evict one victim. False: stuck."""
+        """Free bytes in ``tier``: finish moves out of it, else evict one victim. False: stuck.
+
+        Inside :meth:`try_prefetch` (``_evict_only`` set) it never waits and evicts only
+        victims that ``_evict_only`` allows.
+        """
+        only = self._evict_only
         # an nvme -> gpu move also holds a cpu staging block until it lands: waiting for it
         # frees cpu bytes too (without this a reload stalls on a cpu tier full of staging)
-        leaving = [m for m in self._moves if m.src == tier
-                   or (tier == "cpu" and m.src == "nvme" and m.dst == "gpu")]
+        leaving = [] if only is not None else [
+            m for m in self._moves if m.src == tier
+            or (tier == "cpu" and m.src == "nvme" and m.dst == "gpu")]
         if leaving:
             for move in leaving:
                 self._finish(move, wait=True)
@@ -644,6 +758,8 @@ class TierStore:
             if victim is None or victim.tier != tier or victim.holds or victim_key == exclude \
                     or victim.move is not None or victim.nbytes == 0:
                 continue
+            if only is not None and not only(victim_key):
+                continue
             try:
                 self._demote(victim, lower)
             except TierFullError:
@@ -651,6 +767,8 @@ class TierStore:
             self._policy.on_move(victim_key, tier, lower)
             self._finish(victim.move, wait=True)  # its bytes leave this tier only once copied
             return True
+        if only is not None:
+            return False
         arriving = [m for m in self._moves if m.dst == tier and m.entry.key != exclude]
         for move in arriving:  # keys still in flight become victims once they land
             try:
@@ -672,6 +790,8 @@ class TierStore:
 
     def _add_move(self, entry, src, dst, future, on_done, on_fail, keep=()):
         move = _Move(entry, src, dst, future, on_done, on_fail, list(keep))
+        if self._recorder is not None:
+            move.started_s = time.perf_counter()
         self._moves.append(move)
         entry.move = move
         if src is not None:
@@ -681,6 +801,12 @@ class TierStore:
         name = f"{src}->{dst}"
         self._moved[name] = self._moved.get(name, 0) + nbytes
         self._peak[dst] = max(self._peak[dst], self.used_bytes(dst))
+        if self._recorder is not None:
+            self._sample()
+
+    def _sample(self) -> None:
+        """Report every tier's used bytes to the recorder (call only with one)."""
+        self._recorder.memory({t: self.used_bytes(t) for t in TIERS})
 
     def _finish(self, move: _Move, wait: bool) -> bool:
         """Apply a finished move's completion (waiting if ``wait``). Return True if applied.
@@ -695,12 +821,22 @@ class TierStore:
         except BaseException as exc:
             self._detach(move)
             move.on_fail(exc)
+            if self._recorder is not None:
+                self._record_move(move, ok=False)
             if move.src == "nvme" or move.src is None:
                 raise
             return True
         self._detach(move)
         move.on_done()
+        if self._recorder is not None:
+            self._record_move(move, ok=True)
         return True
+
+    def _record_move(self, move: _Move, ok: bool) -> None:
+        """Report a finished (applied) move and the memory after it to the recorder."""
+        self._recorder.transfer(move.src or "put", move.dst, move.entry.key, move.entry.nbytes,
+                                move.started_s, time.perf_counter(), ok=ok)
+        self._sample()
 
     def _detach(self, move: _Move) -> None:
         self._moves.remove(move)
@@ -731,6 +867,8 @@ class TierStore:
             self._spill.free(entry.extent)
         entry.device_buf = entry.block = entry.extent = None
         self._policy.on_move(entry.key, entry.tier, None)
+        if self._recorder is not None:
+            self._sample()
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,0 +1,619 @@
+"""Policy tuner: time a grid of offload settings under budgets, predict each from a cost model.
+
+``tune(factory, grid, steps=3, budgets=...)`` builds each setting's training step with
+``factory(setting)``, runs a few steps, and measures step time, peak bytes per tier and stall
+time in ``TierStore.get``; it marks the fastest setting that fits the budgets and prints a table
+with the :class:`CostModel`'s prediction beside each measurement. ``tiermem tune`` runs it on a
+small GPT (:mod:`tiermem.bench._gpt`) with activation offload and HybridAdam, over prefetch
+depth, offloaded layers, optimizer offload fraction, state tier and store policy.
+
+Cost model: each link moves its bytes at its bandwidth (H2D, D2H, NVMe read, NVMe write; the two
+NVMe directions share the disk), the CPU Adam steps its parameters at its rate, and compute takes
+``compute_s``. Serial prediction: the sum of all; overlapped (``overlap=True``): the largest of
+compute, H2D, D2H, NVMe and CPU Adam (perfect overlap; a lower bound). When ``compute_s`` is not
+given, :func:`tune` takes it from the setting the model says moves least: its measured step time
+minus its predicted offload time (the compute is the same in every setting).
+
+Units: bandwidths in GB/s (1e9 bytes/s), CPU Adam in G params/s (1e9 parameters/s), times in
+seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from tiermem.config import TIERS, parse_bytes
+
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
+"""Links of the cost model."""
+
+_DIRECTION_LINKS = {  # store move direction -> links it uses
+    "cpu->gpu": ("h2d",), "put->gpu": ("h2d",), "gpu->cpu": ("d2h",), "put->cpu": ("d2h",),
+    "nvme->cpu": ("nvme_read",), "nvme->gpu": ("nvme_read", "h2d"),
+    "cpu->nvme": ("nvme_write",), "put->nvme": ("nvme_write",),
+}
+
+
+def link_bytes(moved_bytes: Mapping[str, int]) -> dict[str, int]:
+    """Return bytes per link from a store's ``moved_bytes`` (``{"cpu->gpu": n, ...}``).
+
+    An nvme -> gpu move uses both the NVMe read and the H2D link. Unknown directions are
+    ignored.
+    """
+    out = dict.fromkeys(LINKS, 0)
+    for direction, n in moved_bytes.items():
+        for link in _DIRECTION_LINKS.get(direction, ()):
+            out[link] += n
+    return out
+
+
+@dataclass
+class CostModel:
+    """Predicts a step's time from bytes per link and CPU Adam work.
+
+    Args:
+        h2d_gbps: host -> device bandwidth, GB/s.
+        d2h_gbps: device -> host bandwidth, GB/s.
+        nvme_read_gbps: spill read bandwidth, GB/s.
+        nvme_write_gbps: spill write bandwidth, GB/s.
+        cpu_adam_gparams: CPU Adam rate, G parameters/s.
+
+    Raises:
+        ValueError: a rate that is not a positive number.
+    """
+
+    h2d_gbps: float
+    d2h_gbps: float
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    cpu_adam_gparams: float
+
+    def __post_init__(self) -> None:
+        for name in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
+                     "cpu_adam_gparams"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not value > 0 or math.isinf(value):
+                raise ValueError(f"CostModel.{name}={value!r} must be a positive finite number")
+
+    def link_seconds(self, bytes_per_link: Mapping[str, int]) -> dict[str, float]:
+        """Return seconds per link for ``{"h2d": bytes, "d2h": ..., "nvme_read": ...,
+        "nvme_write": ...}`` (missing links: 0).
+
+        Raises:
+            ValueError: an unknown link name.
+        """
+        unknown = set(bytes_per_link) - set(LINKS)
+        if unknown:
+            raise ValueError(f"CostModel: unknown link(s) {sorted(unknown)}; use {LINKS} "
+                             f"(tiermem.schedule.tuner.link_bytes converts store directions)")
+        rate = {"h2d": self.h2d_gbps, "d2h": self.d2h_gbps, "nvme_read": self.nvme_read_gbps,
+                "nvme_write": self.nvme_write_gbps}
+        return {link: bytes_per_link.get(link, 0) / (rate[link] * 1e9) for link in LINKS}
+
+    def adam_seconds(self, adam_params: int) -> float:
+        """Return the seconds the CPU Adam takes for ``adam_params`` parameters."""
+        return adam_params / (self.cpu_adam_gparams * 1e9)
+
+    def offload_seconds(self, bytes_per_link: Mapping[str, int], adam_params: int) -> float:
+        """Return the serial time of all transfers and the CPU Adam (seconds)."""
+        return sum(self.link_seconds(bytes_per_link).values()) + self.adam_seconds(adam_params)
+
+    def predict_s(self, bytes_per_link: Mapping[str, int], adam_params: int = 0,
+                  compute_s: float = 0.0, overlap: bool = False) -> float:
+        """Predict a step's time in seconds.
+
+        Args:
+            bytes_per_link: bytes each link moves in one step (see :func:`link_bytes`).
+            adam_params: parameters the CPU Adam steps in one step.
+            compute_s: seconds of the step's own compute (forward, backward, GPU optimizer).
+            overlap: everything overlaps perfectly (the largest term), else it adds up.
+
+        Raises:
+            ValueError: an unknown link name or a negative ``compute_s``.
+        """
+        if compute_s < 0:
+            raise ValueError(f"CostModel.predict_s: compute_s={compute_s!r} must be >= 0 (seconds)")
+        links = self.link_seconds(bytes_per_link)
+        adam = self.adam_seconds(adam_params)
+        if not overlap:
+            return compute_s + sum(links.values()) + adam
+        return max(compute_s, links["h2d"], links["d2h"], links["nvme_read"] + links["nvme_write"],
+                   adam)
+
+    @classmethod
+    def measure(cls, device: str | torch.device = "auto", nbytes: int = 32 << 20,
+                nvme_dir: str | None = None, adam_params: int = 1 << 20) -> "CostModel":
+        """Measure the rates on this machine with small copies and one CPU Adam call.
+
+        Args:
+            device: the compute device (``"auto"``: CUDA if present). Without CUDA, H2D/D2H are
+                host copies.
+            nbytes: bytes per copy and per spill write/read.
+            nvme_dir: directory for the spill timing (None: a temporary directory; it may be a
+                RAM disk, so pass the real spill directory for real numbers).
+            adam_params: parameters of the CPU Adam timing.
+
+        Raises:
+            OSError: ``nvme_dir`` is not writable.
+        """
+        from tiermem.optim.cpu_adam import adam_step_
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") \
+            if str(device) == "auto" else torch.device(device)
+        cuda = device.type == "cuda"
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
+            fn()  # warm-up
+            best = math.inf
+            for _ in range(repeat):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            return max(best, 1e-9)
+
+        h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
+        d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
+        data = host.numpy().tobytes()
+        with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
+            path = os.path.join(tmp, "bw")
+
+            def write() -> None:
+                with open(path, "wb", buffering=0) as f:
+                    f.write(data)
+                    os.fsync(f.fileno())
+
+            def read() -> None:
+                with open(path, "rb", buffering=0) as f:
+                    f.readinto(bytearray(nbytes))
+
+            nvme_write = nbytes / timed(write, repeat=2) / 1e9
+            nvme_read = nbytes / timed(read, repeat=2) / 1e9
+        p, g, m, v = (torch.rand(adam_params) for _ in range(4))
+        steps = itertools.count(1)
+        adam = adam_params / timed(lambda: adam_step_(
+            p, g, m, v, step=next(steps), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.0)) / 1e9
+        return cls(h2d, d2h, nvme_read, nvme_write, adam)
+
+
+@dataclass
+class Trial:
+    """One setting's training step, as built by the factory given to :func:`tune`.
+
+    Attributes:
+        step: runs one training step.
+        stores: the TierStores the step uses (their moved bytes, peaks and stalls are read).
+        adam_params: parameters the CPU Adam steps per step (for the cost model).
+        device_peak_bytes: returns the peak device bytes of the timed steps when they cannot be
+            read from CUDA (e.g. an estimate on a CPU machine); None: the stores' gpu tiers.
+        close: frees what the trial holds (called after its steps, also on error).
+    """
+
+    step: Callable[[], Any]
+    stores: Sequence[Any] = ()
+    adam_params: int = 0
+    device_peak_bytes: Callable[[], int] | None = None
+    close: Callable[[], Any] | None = None
+
+
+@dataclass
+class Result:
+    """One setting's measurement.
+
+    Attributes:
+        setting: the grid point.
+        step_s: median measured step time, seconds.
+        peak_bytes: peak bytes per tier (``gpu``: ``torch.cuda.max_memory_allocated`` of the
+            timed steps on CUDA, else the trial's estimate or its stores' gpu tiers; ``cpu`` /
+            ``nvme``: the sum of the stores' peaks).
+        stall_s: seconds per step callers blocked in ``TierStore.get``.
+        moved_bytes: bytes per step per store direction (``"cpu->gpu"``, ...).
+        adam_params: CPU Adam parameters per step.
+        predicted_s: the cost model's step time (None without a model).
+        fits: every tier's peak is within its budget (and the setting ran).
+        best: the fastest setting that fits.
+        error: why the setting failed (it then does not fit).
+    """
+
+    setting: dict
+    step_s: float = math.nan
+    peak_bytes: dict = field(default_factory=dict)
+    stall_s: float = 0.0
+    moved_bytes: dict = field(default_factory=dict)
+    adam_params: int = 0
+    predicted_s: float | None = None
+    fits: bool = False
+    best: bool = False
+    error: str | None = None
+
+
+def expand_grid(grid: Mapping[str, Iterable] | Iterable[Mapping[str, Any]]) -> list[dict]:
+    """Return the settings of a grid: a dict of value lists (their product) or a list of dicts.
+
+    Raises:
+        ValueError: an empty grid or an empty value list.
+        TypeError: a grid of another shape.
+    """
+    if isinstance(grid, Mapping):
+        names = list(grid)
+        values = [list(grid[n]) for n in names]
+        for n, v in zip(names, values):
+            if not v:
+                raise ValueError(f"tune: grid[{n!r}] is empty; give at least one value")
+        settings = [dict(zip(names, combo)) for combo in itertools.product(*values)]
+    else:
+        settings = [dict(s) for s in grid]
+        if not all(isinstance(s, dict) for s in settings):
+            raise TypeError("tune: grid must be a dict of value lists or a list of dicts")
+    if not settings:
+        raise ValueError("tune: the grid is empty")
+    return settings
+
+
+def _store_totals(stores: Sequence[Any]) -> tuple[dict, float, dict]:
+    moved: dict[str, int] = {}
+    stall = 0.0
+    peak = dict.fromkeys(TIERS, 0)
+    for s in stores:
+        st = s.stats()
+        for d, n in st["moved_bytes"].items():
+            moved[d] = moved.get(d, 0) + n
+        stall += sum(st[t]["stall_s"] for t in TIERS)
+        for t in TIERS:
+            peak[t] += st[t]["peak_bytes"]
+    return moved, stall, peak
+
+
+def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
+         grid: Mapping[str, Iterable] | Iterable[Mapping[str, Any]], steps: int = 3,
+         budgets: Mapping[str, int | str] | None = None, *, warmup: int = 1,
+         cost_model: CostModel | None = None, compute_s: float | None = None,
+         overlap: bool = False, out: TextIO | None | str = "stdout") -> list[Result]:
+    """Run ``steps`` timed steps of every grid setting; return (and print) the results.
+
+    Args:
+        step_fn_factory: ``factory(setting)`` returns a :class:`Trial` (or just the step
+            function) for one setting.
+        grid: a dict of value lists (all combinations) or a list of setting dicts.
+        steps: timed steps per setting (the median is reported), >= 1.
+        budgets: byte budget per tier (``{"gpu": "40GiB"}``); a setting fits when its peaks are
+            within them. None: everything that runs fits.
+        warmup: untimed steps before timing (the trace policy records in them), >= 0.
+        cost_model: predicts each setting (None: no prediction column).
+        compute_s: compute seconds per step for the model (None: estimated, see module doc).
+        overlap: predict with perfect overlap instead of serial sums.
+        out: where the table goes: a text stream, ``"stdout"`` (``sys.stdout`` at call time),
+            or None (not printed).
+
+    Raises:
+        ValueError: ``steps`` < 1, ``warmup`` < 0, an unknown budget tier, a bad grid.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"tune: steps={steps!r} must be an int >= 1")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"tune: warmup={warmup!r} must be an int >= 0")
+    budgets = {t: parse_bytes(b, f"budgets[{t!r}]") for t, b in (budgets or {}).items()}
+    for t in budgets:
+        if t not in TIERS:
+            raise ValueError(f"tune: budgets has unknown tier {t!r}; use {TIERS}")
+    cuda = torch.cuda.is_available()
+    results = []
+    for setting in expand_grid(grid):
+        result = Result(setting)
+        results.append(result)
+        trial = None
+        try:
+            trial = step_fn_factory(dict(setting))
+            if not isinstance(trial, Trial):
+                trial = Trial(step=trial)
+            for _ in range(warmup):
+                trial.step()
+            moved0, stall0, _ = _store_totals(trial.stores)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                trial.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            moved1, stall1, peak = _store_totals(trial.stores)
+            result.step_s = statistics.median(times)
+            result.stall_s = (stall1 - stall0) / steps
+            result.moved_bytes = {d: (n - moved0.get(d, 0)) // steps for d, n in moved1.items()
+                                  if n - moved0.get(d, 0)}
+            result.adam_params = trial.adam_params
+            if cuda:
+                peak["gpu"] = torch.cuda.max_memory_allocated()
+            elif trial.device_peak_bytes is not None:
+                peak["gpu"] = int(trial.device_peak_bytes())
+            result.peak_bytes = peak
+            result.fits = all(peak.get(t, 0) <= b for t, b in budgets.items())
+        except Exception as exc:  # a setting that fails (no room, bad combination) is reported
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if trial is not None and trial.close is not None:
+                trial.close()
+    ran = [r for r in results if r.error is None]
+    if cost_model is not None and ran:
+        if compute_s is None:
+            offload = {id(r): cost_model.offload_seconds(link_bytes(r.moved_bytes), r.adam_params)
+                       for r in ran}
+            least = min(ran, key=lambda r: offload[id(r)])
+            compute_s = max(0.0, least.step_s - offload[id(least)])
+        for r in ran:
+            r.predicted_s = cost_model.predict_s(link_bytes(r.moved_bytes), r.adam_params,
+                                                 compute_s, overlap)
+    fitting = [r for r in ran if r.fits]
+    if fitting:
+        min(fitting, key=lambda r: r.step_s).best = True
+    if out is not None:
+        print(format_table(results, budgets), file=sys.stdout if out == "stdout" else out)
+    return results
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = None) -> str:
+    """Return the results as a text table (``*`` marks the fastest setting that fits)."""
+    names = list(dict.fromkeys(k for r in results for k in r.setting))
+    head = names + ["ms/step", "pred ms", "gpu MiB", "cpu MiB", "nvme MiB", "stall ms",
+                    "moved MiB", "fits"]
+    rows = []
+    for r in results:
+        cells = [str(r.setting.get(n, "")) for n in names]
+        if r.error is not None:
+            cells += ["-"] * 7 + [f"no: {r.error[:60]}"]
+        else:
+            cells += [f"{r.step_s * 1e3:.1f}",
+                      "-" if r.predicted_s is None else f"{r.predicted_s * 1e3:.1f}",
+                      _mib(r.peak_bytes.get("gpu", 0)), _mib(r.peak_bytes.get("cpu", 0)),
+                      _mib(r.peak_bytes.get("nvme", 0)), f"{r.stall_s * 1e3:.2f}",
+                      _mib(sum(r.moved_bytes.values())),
+                      ("yes *" if r.best else "yes") if r.fits else "no"]
+        rows.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in rows]
+    if budgets:
+        lines.append("budgets: " + ", ".join(f"{t} {_mib(b)} MiB" for t, b in budgets.items())
+                     + "; * = fastest setting that fits")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- GPT demo
+
+
+def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> int:
+    """Bytes autograd saves in one forward of ``model`` (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(idx, tgt)[1]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
+                chunk_numel: int = 1 << 14, cpu_threads: int | None = 1) -> Callable[[dict], Trial]:
+    """Return a factory of GPT training steps for :func:`tune`.
+
+    Settings (all optional): ``num_layers`` (blocks whose activations are offloaded; 0: none),
+    ``prefetch_depth``, ``offload_fraction`` and ``state_tier`` of HybridAdam, ``policy``
+    (``"lru"`` / ``"trace"``) and ``prefetch_lookahead`` of the activation store. HybridAdam
+    steps on ``cpu_threads`` threads (1 leaves the other cores to the model's compute). Both stores
+    call ``mark_step`` after every step. On a machine without CUDA the device peak is estimated
+    as parameters + gradients + GPU-side optimizer state + the saved activations that stay on
+    the device.
+    """
+    from tiermem.bench._gpt import GPT
+    from tiermem.config import StoreConfig
+    from tiermem.offload import offload_activations
+    from tiermem.optim import HybridAdam
+    from tiermem.store import TierStore
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
+    tgt = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
+    torch.manual_seed(0)
+    probe = GPT(cfg).to(device)
+    saved_bytes = _saved_bytes(probe, idx, tgt)
+    del probe
+
+    def factory(setting: dict) -> Trial:
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        nparams = sum(p.numel() for p in model.parameters())
+        fraction = float(setting.get("offload_fraction", 0.0))
+        opt = HybridAdam(model.parameters(), lr=1e-3, offload_fraction=fraction,
+                         state_tier=setting.get("state_tier", "cpu"), nvme_dir=nvme_dir,
+                         chunk_numel=chunk_numel, cpu_threads=cpu_threads)
+        act_bytes = max(1 << 20, 2 * saved_bytes)
+        store = TierStore(StoreConfig(
+            gpu_bytes=act_bytes, cpu_bytes=act_bytes, pool_slab_bytes=act_bytes,
+            device=str(device), policy=setting.get("policy", "lru"),
+            prefetch_lookahead=int(setting.get("prefetch_lookahead", 0))))
+        n = int(setting.get("num_layers", 0))
+        off = offload_activations(model.blocks, store=store, num_layers=n,
+                                  prefetch_depth=int(setting.get("prefetch_depth", 1))) \
+            if n > 0 else None
+        put_per_step = [0]
+
+        def step() -> None:
+            before = off.counters["put_bytes"] if off is not None else 0
+            with off if off is not None else contextlib.nullcontext():
+                loss = model(idx, tgt)[1]
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            store.mark_step()
+            opt._store.mark_step()
+            put_per_step[0] = (off.counters["put_bytes"] if off is not None else 0) - before
+
+        def device_peak() -> int:
+            static = sum(p.numel() * p.element_size() * 2 for p in model.parameters())
+            return static + opt.memory_bytes()["gpu"] + max(0, saved_bytes - put_per_step[0]) \
+                + store.stats()["gpu"]["peak_bytes"]
+
+        def close() -> None:
+            opt.close()
+            store.close()
+
+        return Trial(step=step, stores=[store, opt._store],
+                     adam_params=int(round(fraction * nparams)),
+                     device_peak_bytes=None if device.type == "cuda" else device_peak,
+                     close=close)
+
+    return factory
+
+
+def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{name}: {text!r} is not a comma-separated list") \
+                from None
+    return parse
+
+
+def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="tiermem tune", description="Time a grid of offload settings on a small GPT "
+        "(activation offload + HybridAdam), predict each from a cost model, and mark the "
+        "fastest setting that fits the budgets.")
+    g = p.add_argument_group("model (defaults: a tiny GPT that runs on a CPU in seconds)")
+    g.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    g.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
+    g.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    g.add_argument("--seq", type=int, default=64, help="sequence length in tokens (default 64)")
+    g.add_argument("--batch", type=int, default=4, help="micro-batch in sequences (default 4)")
+    g.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
+    g = p.add_argument_group("grid (comma-separated values)")
+    g.add_argument("--prefetch-depth", type=_csv(int, "prefetch-depth"), default=[1, 2],
+                   help="activation layers reloaded ahead (default 1,2)")
+    g.add_argument("--num-layers", type=_csv(int, "num-layers"), default=None,
+                   help="blocks whose activations are offloaded (default 0,L-1)")
+    g.add_argument("--offload-fraction", type=_csv(float, "offload-fraction"),
+                   default=[0.0, 0.5, 1.0], help="HybridAdam offload_fraction (default 0,0.5,1)")
+    g.add_argument("--state-tier", type=_csv(str, "state-tier"), default=["cpu", "nvme"],
+                   help="HybridAdam state tier: cpu,nvme (default both)")
+    g.add_argument("--policy", type=_csv(str, "policy"), default=["lru"],
+                   help="activation store policy: lru,trace (default lru)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per setting (default 3)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per setting; the trace policy records in them (default 2)")
+    p.add_argument("--gpu-budget", default=None,
+                   help="device byte budget, e.g. 40GiB (default: 3/4 of the no-offload need)")
+    p.add_argument("--cpu-budget", default=None, help="host byte budget (default: none)")
+    p.add_argument("--nvme-dir", default=None, help="spill directory (default: a temporary one)")
+    p.add_argument("--overlap", action="store_true",
+                   help="predict with perfect overlap instead of serial sums")
+    p.add_argument("--no-model", action="store_true", help="skip the cost-model measurement")
+    args = p.parse_args(argv)
+    for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    for t in args.state_tier:
+        if t not in ("cpu", "nvme"):
+            raise ValueError(f"--state-tier: {t!r} is not cpu or nvme")
+    for pol in args.policy:
+        if pol not in ("lru", "trace"):
+            raise ValueError(f"--policy: {pol!r} is not lru or trace")
+    return args
+
+
+def demo_grid(args: argparse.Namespace) -> list[dict]:
+    """Return the demo's settings without redundant points (state tier of an empty offload,
+    prefetch depth without offloaded layers)."""
+    layers = args.num_layers if args.num_layers is not None else sorted({0, args.layers - 1})
+    out, seen = [], set()
+    for pol, n, d, f, t in itertools.product(args.policy, layers, args.prefetch_depth,
+                                             args.offload_fraction, args.state_tier):
+        s = dict(policy=pol, num_layers=n, prefetch_depth=d if n else args.prefetch_depth[0],
+                 offload_fraction=f, state_tier=t if f > 0 else args.state_tier[0])
+        if pol == "trace":
+            s["prefetch_lookahead"] = 16
+        key = tuple(sorted(s.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tiermem tune``: run the GPT demo grid; return 0, or 1 when no setting fits.
+
+    Raises:
+        ValueError: bad arguments (the CLI prints them as one line, exit code 2).
+    """
+    from tiermem.bench._gpt import GPTConfig
+
+    args = _parse_args(sys.argv[1:] if argv is None else list(argv))
+    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                    seq_len=args.seq, vocab=args.vocab)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="tiermem-tune-") as nvme_dir:
+        factory = gpt_factory(cfg, args.batch, device, nvme_dir)
+        budgets: dict[str, int | str] = {}
+        if args.gpu_budget is not None:
+            budgets["gpu"] = args.gpu_budget
+        else:  # params, grads, fp32 Adam state and all activations on the device, times 3/4
+            nparams = cfg.num_params()
+            probe = factory(dict(num_layers=0))
+            try:
+                need = probe.device_peak_bytes() if probe.device_peak_bytes else 0
+            finally:
+                probe.close()
+            need = max(need, 16 * nparams)
+            budgets["gpu"] = int(0.75 * need)
+        if args.cpu_budget is not None:
+            budgets["cpu"] = args.cpu_budget
+        model = None if args.no_model else CostModel.measure(device, nbytes=8 << 20,
+                                                             nvme_dir=nvme_dir,
+                                                             adam_params=1 << 18)
+        settings = demo_grid(args)
+        print(f"tiermem tune: GPT {cfg.n_layers}x{cfg.d_model}, {cfg.num_params() / 1e6:.2f}M "
+              f"params, batch {args.batch}x{cfg.seq_len} on {device}; {len(settings)} settings x "
+              f"{args.steps} steps")
+        if model is not None:
+            print(f"cost model: H2D {model.h2d_gbps:.1f} GB/s, D2H {model.d2h_gbps:.1f} GB/s, "
+                  f"NVMe read {model.nvme_read_gbps:.2f} / write {model.nvme_write_gbps:.2f} GB/s,"
+                  f" CPU Adam {model.cpu_adam_gparams:.2f} G params/s")
+        results = tune(factory, settings, steps=args.steps, budgets=budgets, warmup=args.warmup,
+                       cost_model=model, overlap=args.overlap)
+    return 0 if any(r.best for r in results) else 1
