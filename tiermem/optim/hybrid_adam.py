@@ -21,19 +21,33 @@ parameter in the current backward has been enqueued, and the D2H copy waits for 
 stream at that point; the worker waits for the D2H to finish before stepping, so the H2D that
 overwrites the parameter can never race with backward reading it. Gradient clipping needs the
 global norm before any update, so with ``max_grad_norm`` the CPU step waits for ``step()``.
+
+Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the full design:
+- ``data_parallel=True`` (or ``process_group=pg``), plain replicated params, no DDP wrapper:
+  ZeRO-1/2. Each rank owns ``1/world`` of every param group's flattened elements and keeps
+  optimizer state only for them (split GPU / offloaded by ``offload_fraction`` within the
+  shard); gradients are reduced to their owner in buckets from the grad hooks (average, like
+  DDP), the owner steps its shard, and the updated shards are all-gathered in ``step()``.
+- FSDP2 (params are DTensors after ``fully_shard``): every rank steps its local shard, FSDP does
+  the communication; ``max_grad_norm`` all-reduces the squared norm; ``state_dict()`` returns
+  DTensors for ``torch.distributed.checkpoint``.
+Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
+from contextlib import nullcontext as _nullcontext
 from typing import Any, Iterable
 
 import torch
 
 from tiermem.config import StoreConfig
+from tiermem.optim import distributed as _dist
 from tiermem.optim.cpu_adam import adam_step_
 from tiermem.optim.partition import Chunk, GroupPlan, plan_group
 from tiermem.store.pool import round_up
@@ -58,12 +72,20 @@ def _fused_op(adamw: bool):
 
 @dataclass
 class _Group:
-    """Per param group: the split, the GPU-side state and the offloaded side's buffers."""
+    """Per param group: the split, the GPU-side state and the offloaded side's buffers.
+
+    ``params`` are the user's params; the plan, ``steps`` and every piece index refer to the
+    group's *local tensors*: the params themselves (one process), their local shards (FSDP2),
+    or the pieces of params in this rank's shard (``segments``, data parallel).
+    """
 
     index: int
     params: list[torch.Tensor]
     plan: GroupPlan
     steps: list[int]
+    n_local: int = 0
+    segments: list | None = None  # data parallel: _dist.Segment per local tensor
+    locals_in_bucket: dict[int, list[int]] = field(default_factory=dict)
     # GPU side, one entry per GPU piece
     gpu_views: list[torch.Tensor] = field(default_factory=list)
     gpu_masters: list[torch.Tensor] = field(default_factory=list)
@@ -108,11 +130,26 @@ class HybridAdam(torch.optim.Optimizer):
         cpu_threads: threads of the CPU step (``None``: ``torch.get_num_threads()``, less one
             with overlap on CUDA so backward's kernel launches keep a core).
         nvme_lookahead_chunks: chunks of NVMe state read ahead of the CPU step.
+        data_parallel: shard the optimizer state across the ranks of ``process_group``
+            (ZeRO-1/2: gradients reduced to their owner, each rank steps ``1/world`` of every
+            group's elements, updated params all-gathered in ``step()``). Use it on a plain,
+            replicated model *instead of* DDP; every rank must build the same model and groups.
+            ``None`` (default): on when ``process_group`` is given. Not with FSDP2 params
+            (DTensors), which are detected and stepped per local shard automatically.
+        process_group: the data-parallel group (``None`` with ``data_parallel=True``: the
+            default group). torch.distributed must be initialized.
+        bucket_numel: elements per gradient-reduce bucket with ``data_parallel`` (buckets are
+            reduced from the grad hooks as they fill).
+
+    With ``data_parallel`` or FSDP2, ``step()``, ``state_dict()`` and ``load_state_dict()`` are
+    collective: call them on every rank. A private store's spill directory is
+    ``nvme_dir/rank{r}``.
 
     Raises:
         ValueError: a value out of range, an unknown ``state_tier``, NVMe without a spill
             directory, params on several devices or on another device than ``store``, or a
-            store without room, each naming the field and the fix.
+            store without room, ``data_parallel`` without torch.distributed or with FSDP2
+            params, ranks passing different params, each naming the field and the fix.
         TypeError: a param that is not a floating-point leaf tensor.
     """
 
@@ -123,7 +160,8 @@ class HybridAdam(torch.optim.Optimizer):
                  chunk_numel: int = 1 << 22, max_grad_norm: float | None = None,
                  grad_accumulation_steps: int = 1, moments_dtype: torch.dtype = torch.float32,
                  cpu_threads: int | None = None,
-                 nvme_lookahead_chunks: int = 2) -> None:
+                 nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
+                 process_group: Any = None, bucket_numel: int = 1 << 23) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -156,6 +194,12 @@ class HybridAdam(torch.optim.Optimizer):
         if moments_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"HybridAdam: moments_dtype={moments_dtype} is not supported; use "
                              f"torch.float32 or torch.bfloat16")
+        if not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"HybridAdam: bucket_numel={bucket_numel!r} must be an int >= 1 "
+                             f"(elements per gradient-reduce bucket)")
+        if process_group is not None and data_parallel is False:
+            raise ValueError("HybridAdam: process_group is given but data_parallel=False; drop "
+                             "process_group, or set data_parallel=True to shard the state over it")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
@@ -169,6 +213,7 @@ class HybridAdam(torch.optim.Optimizer):
             raise ValueError(f"HybridAdam: params are on several devices {sorted(map(str, devices))}; "
                              f"put the model on one device (use one HybridAdam per device)")
         self.device = devices.pop()
+        self._mode, self._who = self._choose_mode(all_params, data_parallel, process_group)
         if store is not None and store.device != self.device:
             raise ValueError(f"HybridAdam: params are on {self.device} but the store's device is "
                              f"{store.device}; make the store with StoreConfig.device="
@@ -184,13 +229,33 @@ class HybridAdam(torch.optim.Optimizer):
             cpu_threads = max(1, torch.get_num_threads() - 1)  # one core launches GPU work
         self.cpu_threads = cpu_threads
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
-        self._groups = [
-            _Group(gi, list(g["params"]),
-                   plan_group([p.numel() for p in g["params"]],
-                              [p.element_size() for p in g["params"]], self.offload_fraction,
-                              chunk_numel),
-                   [0] * len(g["params"]))
-            for gi, g in enumerate(self.param_groups)]
+        self._zero = None
+        self._norm_groups: list = []
+        if self._mode == "zero":
+            self._zero = _dist.ZeroComm([list(g["params"]) for g in self.param_groups],
+                                        process_group, bucket_numel, self.device, self._who)
+            self._norm_groups = [self._zero.pg]
+        elif self._mode == "fsdp":
+            self._norm_groups = _dist.shard_groups(all_params[0].device_mesh,
+                                                   tuple(all_params[0].placements))
+        self._groups = []
+        for gi, g in enumerate(self.param_groups):
+            params = list(g["params"])
+            segments = None
+            if self._mode == "zero":
+                segments = self._zero.groups[gi].segments
+                numels = [s.numel for s in segments]
+                sizes = [params[s.param].element_size() for s in segments]
+            else:
+                numels = [_dist.local_of(p).numel() for p in params]
+                sizes = [p.element_size() for p in params]
+            group = _Group(gi, params, plan_group(numels, sizes, self.offload_fraction, chunk_numel),
+                           [0] * len(numels), len(numels), segments)
+            if segments is not None:
+                bucket_of = self._zero.groups[gi].bucket_of
+                for li, seg in enumerate(segments):
+                    group.locals_in_bucket.setdefault(bucket_of[seg.param], []).append(li)
+            self._groups.append(group)
         self._owns_store = store is None
         self._store = store if store is not None else self._make_store(nvme_dir)
         self._copier = Copier(self.device)
@@ -211,10 +276,77 @@ class HybridAdam(torch.optim.Optimizer):
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tiermem-hybrid-adam", daemon=True)
         self._worker.start()
-        self._hooks = [  # count backward passes always; ship early only with overlap
-            g.params[i].register_post_accumulate_grad_hook(lambda p, g=g.index, i=i: self._on_grad(g, i))
-            for g in self._groups for i in g.plan.chunks_of_param]
+        if self._mode == "local":
+            self._hooks = [  # count backward passes always; ship early only with overlap
+                g.params[i].register_post_accumulate_grad_hook(
+                    lambda p, g=g.index, i=i: self._on_grad(g, i))
+                for g in self._groups for i in g.plan.chunks_of_param]
+        elif self._mode == "zero":  # every gradient goes into a reduce bucket
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(lambda p, g=g.index, i=i: self._on_grad_dp(g, i))
+                for g in self._groups for i, p in enumerate(g.params)]
+        else:  # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
+            self._hooks = []
         self._begin_step()
+
+    # ------------------------------------------------------------------ modes and local tensors
+
+    @staticmethod
+    def _choose_mode(params: list[torch.Tensor], data_parallel: bool | None,
+                     process_group: Any) -> tuple[str, str]:
+        """``("local" | "zero" | "fsdp", error prefix)``; see the class docstring."""
+        dp = bool(data_parallel) or process_group is not None
+        if any(_dist.is_dtensor(p) for p in params):
+            who = _dist.rank_prefix()
+            if dp:
+                raise ValueError(f"{who}: the params are DTensors (FSDP2 fully_shard), which FSDP "
+                                 f"already shards and reduces; drop data_parallel=True / "
+                                 f"process_group: HybridAdam steps each rank's local shard")
+            _dist.check_fsdp_params(params, who)
+            return "fsdp", who
+        if dp:
+            if not _dist.dist_ready():
+                raise ValueError("HybridAdam: data_parallel=True needs torch.distributed: call "
+                                 "torch.distributed.init_process_group(...) on every rank before "
+                                 "building the optimizer (or leave data_parallel off)")
+            return "zero", _dist.rank_prefix()
+        return "local", "HybridAdam"
+
+    def _local(self, g: _Group, i: int) -> torch.Tensor:
+        """Flat (1-D) view of local tensor ``i`` of group ``g``: what this rank updates."""
+        if g.segments is not None:
+            s = g.segments[i]
+            return g.params[s.param].detach().view(-1)[s.start:s.start + s.numel]
+        return _dist.local_of(g.params[i]).view(-1)
+
+    def _param_of(self, g: _Group, i: int) -> int:
+        """Index in ``g.params`` of the param local tensor ``i`` belongs to."""
+        return g.segments[i].param if g.segments is not None else i
+
+    def _grad_of(self, g: _Group, i: int) -> torch.Tensor | None:
+        """Flat gradient of local tensor ``i`` (data parallel: the averaged shard gradient),
+        or ``None`` when it has none this step."""
+        if g.segments is not None:
+            s = g.segments[i]
+            if self._zero.flags is not None and not self._zero.has_grad(g.index, s.param):
+                return None
+            return self._zero.shard_grad(g.index, i)
+        grad = g.params[i].grad
+        return None if grad is None else _dist.local_of(grad).view(-1)
+
+    def _has_grad(self, g: _Group, i: int) -> bool:
+        if g.segments is not None:
+            return self._zero.has_grad(g.index, g.segments[i].param)
+        return g.params[i].grad is not None
+
+    def _refresh_views(self) -> None:
+        """FSDP2 may re-create a sharded param's local tensor (lazy init): re-take the views."""
+        for g in self._groups:
+            for k, piece in enumerate(g.plan.gpu_pieces):
+                view = self._local(g, piece.param)[piece.start:piece.start + piece.numel]
+                if g.gpu_masters[k] is g.gpu_views[k]:
+                    g.gpu_masters[k] = view
+                g.gpu_views[k] = view
 
     # ------------------------------------------------------------------ setup
 
@@ -222,12 +354,13 @@ class HybridAdam(torch.optim.Optimizer):
         return sum(g.plan.cpu_numel for g in self._groups)
 
     def _make_store(self, nvme_dir: str | None) -> TierStore:
-        n = self._offloaded_numel()
         buf_bytes = sum(round_up(g.plan.cpu_numel * g.params[0].element_size()) * 2
                         for g in self._groups if g.plan.cpu_numel)
         chunk_bytes = round_up(4 * _state_numel(self.chunk_numel, self.moments_dtype))
         state_bytes = sum(round_up(4 * _state_numel(c.numel, self.moments_dtype)) for g in self._groups
                           for c in g.plan.chunks)
+        if self.state_tier == "nvme" and self._mode != "local":
+            nvme_dir = _dist.rank_dir(nvme_dir)  # ranks on one host never share spill files
         if self.state_tier == "cpu":
             cpu_bytes = buf_bytes + state_bytes
             nvme_bytes = 0
@@ -246,17 +379,17 @@ class HybridAdam(torch.optim.Optimizer):
     def _init_state(self) -> None:
         for g in self._groups:
             for piece in g.plan.gpu_pieces:
-                p = g.params[piece.param]
-                view = p.detach().view(-1)[piece.start:piece.start + piece.numel]
+                local = self._local(g, piece.param)
+                view = local[piece.start:piece.start + piece.numel]
                 g.gpu_views.append(view)
-                g.gpu_masters.append(view if p.dtype == torch.float32 else view.float())
-                g.gpu_exp_avg.append(torch.zeros(piece.numel, dtype=torch.float32, device=p.device))
-                g.gpu_exp_avg_sq.append(torch.zeros(piece.numel, dtype=torch.float32, device=p.device))
-                g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=p.device))
+                g.gpu_masters.append(view if local.dtype == torch.float32 else view.float())
+                g.gpu_exp_avg.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
+                g.gpu_exp_avg_sq.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
+                g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=self.device))
             if not g.plan.cpu_numel:
                 continue
-            dtype = g.params[0].dtype
-            if any(g.params[pc.param].dtype != dtype for pc in g.plan.cpu_pieces):
+            dtype = self._local(g, g.plan.cpu_pieces[0].param).dtype
+            if any(self._local(g, pc.param).dtype != dtype for pc in g.plan.cpu_pieces):
                 raise ValueError(f"HybridAdam: param group {g.index} mixes dtypes; put params of "
                                  f"different dtypes in different param groups")
             g.grad_key = ("hybrid_adam", id(self), g.index, "grad")
@@ -265,7 +398,7 @@ class HybridAdam(torch.optim.Optimizer):
                 self._store.put(key, torch.empty(g.plan.cpu_numel, dtype=dtype), tier="cpu")
             g.grad_buf = self._store.get(g.grad_key, "cpu", hold=True)
             g.out_buf = self._store.get(g.out_key, "cpu", hold=True)
-            flat_params = [g.params[i].detach().view(-1) for i in range(len(g.params))]
+            flat_params = [self._local(g, i) for i in range(g.n_local)]
             for chunk in g.plan.chunks:
                 state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
                 master = state[:chunk.numel]
@@ -287,12 +420,36 @@ class HybridAdam(torch.optim.Optimizer):
                 return
         self._ship(g, i)
 
+    def _on_grad_dp(self, g: int, i: int) -> None:
+        """Post-accumulate-grad hook of every param with ``data_parallel``: on the last
+        micro-batch, put its gradient in its reduce bucket; ship the shard pieces of the
+        buckets that were reduced."""
+        with self._lock:
+            count = self._acc_count.get((g, i), 0) + 1
+            self._acc_count[(g, i)] = count
+            if not self.overlap or count < self.grad_accumulation_steps:
+                return
+        launched = self._zero.grad_arrived(g, i, self._groups[g].params[i].grad)
+        self._ship_buckets(launched)
+
+    def _ship_buckets(self, launched: list[tuple[int, int]]) -> None:
+        """Ship this rank's offloaded pieces of the reduced buckets ``launched`` (D2H from the
+        communication stream, so after the reduce)."""
+        if not launched:
+            return
+        with self._zero.on_stream():
+            for g, b in launched:
+                group = self._groups[g]
+                for li in group.locals_in_bucket.get(b, ()):
+                    if li in group.plan.chunks_of_param and (g, li) not in self._shipped:
+                        self._ship(g, li)
+
     def _ship(self, g: int, i: int) -> None:
         group = self._groups[g]
-        p = group.params[i]
+        grad = self._grad_of(group, i)
         events = []
-        if p.grad is not None:
-            flat_grad = p.grad.detach().view(-1)
+        if grad is not None:
+            flat_grad = grad.detach()
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
                 for pc in group.plan.chunks[c].pieces:
                     if pc.param == i:
@@ -302,7 +459,7 @@ class HybridAdam(torch.optim.Optimizer):
         ready = []
         with self._lock:
             self._shipped.add((g, i))
-            self._grad_events[(g, i)] = [e for e in events if e is not None] if p.grad is not None else None
+            self._grad_events[(g, i)] = [e for e in events if e is not None] if grad is not None else None
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
                 self._chunk_missing[(g, c)] -= 1
                 if self._chunk_missing[(g, c)] == 0:
@@ -329,6 +486,8 @@ class HybridAdam(torch.optim.Optimizer):
                 (g.index, c): len({pc.param for pc in chunk.pieces})
                 for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
         self._clip_coef = None
+        if self._zero is not None:
+            self._zero.begin_step()
         if self.max_grad_norm is None:
             self._compute_allowed.set()
         else:
@@ -392,7 +551,7 @@ class HybridAdam(torch.optim.Optimizer):
                 if events[pc.param] is None:
                     continue  # no gradient this step: param and state untouched, like torch
                 rel = pc.flat_offset - lo
-                dst = group.params[pc.param].detach().view(-1)[pc.start:pc.start + pc.numel]
+                dst = self._local(group, pc.param)[pc.start:pc.start + pc.numel]
                 last = self._copier.h2d(dst, out[rel:rel + pc.numel]) or last
         finally:
             self._store.release(key)
@@ -433,8 +592,11 @@ class HybridAdam(torch.optim.Optimizer):
         Args:
             closure: re-evaluates the model and returns the loss (optional).
 
+        With ``data_parallel`` or FSDP2 params this is collective: every rank calls it.
+
         Raises:
-            RuntimeError: the CPU step failed (the worker's error is chained).
+            RuntimeError: the CPU step failed (the worker's error is chained; the message
+                names the rank under torch.distributed), or too many backward passes.
         """
         loss = None
         if closure is not None:
@@ -444,15 +606,22 @@ class HybridAdam(torch.optim.Optimizer):
             extra = [k for k, n in self._acc_count.items() if n > self.grad_accumulation_steps]
         if extra:
             raise RuntimeError(
-                f"HybridAdam: {self._acc_count[extra[0]]} backward passes accumulated into a "
+                f"{self._who}: {self._acc_count[extra[0]]} backward passes accumulated into a "
                 f"parameter before step(), but grad_accumulation_steps="
                 f"{self.grad_accumulation_steps}: gradients were copied off the GPU after pass "
                 f"{self.grad_accumulation_steps}; set grad_accumulation_steps to the number of "
                 f"backward passes per step")
-        for g in self._groups:
-            for i in g.plan.chunks_of_param:
-                if (g.index, i) not in self._shipped:
-                    self._ship(g.index, i)  # not shipped by a hook (no overlap / no grad / early step)
+        if self._mode == "fsdp":
+            self._refresh_views()
+        if self._zero is not None:  # buckets not reduced in backward, then the has-grad flags
+            self._ship_buckets(self._zero.flush(lambda g, i: self._groups[g].params[i].grad))
+        with self._zero.on_stream() if self._zero is not None else _nullcontext():
+            for g in self._groups:
+                for i in g.plan.chunks_of_param:
+                    if (g.index, i) not in self._shipped:
+                        self._ship(g.index, i)  # not shipped by a hook (no overlap / no grad / early step)
+        if self._zero is not None:
+            self._zero.join_stream()  # the GPU side and clipping read the reduced gradients
         if self.max_grad_norm is not None:
             consumer = self._copier.consumer_stream()
             if consumer is not None:
@@ -466,27 +635,34 @@ class HybridAdam(torch.optim.Optimizer):
                 self._idle.wait()  # the CPU step of every offloaded chunk has to finish
             errors, self._errors = self._errors, []
             events = self._h2d_events
+        if self._zero is not None and self._zero.any_failed(bool(errors)) and not errors:
+            raise RuntimeError(f"{self._who}: another rank's CPU step failed (its error names "
+                               f"it); this step was abandoned on every rank")
         if errors:
-            raise RuntimeError(f"HybridAdam: the CPU step failed: {errors[0]}") from errors[0]
+            raise RuntimeError(f"{self._who}: the CPU step failed: {errors[0]}") from errors[0]
         consumer = self._copier.consumer_stream()
         for event in events if consumer is not None else ():
             consumer.wait_event(event)  # the next forward reads the parameters copied H2D
+        if self._zero is not None:  # every rank gets every rank's updated shard
+            self._zero.gather(lambda g: ([self._local(self._groups[g], i)
+                                          for i in range(self._groups[g].n_local)],
+                                         self._groups[g].params))
         for g in self._groups:
-            for i, p in enumerate(g.params):
-                if p.grad is not None:
+            for i in range(g.n_local):
+                if self._has_grad(g, i):
                     g.steps[i] += 1
         self._begin_step()
         return loss
 
     def _step_gpu_side(self, g: _Group) -> None:
         hp = self.param_groups[g.index]
-        idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if g.params[pc.param].grad is not None]
+        idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._has_grad(g, pc.param)]
         if not idx:
             return
         grads = []
         for k in idx:
             pc = g.plan.gpu_pieces[k]
-            grad = g.params[pc.param].grad.detach().view(-1)[pc.start:pc.start + pc.numel]
+            grad = self._grad_of(g, pc.param).detach()[pc.start:pc.start + pc.numel]
             grads.append(grad if grad.dtype == torch.float32 else grad.float())
         masters = [g.gpu_masters[k] for k in idx]
         steps = [g.gpu_steps[k] for k in idx]
@@ -505,13 +681,30 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         """Clip all grads to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_`` and return the
-        coefficient to apply to gradients already copied off the GPU (host tensor)."""
-        params = [p for g in self._groups for p in g.params if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
-            else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
+        coefficient to apply to gradients already copied off the GPU (host tensor).
+
+        Distributed: the squared norm of this rank's (shard) gradients is all-reduced over the
+        data-parallel group, or over the mesh dimensions FSDP2 shards on, so every rank clips
+        by the norm of the whole averaged gradient."""
+        if self._mode == "local":
+            params = [p for g in self._groups for p in g.params if p.grad is not None]
+            grads = [p.grad for p in params]
+            total = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
+                else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
+        else:
+            grads = [self._grad_of(g, i) for g in self._groups for i in range(g.n_local)
+                     if self._has_grad(g, i)]
+            grads = [t for t in grads if t.numel()]
+            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            if grads:
+                norms = torch._foreach_norm(grads, 2.0)
+                sq = torch.stack([n.float() for n in norms]).square().sum()
+            for group in self._norm_groups:
+                torch.distributed.all_reduce(sq, group=group)
+            total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef)
+        if grads:
+            torch._foreach_mul_(grads, coef)
         return coef.cpu()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -532,16 +725,77 @@ class HybridAdam(torch.optim.Optimizer):
                 self._idle.wait()  # state must not change while it is read or written
 
     def _param_states(self) -> list[list[dict]]:
-        """Full-size per-param state on the CPU: step, exp_avg, exp_avg_sq (+ master)."""
+        """Per-param state in torch's format: step, exp_avg, exp_avg_sq (+ master).
+
+        One process: full-size CPU tensors. FSDP2: DTensors like the params (local shard on
+        the CPU). Data parallel: full-size CPU tensors on every rank (collective)."""
+        local = self._local_states()
+        if self._mode == "zero":
+            return self._gather_states(local)
+        out = []
+        for g, states in zip(self._groups, local):
+            group_out = []
+            for i, st in enumerate(states):
+                p = g.params[i]
+                shape = _dist.local_of(p).shape
+                full = {"step": torch.tensor(float(st["step"]))}
+                for name in ("exp_avg", "exp_avg_sq", "master"):
+                    if name in st:
+                        t = st[name].view(shape)
+                        full[name] = _dist.to_dtensor(t, p) if self._mode == "fsdp" else t
+                group_out.append(full)
+            out.append(group_out)
+        return out
+
+    def _gather_states(self, local: list[list[dict]]) -> list[list[dict]]:
+        """Data parallel: assemble every param's full state from the ranks' shards (an
+        all-reduce of disjoint pieces, staged through bounded buffers on the params' device)."""
+        zero = self._zero
+        out = []
+        for g, states in zip(self._groups, local):
+            zg = zero.groups[g.index]
+            names = ["exp_avg", "exp_avg_sq"]
+            if g.params and g.params[0].dtype != torch.float32:
+                names.append("master")
+            full = {name: torch.zeros(zg.total, dtype=torch.float32) for name in names}
+            for seg, st in zip(zg.segments, states):
+                for name in names:
+                    full[name][seg.flat_offset:seg.flat_offset + seg.numel] = st[name]
+            stage = 1 << 24
+            for name in names:
+                for lo in range(0, zg.total, stage):
+                    piece = full[name][lo:lo + stage].to(self.device)
+                    torch.distributed.all_reduce(piece, group=zero.pg)
+                    full[name][lo:lo + stage] = piece.cpu()
+            steps = torch.zeros(len(g.params), dtype=torch.int64)
+            for seg, st in zip(zg.segments, states):
+                steps[seg.param] = max(int(steps[seg.param]), st["step"])
+            steps = steps.to(self.device)
+            torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX, group=zero.pg)
+            steps = steps.cpu()
+            group_out = []
+            for i, p in enumerate(g.params):
+                sl = slice(zg.offsets[i], zg.offsets[i + 1])
+                st = {"step": torch.tensor(float(steps[i]))}
+                for name in names:
+                    st[name] = full[name][sl].view(p.shape)
+                group_out.append(st)
+            out.append(group_out)
+        return out
+
+    def _local_states(self) -> list[list[dict]]:
+        """Per local tensor: flat CPU ``exp_avg``, ``exp_avg_sq`` (+ ``master`` for non-fp32
+        params) and the int ``step``, gathered from GPU, RAM and NVMe."""
         out = []
         for g in self._groups:
             states = []
-            for i, p in enumerate(g.params):
-                st = {"step": torch.tensor(float(g.steps[i])),
-                      "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
-                      "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
-                if p.dtype != torch.float32:
-                    st["master"] = p.detach().float().cpu()
+            for i in range(g.n_local):
+                local = self._local(g, i)
+                st = {"step": g.steps[i],
+                      "exp_avg": torch.zeros(local.numel(), dtype=torch.float32),
+                      "exp_avg_sq": torch.zeros(local.numel(), dtype=torch.float32)}
+                if local.dtype != torch.float32:
+                    st["master"] = local.float().cpu()
                 states.append(st)
             for k, pc in enumerate(g.plan.gpu_pieces):
                 st = states[pc.param]
@@ -580,7 +834,13 @@ class HybridAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """Return the state in torch.optim's format (``exp_avg``/``exp_avg_sq``/``step`` per
-        param, plus ``master`` for non-fp32 params), gathered from GPU, RAM and NVMe."""
+        param, plus ``master`` for non-fp32 params), gathered from GPU, RAM and NVMe.
+
+        One process: full CPU tensors. FSDP2: DTensors with the params' mesh and placements
+        (local shard on the CPU), for ``torch.distributed.checkpoint`` (each rank saves its
+        shard; loading reshards, onto another world size too). ``data_parallel``: full CPU
+        tensors on every rank (collective; ``torch.save`` it on rank 0, or use DCP), loadable
+        on any world size and by a single-process optimizer."""
         self._drain()
         states = self._param_states()
         flat_state, index, groups = {}, 0, []
@@ -595,17 +855,21 @@ class HybridAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's ``state_dict``).
 
+        Any world size: full tensors are cut to this rank's shard (data parallel, FSDP2);
+        DTensors (FSDP2, e.g. loaded by ``torch.distributed.checkpoint``) are redistributed to
+        the params' placements.
+
         Raises:
             ValueError: the number of groups or params, or a tensor's shape, does not match.
         """
         self._drain()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
-            raise ValueError(f"HybridAdam.load_state_dict: the state has {len(groups)} param "
+            raise ValueError(f"{self._who}.load_state_dict: the state has {len(groups)} param "
                              f"groups but this optimizer has {len(self.param_groups)}")
         for gi, (saved, g) in enumerate(zip(groups, self._groups)):
             if len(saved["params"]) != len(g.params):
-                raise ValueError(f"HybridAdam.load_state_dict: param group {gi} has "
+                raise ValueError(f"{self._who}.load_state_dict: param group {gi} has "
                                  f"{len(saved['params'])} params in the state but "
                                  f"{len(g.params)} here")
             for sid, p in zip(saved["params"], g.params):
@@ -614,7 +878,7 @@ class HybridAdam(torch.optim.Optimizer):
                     continue
                 for name in ("exp_avg", "exp_avg_sq", "master"):
                     if name in st and tuple(st[name].shape) != tuple(p.shape):
-                        raise ValueError(f"HybridAdam.load_state_dict: {name} of param {sid} "
+                        raise ValueError(f"{self._who}.load_state_dict: {name} of param {sid} "
                                          f"has shape {tuple(st[name].shape)} but the param has "
                                          f"{tuple(p.shape)}; the state is for another model")
         for saved, hp in zip(groups, self.param_groups):
@@ -623,12 +887,27 @@ class HybridAdam(torch.optim.Optimizer):
             sts = [state_dict["state"].get(sid) for sid in saved["params"]]
             self._scatter(g, sts)
 
-    def _scatter(self, g: _Group, sts: list[dict | None]) -> None:
+    def _scatter(self, g: _Group, param_sts: list[dict | None]) -> None:
+        if self._mode == "fsdp":
+            self._refresh_views()
+        sts = [param_sts[self._param_of(g, i)] for i in range(g.n_local)]
+
+        def local_src(i: int, name: str) -> torch.Tensor:
+            """This rank's part of saved tensor ``name`` of local tensor ``i``, flat."""
+            t = sts[i][name]
+            p = g.params[self._param_of(g, i)]
+            if self._mode == "fsdp":
+                return _dist.local_state(t, p, name, self._who).reshape(-1)
+            if g.segments is not None:
+                seg = g.segments[i]
+                return t.reshape(-1)[seg.start:seg.start + seg.numel]
+            return t.reshape(-1)
+
         def master_of(i):
             st = sts[i]
             if st is not None and "master" in st:
-                return st["master"].float().reshape(-1)
-            return g.params[i].detach().float().reshape(-1).cpu()
+                return local_src(i, "master").float()
+            return self._local(g, i).float().cpu()
 
         for i, st in enumerate(sts):
             g.steps[i] = int(float(st["step"])) if st is not None else 0
@@ -636,8 +915,8 @@ class HybridAdam(torch.optim.Optimizer):
             st = sts[pc.param]
             sl = slice(pc.start, pc.start + pc.numel)
             zero = torch.zeros(pc.numel)
-            g.gpu_exp_avg[k].copy_(st["exp_avg"].reshape(-1)[sl] if st else zero)
-            g.gpu_exp_avg_sq[k].copy_(st["exp_avg_sq"].reshape(-1)[sl] if st else zero)
+            g.gpu_exp_avg[k].copy_(local_src(pc.param, "exp_avg")[sl] if st else zero)
+            g.gpu_exp_avg_sq[k].copy_(local_src(pc.param, "exp_avg_sq")[sl] if st else zero)
             g.gpu_steps[k].fill_(float(g.steps[pc.param]))
             if g.gpu_masters[k] is not g.gpu_views[k]:
                 g.gpu_masters[k].copy_(master_of(pc.param)[sl])
@@ -650,7 +929,7 @@ class HybridAdam(torch.optim.Optimizer):
                     sl = slice(pc.start, pc.start + pc.numel)
                     state[0][rel:rel + pc.numel] = master_of(pc.param)[sl]
                     for row, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
-                        state[row][rel:rel + pc.numel] = st[name].reshape(-1)[sl] if st else 0
+                        state[row][rel:rel + pc.numel] = local_src(pc.param, name)[sl] if st else 0
 
     # ------------------------------------------------------------------ misc
 
@@ -664,6 +943,12 @@ class HybridAdam(torch.optim.Optimizer):
             raise RuntimeError("HybridAdam: param groups are fixed at construction; create a new "
                                "HybridAdam with all groups")
         super().add_param_group(param_group)
+
+    def state_numel(self) -> dict[str, int]:
+        """Parameter elements whose optimizer state this rank holds: ``{"gpu": n, "offloaded": n}``
+        (elements, not bytes; with ``data_parallel`` or FSDP2 about ``1/world`` of the model)."""
+        return {"gpu": sum(g.plan.gpu_numel for g in self._groups),
+                "offloaded": sum(g.plan.cpu_numel for g in self._groups)}
 
     def memory_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes per place: ``{"gpu": ..., "cpu": ..., "nvme": ...}``."""
