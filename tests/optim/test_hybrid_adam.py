@@ -350,3 +350,26 @@ def test_bf16_moments_halve_the_state_and_track_a_bf16_moment_reference():
     state = opt.state_dict()["state"]
     assert state[0]["exp_avg"].dtype == torch.float32  # reported in torch's format
     opt.close()
+
+
+def test_clipping_after_backward_is_refused_with_overlap_and_exact_without():
+    """torch's clip_grad_norm_ after backward: with overlap the grads were already copied off the
+    GPU, so HybridAdam refuses the step; with overlap=False grads are copied in step() and
+    torch's own clipping is exact."""
+    model = make_models()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024)
+    idx, tgt = make_batch(0)
+    model(idx, tgt)[1].backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    with pytest.raises(RuntimeError, match="changed after backward had already copied it"):
+        opt.step()
+    opt.close()
+
+    ref, model = make_models(), make_models()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024,
+                     overlap=False)
+    assert train(model, opt, 4, accum=1, clip=0.05) == pytest.approx(
+        train(ref, ref_opt, 4, accum=1, clip=0.05), rel=1e-6)
+    assert_params_close(model, ref, exact=False)
+    opt.close()

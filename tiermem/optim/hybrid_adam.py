@@ -264,6 +264,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._lock = threading.Lock()
         self._acc_count: dict[tuple[int, int], int] = {}
         self._shipped: set[tuple[int, int]] = set()
+        self._shipped_versions: dict[tuple[int, int], tuple[int, int]] = {}
         self._grad_events: dict[tuple[int, int], list] = {}
         self._chunk_missing: dict[tuple[int, int], int] = {}
         self._queued: set[tuple[int, int]] = set()
@@ -458,6 +459,9 @@ class HybridAdam(torch.optim.Optimizer):
                             flat_grad[pc.start:pc.start + pc.numel]))
         ready = []
         with self._lock:
+            if self._mode == "local" and grad is not None:  # see _check_grads_untouched
+                self._shipped_versions[(g, i)] = (group.params[i].grad._version,
+                                                  group.params[i].grad.data_ptr())
             self._shipped.add((g, i))
             self._grad_events[(g, i)] = [e for e in events if e is not None] if grad is not None else None
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
@@ -479,6 +483,7 @@ class HybridAdam(torch.optim.Optimizer):
         with self._lock:
             self._acc_count.clear()
             self._shipped.clear()
+            self._shipped_versions.clear()
             self._grad_events.clear()
             self._queued.clear()
             self._h2d_events = []
@@ -611,6 +616,7 @@ class HybridAdam(torch.optim.Optimizer):
                 f"{self.grad_accumulation_steps}: gradients were copied off the GPU after pass "
                 f"{self.grad_accumulation_steps}; set grad_accumulation_steps to the number of "
                 f"backward passes per step")
+        self._check_grads_untouched()
         if self._mode == "fsdp":
             self._refresh_views()
         if self._zero is not None:  # buckets not reduced in backward, then the has-grad flags
@@ -653,6 +659,31 @@ class HybridAdam(torch.optim.Optimizer):
                     g.steps[i] += 1
         self._begin_step()
         return loss
+
+    def _check_grads_untouched(self) -> None:
+        """Refuse a step whose gradients changed after backward copied them off the GPU.
+
+        With overlap, an offloaded gradient is copied D2H (and may already be stepped on the
+        CPU) the moment it is accumulated; ``torch.nn.utils.clip_grad_norm_`` or a GradScaler's
+        ``unscale_`` after backward would then change only the copy left on the GPU and the
+        step would silently mix clipped and unclipped gradients. The grads' version counters
+        tell.
+
+        Raises:
+            RuntimeError: a gradient was modified in place or replaced after it was shipped.
+        """
+        with self._lock:
+            shipped = dict(self._shipped_versions)
+        for (g, i), (version, ptr) in shipped.items():
+            grad = self._groups[g].params[i].grad
+            if grad is None or grad._version != version or grad.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"{self._who}: a gradient was changed after backward had already copied it "
+                    f"off the GPU (overlap=True), e.g. by torch.nn.utils.clip_grad_norm_ or "
+                    f"GradScaler.unscale_; clip with HybridAdam(max_grad_norm=...), which clips "
+                    f"every gradient on and off the GPU, or build HybridAdam with overlap=False "
+                    f"so gradients are copied in step(). This step was not applied consistently: "
+                    f"restart from a checkpoint")
 
     def _step_gpu_side(self, g: _Group) -> None:
         hp = self.param_groups[g.index]
@@ -888,6 +919,7 @@ class HybridAdam(torch.optim.Optimizer):
             self._scatter(g, sts)
 
     def _scatter(self, g: _Group, param_sts: list[dict | None]) -> None:
+        self._check_grads_untouched()
         if self._mode == "fsdp":
             self._refresh_views()
         sts = [param_sts[self._param_of(g, i)] for i in range(g.n_local)]
