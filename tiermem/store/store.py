@@ -133,7 +133,7 @@ class TierStore:
                 config.nvme_dir, config.nvme_bytes,
                 backend=make_backend(config.io_backend, config.io_threads),
                 o_direct=config.o_direct, checksum=config.checksum,
-                chunk_bytes=config.io_chunk_bytes)
+                chunk_bytes=config.io_chunk_bytes, owns_backend=True)  # close() stops its threads
         self._copier = Copier(self.device)
         self._policy = make_policy(config.policy)
         self._peak = dict.fromkeys(TIERS, 0)
@@ -251,7 +251,7 @@ class TierStore:
             self._reap()
             entry = self._lookup(key)
             from_tier = entry.tier
-            if _RANK[entry.tier] > _RANK[tier]:
+            if _RANK[entry.tier] > _RANK[tier] and not entry.holds:  # a held key stays put
                 self._settle(entry)
                 old_tier = entry.tier
                 self._promote(entry, tier)
@@ -300,7 +300,7 @@ class TierStore:
             self._check_open()
             self._reap()
             entry = self._lookup(key)
-            if _RANK[entry.tier] > _RANK[tier]:
+            if _RANK[entry.tier] > _RANK[tier] and not entry.holds:  # a held key stays put
                 self._settle(entry)
                 old_tier = entry.tier
                 self._promote(entry, tier)
@@ -689,6 +689,7 @@ class TierStore:
             warnings.warn(f"tiermem: spilling {key!r} failed ({exc}); it stays in the cpu tier",
                           RuntimeWarning, stacklevel=3)
             entry.tier, entry.block, entry.extent = "cpu", block, None
+            self._policy.on_move(key, "nvme", "cpu")  # a victim candidate of the cpu tier again
 
         self._add_move(entry, "cpu", "nvme", future, done_write, fail_write)
 
@@ -766,7 +767,7 @@ class TierStore:
                 return False  # the tier below is full of held or in-flight keys
             self._policy.on_move(victim_key, tier, lower)
             self._finish(victim.move, wait=True)  # its bytes leave this tier only once copied
-            return True
+            return victim.tier != tier  # a failed spill reverted it: no room was made
         if only is not None:
             return False
         arriving = [m for m in self._moves if m.dst == tier and m.entry.key != exclude]

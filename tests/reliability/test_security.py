@@ -1,0 +1,152 @@
+"""Security of the spill directory and of checkpoint loading, through the public API."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import stat
+import subprocess
+import sys
+
+import pytest
+
+import tiermem.checkpoint as ck
+import tiermem.store.nvme as nvme
+from _faults import rand, small_store
+from tiermem.checkpoint import (CheckpointCorruption, UnsafeCheckpointError, atomic_save,
+                                load_checkpoint, load_store, save_checkpoint)
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_spill_dir_is_private_and_file_0600_even_with_umask_0(tmp_path):
+    old = os.umask(0)
+    try:
+        store = small_store(tmp_path)
+        store.put("k", rand(1000), tier="nvme")
+        store.synchronize()
+        spill_dir = store._spill.dir_path
+        assert os.path.dirname(spill_dir) == str(tmp_path)  # under the configured base
+        assert _mode(spill_dir) == 0o700 and _mode(store._spill.path) == 0o600
+        assert os.listdir(spill_dir) == ["spill.bin"]
+        save_checkpoint(tmp_path / "c.pt", extra=1)
+        assert _mode(tmp_path / "c.pt") == 0o600
+    finally:
+        os.umask(old)
+    store.close()
+    assert not os.path.exists(spill_dir)  # removed on close
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_planted_symlink_instead_of_the_spill_dir_is_refused(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    base = tmp_path / "base"
+    base.mkdir()
+    monkeypatch.setattr(nvme.secrets, "token_hex", lambda n: "abad1dea")  # a predicted name
+    os.symlink(victim, base / f"tiermem-{os.getpid()}-abad1dea")
+    with pytest.raises(ValueError, match="nvme_dir=.* is not writable: cannot create .* exists"):
+        small_store(base)
+    assert os.listdir(victim) == []  # nothing was created through the link
+    assert os.path.islink(base / f"tiermem-{os.getpid()}-abad1dea")  # and it was not followed
+
+
+def test_planted_symlink_instead_of_the_spill_file_is_refused(tmp_path, monkeypatch):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    planted = tmp_path / "planted"
+
+    def make_dir(base):  # the private dir already holds an attacker's link named spill.bin
+        planted.mkdir(mode=0o700)
+        os.symlink(victim, planted / nvme.SPILL_FILE_NAME)
+        return str(planted)
+
+    monkeypatch.setattr(nvme.SpillSpace, "_make_private_dir", staticmethod(make_dir))
+    with pytest.raises(FileExistsError):  # O_CREAT | O_EXCL | O_NOFOLLOW
+        small_store(tmp_path)
+    assert victim.read_text() == "precious"
+
+
+def test_planted_symlink_at_checkpoint_temp_name_is_refused(tmp_path, monkeypatch):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    save_checkpoint(tmp_path / "c.pt", extra={"step": 1})
+    monkeypatch.setattr(ck.secrets, "token_hex", lambda n: "0badcafe")
+    os.symlink(victim, tmp_path / f".c.pt.tiermem-tmp-{os.getpid()}-0badcafe")
+    with pytest.raises(FileExistsError):
+        save_checkpoint(tmp_path / "c.pt", extra={"step": 2})
+    assert victim.read_text() == "precious"
+    assert load_checkpoint(tmp_path / "c.pt")["extra"] == {"step": 1}
+
+
+def test_checkpoint_target_symlink_is_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "c.pt")
+    save_checkpoint(tmp_path / "c.pt", extra={"step": 1})
+    assert victim.read_text() == "precious"
+    assert not os.path.islink(tmp_path / "c.pt")
+    assert load_checkpoint(tmp_path / "c.pt")["extra"] == {"step": 1}
+
+
+def _store_exit(base, how):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, str(HERE / "_worker.py"), "store_exit", str(base),
+                             how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def test_spill_dir_removed_at_exit_and_stale_dirs_of_killed_processes_cleaned(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    exiting, killed = _store_exit(tmp_path / "a", "exit"), _store_exit(tmp_path / "b", "kill")
+    out, err = exiting.communicate(timeout=120)
+    assert exiting.returncode == 0, err
+    spill_dir = out.split()[-1]
+    assert spill_dir.startswith(str(tmp_path / "a")) and not os.path.exists(spill_dir)  # at exit
+    out, err = killed.communicate(timeout=120)
+    assert killed.returncode == -9, err
+    spill_dir, tmp_path = out.split()[-1], tmp_path / "b"
+    assert os.path.isdir(spill_dir)  # SIGKILL leaves it behind...
+    foreign = tmp_path / f"tiermem-{os.getpid()}-0000live"  # a live process's: kept
+    foreign.mkdir(mode=0o700)
+    store = small_store(tmp_path)  # ...and the next store removes it (dead pid)
+    assert store._spill.removed_stale_dirs == [spill_dir]
+    assert not os.path.exists(spill_dir) and foreign.exists()
+    store.close()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_load_refuses_arbitrary_objects_and_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # a file with a valid trailer (anyone can compute a SHA-256) but an object inside
+    atomic_save({"format": "tiermem.checkpoint", "version": 1, "model": None,
+                 "optimizer": None, "extra": _Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeCheckpointError, match="refused: it holds objects other than"):
+        load_checkpoint(tmp_path / "evil.pt")
+    atomic_save({"format": "tiermem.store", "version": 1, "entries": [_Evil()]},
+                tmp_path / "evil.snap")
+    store = small_store(tmp_path)
+    with pytest.raises(UnsafeCheckpointError):
+        load_store(tmp_path / "evil.snap", store)
+    assert len(store) == 0
+    store.close()
+    # a plain pickle (no trailer) is refused before unpickling, with or without verification
+    with open(tmp_path / "plain.pkl", "wb") as f:
+        pickle.dump({"extra": _Evil()}, f)
+    with pytest.raises(CheckpointCorruption):
+        load_checkpoint(tmp_path / "plain.pkl")
+    with pytest.raises(UnsafeCheckpointError):
+        load_checkpoint(tmp_path / "plain.pkl", verify=False)
+    assert not os.path.exists(tmp_path / "pwned")

@@ -1,0 +1,472 @@
+"""Crash-safe checkpoints of a model, an optimizer and a :class:`~tiermem.TierStore`.
+
+Writing (:func:`atomic_save`, used by :func:`save_checkpoint` and :func:`save_store`):
+
+1. a temporary file ``.<name>.tiermem-tmp-<pid>-<random>`` is created in the target's directory
+   with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (never follows or reuses a planted file);
+2. ``torch.save`` writes the payload into it while a SHA-256 of the bytes is computed on the
+   fly; a 48-byte trailer (magic, payload length, digest) is appended;
+3. the file is flushed and ``fsync``-ed, then ``os.replace``-d onto the target (atomic on POSIX);
+4. the directory is ``fsync``-ed so the rename itself is durable.
+
+A process killed at any point before step 3 leaves the previous checkpoint untouched (plus a
+temporary file, which :func:`load_checkpoint` never looks at and :func:`cleanup_temp_files`
+removes once its writer is dead); killed after step 3, the new checkpoint is complete.
+
+Reading (:func:`load_checkpoint`, :func:`load_store`) checks the trailer and the digest before
+unpickling anything, so a truncated or bit-flipped file raises :class:`CheckpointCorruption`
+naming the file instead of returning wrong numbers (``torch.load`` itself does not notice a
+flipped bit in tensor data). Unpickling uses ``torch.load(weights_only=True)``: tensors,
+containers and plain scalars only; a file holding any other object is refused with
+:class:`UnsafeCheckpointError` and nothing in it is executed.
+
+File layout: ``[torch.save zip archive][b"TMCKPT\\x00\\x01"][u64 little-endian archive
+length][32-byte SHA-256 of the archive]``. The archive is a normal ``torch.save`` file (zip
+readers ignore the trailer), but only these functions verify it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pickle
+import re
+import secrets
+import stat
+import time
+from typing import Any, Hashable
+
+import torch
+
+from tiermem.config import TIERS
+
+FORMAT_VERSION = 1
+_MAGIC = b"TMCKPT\x00\x01"
+_TRAILER_BYTES = len(_MAGIC) + 8 + 32
+_TMP_TAG = ".tiermem-tmp-"
+_TMP_RE = re.compile(r"\.(?P<name>.+)\.tiermem-tmp-(?P<pid>\d+)-[0-9a-f]+")
+_KIND_CHECKPOINT = "tiermem.checkpoint"
+_KIND_STORE = "tiermem.store"
+_READ_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file cannot be used: not a tiermem checkpoint, wrong kind, bad structure.
+
+    ``path`` is the file.
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else os.fspath(path)
+
+
+class CheckpointCorruption(CheckpointError):
+    """The file is truncated or its bytes do not match their SHA-256 (a torn or damaged write)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The file holds objects that ``torch.load(weights_only=True)`` refuses to unpickle."""
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic writer
+
+
+class _HashingWriter:
+    """File-like wrapper that forwards writes and hashes the bytes (for ``torch.save``)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.nbytes += view.nbytes
+        try:
+            self._f.write(view)
+        except OSError as exc:
+            # torch.save's zip writer turns this into an unrelated RuntimeError on its way
+            # out; keep the real cause (e.g. ENOSPC) for atomic_save to raise
+            self.error = self.error or exc
+            raise
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _tmp_name(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems cannot fsync a directory; the rename still holds
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """Write ``torch.save(obj)`` (plus an integrity trailer) to ``path`` atomically and durably.
+
+    See the module docstring for the steps. On any error the temporary file is removed and
+    ``path`` is left as it was.
+
+    Raises:
+        FileNotFoundError: the directory of ``path`` does not exist.
+        IsADirectoryError: ``path`` is a directory.
+        OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); the message names
+            the file.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", directory)
+    cleanup_temp_files(directory)
+    tmp = _tmp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            writer = _HashingWriter(f)
+            try:
+                torch.save(obj, writer)
+            except Exception as exc:
+                if writer.error is not None and writer.error is not exc:
+                    raise writer.error from exc
+                raise
+            f.write(_MAGIC + writer.nbytes.to_bytes(8, "little") + writer.sha.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise OSError(exc.errno, f"{exc.strerror or exc} (writing checkpoint {path})",
+                          path) from exc
+        raise
+    _fsync_dir(directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# verified reader
+
+
+def _verify(f, path: str) -> None:
+    """Check the trailer and the SHA-256 of the archive in the open file ``f``.
+
+    Raises:
+        CheckpointCorruption: truncated, damaged, or not written by :func:`atomic_save`.
+    """
+    size = os.fstat(f.fileno()).st_size
+    if size < _TRAILER_BYTES:
+        raise CheckpointCorruption(
+            f"checkpoint {path} is truncated or not a tiermem checkpoint ({size} bytes, "
+            f"smaller than its trailer)", path)
+    f.seek(size - _TRAILER_BYTES)
+    trailer = f.read(_TRAILER_BYTES)
+    magic, length, digest = trailer[:8], int.from_bytes(trailer[8:16], "little"), trailer[16:]
+    if magic != _MAGIC:
+        raise CheckpointCorruption(
+            f"checkpoint {path} is truncated, damaged or not written by tiermem.checkpoint "
+            f"(no trailer at its end)", path)
+    if length != size - _TRAILER_BYTES:
+        raise CheckpointCorruption(
+            f"checkpoint {path} is damaged: the trailer says {length} bytes of data, the file "
+            f"holds {size - _TRAILER_BYTES}", path)
+    f.seek(0)
+    sha = hashlib.sha256()
+    left = length
+    while left:
+        block = f.read(min(_READ_CHUNK, left))
+        if not block:
+            raise CheckpointCorruption(f"checkpoint {path} is truncated (short read)", path)
+        sha.update(block)
+        left -= len(block)
+    if sha.digest() != digest:
+        raise CheckpointCorruption(
+            f"checkpoint {path} is corrupted: SHA-256 mismatch (the bytes changed after they "
+            f"were written); use an older checkpoint", path)
+
+
+def _load_verified(path: str | os.PathLike, kind: str, verify: bool = True) -> dict:
+    """Open ``path`` once, verify it (``verify``), ``torch.load(weights_only=True)`` it from
+    the same open file (a concurrent save renaming a new file over ``path`` cannot slip in
+    between), and check its format tag and version."""
+    path = os.fspath(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115  (closed by the with block below)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", path) from None
+    with f:
+        if verify:
+            _verify(f, path)
+        f.seek(0)
+        try:
+            payload = torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"checkpoint {path} was refused: it holds objects other than tensors, "
+                f"containers and plain scalars, which torch.load(weights_only=True) does not "
+                f"unpickle ({str(exc).splitlines()[0]}); only load files you trust with other "
+                f"tools", path) from exc
+        except (RuntimeError, EOFError, ValueError, KeyError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise CheckpointCorruption(f"checkpoint {path} cannot be read: "
+                                       f"{type(exc).__name__}: {first}", path) from exc
+    if not isinstance(payload, dict) or payload.get("format") != kind:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"{path} is not a {kind} file (format: {found!r})", path)
+    if payload.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has {kind} format version {payload.get('version')!r}; "
+                              f"this tiermem reads version {FORMAT_VERSION}", path)
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------
+# temporary files
+
+
+def _pid_start_time(pid: int) -> float | None:
+    """Wall-clock start time of process ``pid`` (Linux /proc), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _writer_alive(pid: int, mtime: float) -> bool:
+    if pid == os.getpid():
+        return True  # maybe a save in progress in another thread of this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's live process (or an odd pid): leave it
+    started = _pid_start_time(pid)
+    # the pid was reused by a process that started after the file was last written
+    return started is None or mtime >= started - 2.0
+
+
+def cleanup_temp_files(directory: str | os.PathLike) -> list[str]:
+    """Remove temporary files of interrupted saves in ``directory``.
+
+    A file ``.<name>.tiermem-tmp-<pid>-<hex>`` is removed when it is a regular file (not a
+    symlink) owned by this user and its writer is gone: the pid is dead, or it now belongs to
+    a process that started after the file was last modified. Temporary files of live writers
+    (this process included) are left alone. Called by every save for its directory.
+
+    Returns:
+        The paths removed.
+    """
+    directory = os.fspath(directory)
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    me = os.geteuid()
+    for name in names:
+        m = _TMP_RE.fullmatch(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
+            continue
+        if _writer_alive(int(m.group("pid")), st.st_mtime):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# model + optimizer checkpoints
+
+
+def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None, extra: Any = None) -> None:
+    """Save ``model.state_dict()``, ``optimizer.state_dict()`` and ``extra`` to ``path``,
+    crash-safely (see the module docstring).
+
+    ``extra`` must hold only what ``torch.load(weights_only=True)`` accepts: tensors, dicts,
+    lists, tuples, str, int, float, bool, None (e.g. the step, an LR scheduler's
+    ``state_dict()``, a loss history).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` has no ``state_dict``.
+        OSError: the write failed (the previous checkpoint at ``path`` is untouched).
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"save_checkpoint: model must be a torch.nn.Module, "
+                        f"got {type(model).__name__}")
+    if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
+        raise TypeError(f"save_checkpoint: optimizer must have a state_dict() method, "
+                        f"got {type(optimizer).__name__}")
+    payload = {
+        "format": _KIND_CHECKPOINT, "version": FORMAT_VERSION, "time": time.time(),
+        "model": model.state_dict() if model is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "extra": extra,
+    }
+    atomic_save(payload, path)
+
+
+def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None, strict: bool = True,
+                    verify: bool = True) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` (never unpickling other objects).
+
+    The file is verified (trailer and SHA-256; ``verify=False`` skips the digest) and fully
+    read before ``model`` or ``optimizer`` is touched; then ``model.load_state_dict(...,
+    strict=strict)`` and ``optimizer.load_state_dict(...)`` run and their own errors (a state
+    for another model) propagate unchanged. Tensors are loaded on the CPU; the model and
+    optimizer copy them to their devices.
+
+    Returns:
+        ``{"model": state_dict | None, "optimizer": state_dict | None, "extra": ..., "time":
+        seconds since the epoch of the save, "format", "version"}``.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (temporary files of interrupted saves are never
+            used instead).
+        CheckpointCorruption: truncated or damaged file (names the file).
+        UnsafeCheckpointError: the file holds arbitrary (non-weights) objects.
+        CheckpointError: a tiermem store snapshot or another file type; or ``model`` /
+            ``optimizer`` given but the checkpoint has none.
+        RuntimeError, ValueError: from ``load_state_dict`` of the model / optimizer.
+    """
+    payload = _load_verified(path, _KIND_CHECKPOINT, verify)
+    for name, obj in (("model", model), ("optimizer", optimizer)):
+        if obj is not None and payload.get(name) is None:
+            raise CheckpointError(f"checkpoint {os.fspath(path)} has no {name} state, but a "
+                                  f"{name} was given to load_checkpoint", path)
+    if model is not None:
+        model.load_state_dict(payload["model"], strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------
+# TierStore snapshots
+
+
+def _valid_key(key: Any) -> bool:
+    if isinstance(key, bool):
+        return False
+    if isinstance(key, (str, int)):
+        return True
+    return isinstance(key, tuple) and all(_valid_key(k) for k in key)
+
+
+def save_store(store, path: str | os.PathLike) -> dict[Hashable, str]:
+    """Save every key of ``store`` with its tensor and tier to ``path``, crash-safely.
+
+    Each tensor is read through the store's ``"cpu"`` tier (keys in ``"nvme"`` are read back,
+    copied and spilled again, so placement is unchanged) and copied into host memory: the
+    snapshot needs host RAM for all of the store's bytes while it is written. Do not modify the
+    store from other threads during the save; a key deleted meanwhile is skipped.
+
+    Returns:
+        ``{key: tier}`` of what was saved.
+
+    Raises:
+        TypeError: a key that is not str / int / a tuple of them (nothing is written).
+        TierFullError: a spilled key cannot be staged through a full ``"cpu"`` tier.
+        SpillError, SpillCorruption: a spilled key cannot be read back.
+        OSError: the write failed (the previous file at ``path`` is untouched).
+    """
+    keys = store.keys()
+    for key in keys:
+        if not _valid_key(key):
+            raise TypeError(f"save_store: key {key!r} cannot be saved; store snapshots take keys "
+                            f"that are str, int or (nested) tuples of them")
+    entries, tiers = [], {}
+    for key in keys:
+        try:
+            tier = store.tier_of(key)
+            tensor = store.get(key, "cpu", hold=True)
+        except KeyError:
+            continue  # deleted by another thread meanwhile
+        try:
+            copy = tensor.to("cpu", copy=True)
+        finally:
+            store.release(key)
+        if tier == "nvme":
+            store.evict(key, "nvme").wait()
+        entries.append({"key": key, "tier": tier, "tensor": copy})
+        tiers[key] = tier
+    atomic_save({"format": _KIND_STORE, "version": FORMAT_VERSION, "time": time.time(),
+                 "entries": entries}, path)
+    return tiers
+
+
+def load_store(path: str | os.PathLike, store, *, verify: bool = True) -> dict[Hashable, str]:
+    """Put every tensor of a :func:`save_store` file back into ``store`` (replacing keys).
+
+    Each key goes into its saved tier when that tier can take it, else into the fastest tier
+    that can (``put(tier=None)``); a key already in the store is replaced.
+
+    Returns:
+        ``{key: tier}`` where each key was placed.
+
+    Raises:
+        FileNotFoundError, CheckpointCorruption, UnsafeCheckpointError, CheckpointError: as
+            :func:`load_checkpoint` (nothing is put into the store then).
+        TierFullError: a tensor fits in no tier of ``store``; keys put before it stay.
+    """
+    from tiermem.store.store import TierFullError  # noqa: PLC0415  (import cycle at load time)
+
+    payload = _load_verified(path, _KIND_STORE, verify)
+    entries = payload.get("entries")
+    if not isinstance(entries, list):
+        raise CheckpointError(f"store snapshot {os.fspath(path)} has no list of entries", path)
+    for i, e in enumerate(entries):
+        if not (isinstance(e, dict) and _valid_key(e.get("key")) and e.get("tier") in TIERS
+                and isinstance(e.get("tensor"), torch.Tensor)):
+            raise CheckpointError(f"store snapshot {os.fspath(path)}: entry {i} is malformed "
+                                  f"(needs a str/int/tuple key, a tier in {TIERS} and a "
+                                  f"tensor)", path)
+    placed = {}
+    for e in entries:
+        key, tier, tensor = e["key"], e["tier"], e["tensor"]
+        try:
+            store.put(key, tensor, tier=tier)
+        except TierFullError:
+            store.put(key, tensor)  # any tier; raises TierFullError naming all tiers
+        placed[key] = store.tier_of(key)
+    return placed
+
+
+__all__ = ["CheckpointCorruption", "CheckpointError", "UnsafeCheckpointError", "atomic_save",
+           "cleanup_temp_files", "load_checkpoint", "load_store", "save_checkpoint",
+           "save_store"]
+
