@@ -231,8 +231,9 @@ class TierStore:
 
         Args:
             key: a stored key.
-            tier: ``"gpu"`` or ``"cpu"``; a key already in a higher tier stays there and is
-                returned from it.
+            tier: ``"gpu"`` or ``"cpu"``; a key already in a higher tier, or held by a caller
+                (:meth:`hold`; moving it would free the holder's memory), stays where it is and
+                is returned from there.
             hold: keep the key from being evicted or moved until :meth:`release`.
 
         Raises:
@@ -285,7 +286,8 @@ class TierStore:
     def prefetch(self, key: Hashable, tier: str = "gpu") -> TransferFuture:
         """Start moving ``key`` up into ``tier`` and return a future (``wait()``/``done()``).
 
-        A key already in ``tier`` or higher is left alone (a done future is returned). A later
+        A key already in ``tier`` or higher, or held by a caller, is left alone (a done future
+        is returned). A later
         :meth:`get` waits for the prefetch. The future's buffers belong to the store.
 
         Raises:
