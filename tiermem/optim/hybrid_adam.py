@@ -40,6 +40,7 @@ import math
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from contextlib import nullcontext as _nullcontext
 from typing import Any, Iterable
@@ -51,7 +52,7 @@ from tiermem.optim import distributed as _dist
 from tiermem.optim.cpu_adam import adam_step_
 from tiermem.optim.partition import Chunk, GroupPlan, plan_group
 from tiermem.store.pool import round_up
-from tiermem.store.store import TierStore
+from tiermem.store.store import TierFullError, TierStore
 from tiermem.store.transfer import Copier
 
 
@@ -113,7 +114,9 @@ class HybridAdam(torch.optim.Optimizer):
         maximize: maximize the objective.
         offload_fraction: fraction of each group's parameter bytes whose fp32 master and
             moments live off the GPU, in [0.0, 1.0]; the last layers are offloaded first.
-        state_tier: ``"cpu"`` (pinned host RAM) or ``"nvme"`` (streamed through the store).
+        state_tier: ``"cpu"`` (pinned host RAM), ``"nvme"`` (streamed through the store) or
+            ``"split"``: a static placement by the store's cpu budget, see Note [split tier]
+            (needs ``store`` with an nvme tier).
         store: the TierStore to keep offloaded state in; ``None`` makes a private one sized for
             this optimizer (``state_tier="nvme"`` then needs ``nvme_dir``).
         nvme_dir: spill directory of the private store (with ``state_tier="nvme"``).
@@ -175,9 +178,14 @@ class HybridAdam(torch.optim.Optimizer):
             raise ValueError(f"HybridAdam: offload_fraction={offload_fraction!r} is outside "
                              f"[0.0, 1.0]; it is the fraction of parameter bytes whose optimizer "
                              f"state leaves the GPU (0.0 = none, 1.0 = all)")
-        if state_tier not in ("cpu", "nvme"):
+        if state_tier not in ("cpu", "nvme", "split"):
             raise ValueError(f"HybridAdam: state_tier={state_tier!r} is unknown; use 'cpu' "
-                             f"(pinned RAM) or 'nvme' (spill files)")
+                             f"(pinned RAM), 'nvme' (spill files) or 'split' (RAM up to the "
+                             f"store's cpu budget, the rest on NVMe)")
+        if state_tier == "split" and (store is None or store.config.nvme_bytes == 0):
+            raise ValueError("HybridAdam: state_tier='split' places chunks by the budgets of the "
+                             "store you pass: give store=TierStore(StoreConfig(cpu_bytes=..., "
+                             "nvme_bytes=..., nvme_dir=...)) with nvme_bytes > 0")
         if state_tier == "nvme" and store is None and not nvme_dir:
             raise ValueError("HybridAdam: state_tier='nvme' needs a spill directory: pass "
                              "nvme_dir='/path/on/ssd' or a store with StoreConfig.nvme_bytes > 0")
@@ -259,6 +267,12 @@ class HybridAdam(torch.optim.Optimizer):
         self._owns_store = store is None
         self._store = store if store is not None else self._make_store(nvme_dir)
         self._copier = Copier(self.device)
+        self._nvme_chunks: set[tuple[int, int]] = set()  # (group, chunk) streamed through NVMe
+        self._ram_held: list = []  # split: chunk keys held in the cpu tier for good
+        self._stats_lock = threading.Lock()
+        self._acc = self._new_stats()
+        self._last_stats = self._new_stats()
+        self._moved0: dict = {}
         self._init_state()
         # cross-thread step state, guarded by _lock (hooks run on autograd threads)
         self._lock = threading.Lock()
@@ -401,6 +415,8 @@ class HybridAdam(torch.optim.Optimizer):
             g.out_buf = self._store.get(g.out_key, "cpu", hold=True)
             flat_params = [self._local(g, i) for i in range(g.n_local)]
             for chunk in g.plan.chunks:
+                if self.state_tier == "split":
+                    continue  # placed below, once every group's buffers are allocated
                 state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
                 master = state[:chunk.numel]
                 for pc in chunk.pieces:
@@ -409,6 +425,75 @@ class HybridAdam(torch.optim.Optimizer):
                 key = ("hybrid_adam", id(self), g.index, "chunk", chunk.index)
                 self._store.put(key, state, tier=self.state_tier)
                 g.chunk_keys.append(key)
+                if self.state_tier == "nvme":
+                    self._nvme_chunks.add((g.index, chunk.index))
+        if self.state_tier == "split":
+            self._place_split()
+
+    def _chunk_bytes(self, chunk: Chunk) -> int:
+        return round_up(4 * _state_numel(chunk.numel, self.moments_dtype))
+
+    def _place_split(self) -> None:
+        """Note [split tier]: a static placement of the offloaded chunks.
+
+        The CPU step visits every chunk once per step in the same (cyclic) order, so the
+        placement that minimises NVMe reads with a RAM budget of ``k`` chunks keeps a fixed set
+        of ``k`` chunks in RAM for good (Belady's rule on a cyclic trace: anything cached
+        dynamically would be evicted before its reuse). Which ``k``: the chunks stepped *last*
+        (with overlap, the first layers, whose gradients arrive at the very end of backward).
+        Their CPU step is on the critical path after backward, and a RAM chunk needs no read,
+        so the tail is pure compute; the chunks stepped first (the last layers) stream through
+        NVMe, and their reads are started in ``_begin_step``, i.e. hidden behind the forward
+        pass and the backward of the later layers. The budget is the store's
+        ``cpu_bytes`` less what it already holds (the pinned gradient/param buffers) less the
+        staging room of the NVMe stream (``nvme_lookahead_chunks + 3`` chunks: read-ahead, the
+        chunk being stepped, write-backs in flight). RAM chunks stay held in the store so its
+        eviction never demotes them; a chunk that does not fit after all (pool fragmentation)
+        goes to NVMe.
+        """
+        order = [(g.index, c) for g in self._groups for c in range(len(g.plan.chunks))]
+        if not self.overlap:
+            order = order[::-1]  # stepped in forward order: the last chunks are stepped last
+        # order: RAM preference, first = stepped last
+        biggest = max((self._chunk_bytes(ch) for g in self._groups for ch in g.plan.chunks),
+                      default=0)
+        room = (self._store.config.cpu_bytes - self._store.used_bytes("cpu")
+                - biggest * (self.nvme_lookahead_chunks + 3))
+        ram = set()
+        for g, c in order:
+            nbytes = self._chunk_bytes(self._groups[g].plan.chunks[c])
+            if nbytes > room:
+                break
+            ram.add((g, c))
+            room -= nbytes
+        for g in self._groups:
+            flat_params = [self._local(g, i) for i in range(g.n_local)]
+            for chunk in g.plan.chunks:
+                state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
+                master = state[:chunk.numel]
+                for pc in chunk.pieces:
+                    lo = pc.flat_offset - chunk.flat_start
+                    master[lo:lo + pc.numel].copy_(flat_params[pc.param][pc.start:pc.start + pc.numel])
+                key = ("hybrid_adam", id(self), g.index, "chunk", chunk.index)
+                placed = False
+                if (g.index, chunk.index) in ram:
+                    try:
+                        self._store.put(key, state, tier="cpu")
+                        self._store.get(key, "cpu", hold=True)  # pinned in RAM for good
+                        self._ram_held.append(key)
+                        placed = True
+                    except TierFullError:
+                        placed = False
+                if not placed:
+                    self._store.put(key, state, tier="nvme")
+                    self._nvme_chunks.add((g.index, chunk.index))
+                g.chunk_keys.append(key)
+
+    def chunk_tiers(self) -> dict[str, int]:
+        """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}`` (where each one lives for good
+        with ``state_tier`` ``"cpu"``, ``"nvme"`` or ``"split"``)."""
+        n = sum(len(g.plan.chunks) for g in self._groups)
+        return {"cpu": n - len(self._nvme_chunks), "nvme": len(self._nvme_chunks)}
 
     # ------------------------------------------------------------------ backward side
 
@@ -457,6 +542,8 @@ class HybridAdam(torch.optim.Optimizer):
                         events.append(self._copier.d2h(
                             group.grad_buf[pc.flat_offset:pc.flat_offset + pc.numel],
                             flat_grad[pc.start:pc.start + pc.numel]))
+                        with self._stats_lock:
+                            self._acc["d2h_bytes"] += pc.numel * group.grad_buf.element_size()
         ready = []
         with self._lock:
             if self._mode == "local" and grad is not None:  # see _check_grads_untouched
@@ -497,14 +584,39 @@ class HybridAdam(torch.optim.Optimizer):
             self._compute_allowed.set()
         else:
             self._compute_allowed.clear()  # the CPU step needs the global norm first
-        if self.state_tier == "nvme":
-            for g, c in self._expected_order()[:self.nvme_lookahead_chunks]:
+        with self._stats_lock:
+            self._acc = self._new_stats()
+            self._moved0 = dict(self._store.stats()["moved_bytes"])
+        if self._nvme_chunks:
+            for g, c in self._nvme_order()[:self.nvme_lookahead_chunks]:
                 self._store.prefetch(self._groups[g].chunk_keys[c], "cpu")
 
     def _expected_order(self) -> list[tuple[int, int]]:
         """Chunks in the order their gradients complete (reverse layer order with overlap)."""
         order = [(g.index, c) for g in self._groups for c in range(len(g.plan.chunks))]
         return order[::-1] if self.overlap else order
+
+    def _nvme_order(self) -> list[tuple[int, int]]:
+        """The NVMe-resident chunks in the order they are stepped."""
+        return [item for item in self._expected_order() if item in self._nvme_chunks]
+
+    @staticmethod
+    def _new_stats() -> dict:
+        return {"cpu_adam_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0, "stall_s": 0.0,
+                "chunks": 0}
+
+    def step_stats(self) -> dict:
+        """Breakdown of the last completed ``step()`` (backward hooks included), reset each step.
+
+        ``cpu_adam_s``: seconds of the CPU Adam kernel summed over chunks (worker thread);
+        ``d2h_bytes`` / ``h2d_bytes``: offloaded gradients copied off / updated params copied
+        back; ``nvme_read_bytes`` / ``nvme_write_bytes``: the store's nvme->cpu / cpu->nvme
+        traffic during the step (all of the store's traffic, if it is shared);
+        ``stall_s``: time ``step()`` waited for the CPU worker after stepping the GPU side;
+        ``step_s``: wall time of ``step()``; ``chunks``: offloaded chunks stepped.
+        """
+        with self._stats_lock:
+            return dict(self._last_stats)
 
     # ------------------------------------------------------------------ the CPU worker
 
@@ -545,22 +657,29 @@ class HybridAdam(torch.optim.Optimizer):
             if self._clip_coef is not None:
                 for start, numel, _ in runs:
                     grad[start:start + numel].mul_(self._clip_coef)
+            t0 = time.perf_counter()
             for start, numel, step in runs:
                 adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, lr=float(hp["lr"]),
                            beta1=beta1, beta2=beta2, eps=hp["eps"],
                            weight_decay=hp["weight_decay"], adamw=hp["adamw"],
                            maximize=hp["maximize"], param_out=out, offset=start, numel=numel,
                            num_threads=self.cpu_threads)
-            last = None
+            adam_s = time.perf_counter() - t0
+            last, h2d = None, 0
             for pc in chunk.pieces:
                 if events[pc.param] is None:
                     continue  # no gradient this step: param and state untouched, like torch
                 rel = pc.flat_offset - lo
                 dst = self._local(group, pc.param)[pc.start:pc.start + pc.numel]
                 last = self._copier.h2d(dst, out[rel:rel + pc.numel]) or last
+                h2d += pc.numel * out.element_size()
+            with self._stats_lock:
+                self._acc["cpu_adam_s"] += adam_s
+                self._acc["h2d_bytes"] += h2d
+                self._acc["chunks"] += 1
         finally:
             self._store.release(key)
-        if self.state_tier == "nvme":
+        if (g, c) in self._nvme_chunks:
             self._store.evict(key, "nvme")  # write-back overlaps the next chunk's compute
         if last is not None:
             with self._lock:
@@ -581,11 +700,14 @@ class HybridAdam(torch.optim.Optimizer):
         return [tuple(r) for r in runs]
 
     def _prefetch_after(self, g: int, c: int) -> None:
-        if self.state_tier != "nvme":
+        if not self._nvme_chunks:
             return
         order = self._expected_order()
         pos = order.index((g, c))
-        for gg, cc in order[pos + 1:pos + 1 + self.nvme_lookahead_chunks]:
+        with self._lock:  # chunks whose gradients came early were stepped already
+            later = [item for item in order[pos + 1:]
+                     if item in self._nvme_chunks and item not in self._queued]
+        for gg, cc in later[:self.nvme_lookahead_chunks]:
             self._store.prefetch(self._groups[gg].chunk_keys[cc], "cpu")
 
     # ------------------------------------------------------------------ step
@@ -607,6 +729,7 @@ class HybridAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        t_step = time.perf_counter()
         with self._lock:
             extra = [k for k, n in self._acc_count.items() if n > self.grad_accumulation_steps]
         if extra:
@@ -636,11 +759,13 @@ class HybridAdam(torch.optim.Optimizer):
         self._compute_allowed.set()
         for g in self._groups:
             self._step_gpu_side(g)
+        t_wait = time.perf_counter()
         with self._idle:
             while self._outstanding:
                 self._idle.wait()  # the CPU step of every offloaded chunk has to finish
             errors, self._errors = self._errors, []
             events = self._h2d_events
+        stall = time.perf_counter() - t_wait
         if self._zero is not None and self._zero.any_failed(bool(errors)) and not errors:
             raise RuntimeError(f"{self._who}: another rank's CPU step failed (its error names "
                                f"it); this step was abandoned on every rank")
@@ -657,6 +782,12 @@ class HybridAdam(torch.optim.Optimizer):
             for i in range(g.n_local):
                 if self._has_grad(g, i):
                     g.steps[i] += 1
+        moved = self._store.stats()["moved_bytes"]
+        with self._stats_lock:
+            done = dict(self._acc, stall_s=stall, step_s=time.perf_counter() - t_step)
+            done["nvme_read_bytes"] = moved.get("nvme->cpu", 0) - self._moved0.get("nvme->cpu", 0)
+            done["nvme_write_bytes"] = moved.get("cpu->nvme", 0) - self._moved0.get("cpu->nvme", 0)
+            self._last_stats = done
         self._begin_step()
         return loss
 
@@ -850,7 +981,8 @@ class HybridAdam(torch.optim.Optimizer):
         return out
 
     def _chunk_state(self, key):
-        store, tier = self._store, self.state_tier
+        store = self._store
+        tier = "nvme" if tuple(key[2::2]) in self._nvme_chunks else "cpu"
 
         class _Use:
             def __enter__(self_inner):
@@ -992,10 +1124,17 @@ class HybridAdam(torch.optim.Optimizer):
         return {"gpu": gpu, "cpu": s["cpu"]["used_bytes"], "nvme": s["nvme"]["used_bytes"]}
 
     def close(self) -> None:
-        """Stop the worker, remove hooks and free the private store. Idempotent."""
+        """Stop the worker, remove hooks, release the split tier's RAM chunks and free the
+        private store. Idempotent."""
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
+        held, self._ram_held = getattr(self, "_ram_held", []), []
+        for key in held:
+            try:
+                self._store.release(key)
+            except Exception:  # the store was closed or the key deleted by its owner
+                pass
         for h in self._hooks:
             h.remove()
         self._hooks = []

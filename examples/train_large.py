@@ -1,0 +1,144 @@
+"""Train a GPT larger than GPU-only training allows on one machine (issue 10).
+
+Plans first (``tiermem.plan.plan``) and exits 1 with the planner's reasons if the run does not
+fit the given budgets; then builds the model on the meta device, materialises it module by
+module in bf16 on the GPU (never a dense fp32 copy), keeps fp32 masters and moments off the GPU
+in a TierStore (pinned RAM, NVMe, or split between them), checkpoints every block, accumulates
+gradients, and prints per step: loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes
+and HybridAdam's step breakdown.
+
+    python examples/train_large.py --config examples/configs/h200_13b_nvme.yaml [--dry-run]
+    python examples/train_large.py --config examples/configs/h200_13b_nvme.yaml --tiny  # CPU smoke
+
+TODO (later session): activation offload (tiermem.offload) on top of checkpointing, and the
+planner's own model of the "split" state tier (it is checked here as RAM + NVMe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiermem import StoreConfig, TierStore  # noqa: E402
+from tiermem.bench._gpt import GPT, GPTConfig  # noqa: E402
+from tiermem.config import parse_bytes  # noqa: E402
+from tiermem.models import materialize_  # noqa: E402
+from tiermem.optim import HybridAdam  # noqa: E402
+from tiermem.plan import plan  # noqa: E402
+
+TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
+        "train": dict(steps=2, micro_batch=2, grad_accumulation_steps=2, device="cpu"),
+        "budgets": dict(gpu_bytes="4GiB", host_bytes="16GiB", nvme_bytes="1GiB"),
+        "store": dict(cpu_bytes="3MiB", nvme_bytes="64MiB", pool_slab_bytes="768KiB"),
+        "optimizer": dict(chunk_numel=1 << 14, offload_fraction=1.0)}  # RAM + NVMe both used
+
+
+def load(path: str, tiny: bool) -> dict:
+    cfg = yaml.safe_load(Path(path).read_text())
+    if tiny:
+        for section, values in TINY.items():
+            cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def make_plan(cfg: dict):
+    m, t, o, b = cfg["model"], cfg["train"], cfg["optimizer"], cfg["budgets"]
+    moments = o.get("moments_dtype", "fp32")
+    tier = o.get("state_tier", "cpu")
+    return plan(GPTConfig(**m).num_params(), n_layers=m["n_layers"], d_model=m["d_model"],
+                n_heads=m["n_heads"], vocab=m["vocab"], seq=m["seq_len"], batch=t["micro_batch"],
+                dtype="bf16", moments_dtype=moments, gpu_bytes=b["gpu_bytes"],
+                host_bytes=b["host_bytes"], nvme_bytes=b["nvme_bytes"],
+                offload_fraction=o.get("offload_fraction"),
+                state_tier="auto" if tier == "split" else tier, checkpoint=True,
+                chunk_numel=o.get("chunk_numel", 1 << 22))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="YAML preset (examples/configs/...)")
+    ap.add_argument("--dry-run", action="store_true", help="only plan; exit 0 fits, 1 does not")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
+    ap.add_argument("--steps", type=int, default=None, help="override train.steps")
+    ap.add_argument("--nvme-dir", default=None, help="spill directory (default: config/tmp)")
+    args = ap.parse_args(argv)
+    cfg = load(args.config, args.tiny)
+    pl = make_plan(cfg)
+    print(pl.table(), flush=True)
+    if not pl.fits:
+        print("train_large: this configuration does not fit the given budgets:\n  "
+              + "\n  ".join(pl.reasons or ["(see the plan above)"]), file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print("train_large: the plan fits (dry run, nothing trained)")
+        return 0
+    m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
+    device = torch.device(t.get("device", "cuda"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    accum = int(t.get("grad_accumulation_steps", 1))
+    steps = args.steps or int(t.get("steps", 5))
+    torch.manual_seed(int(t.get("seed", 0)))
+    mcfg = GPTConfig(**m)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(mcfg, checkpoint=True)
+    materialize_(model, device, dtype)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"train_large: {n / 1e9:.3f}B params materialised on {device} in {dtype} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    s = cfg.get("store", {})
+    nvme_dir = args.nvme_dir or s.get("nvme_dir") or tempfile.mkdtemp(prefix="tiermem-large-")
+    os.makedirs(nvme_dir, exist_ok=True)
+    nvme_bytes = parse_bytes(s.get("nvme_bytes", 0), "store.nvme_bytes")
+    store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=s["cpu_bytes"], nvme_bytes=nvme_bytes,
+                                  nvme_dir=nvme_dir if nvme_bytes else None, device=str(device),
+                                  pool_slab_bytes=s.get("pool_slab_bytes", "256MiB")))
+    moments = torch.bfloat16 if o.get("moments_dtype", "fp32") == "bf16" else torch.float32
+    opt = HybridAdam(model.parameters(), lr=float(o.get("lr", 3e-4)), weight_decay=0.1,
+                     offload_fraction=pl.offload_fraction if o.get("offload_fraction") is None
+                     else float(o["offload_fraction"]),
+                     state_tier=o.get("state_tier", "cpu"), store=store,
+                     chunk_numel=int(o.get("chunk_numel", 1 << 22)),
+                     grad_accumulation_steps=accum, moments_dtype=moments,
+                     max_grad_norm=o.get("max_grad_norm"))
+    print(f"train_large: offloaded chunks per tier {opt.chunk_tiers()}", flush=True)
+    b, seq = int(t["micro_batch"]), mcfg.seq_len
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, mcfg.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
+    for step in range(steps):
+        t_step = time.perf_counter()
+        total = 0.0
+        for micro in range(accum):
+            rows = data[((step * accum + micro) % 4) * b:][:b].to(device)
+            _, loss = model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+            (loss / accum).backward()
+            total += loss.item() / accum
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t_step
+        tok_s = b * seq * accum / dt
+        mem = opt.memory_bytes()
+        st = opt.step_stats()
+        print(f"step {step} loss {total:.4f} | {tok_s:,.0f} tok/s, {6 * n * tok_s / 1e12:.2f} "
+              f"model TFLOP/s, {dt:.2f} s | state GB gpu {mem['gpu'] / 1e9:.2f} "
+              f"ram {mem['cpu'] / 1e9:.2f} nvme {mem['nvme'] / 1e9:.2f} | cpu_adam "
+              f"{st['cpu_adam_s']:.2f} s, d2h {st['d2h_bytes'] / 1e9:.2f} GB, h2d "
+              f"{st['h2d_bytes'] / 1e9:.2f} GB, nvme r/w {st['nvme_read_bytes'] / 1e9:.2f}/"
+              f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s", flush=True)
+    opt.close()
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Issue 10 (CPU-testable parts): the split state tier, the per-step breakdown, meta-device
+init, and the large-model example (tiny smoke run, plan-only dry runs)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import TinyGPT, make_batch
+from tiermem import StoreConfig, TierStore
+from tiermem.optim import HybridAdam
+
+ROOT = Path(__file__).resolve().parents[1]
+HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CHUNK = 1024
+
+
+def _train(model, opt, steps, accum=2):
+    for step in range(steps):
+        for micro in range(accum):
+            idx, tgt = make_batch(step * accum + micro)
+            _, loss = model(idx, tgt)
+            (loss / accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _split_store(tmp_path, ram_chunks):
+    """A store whose cpu budget holds the buffers, the NVMe staging and ``ram_chunks`` chunks."""
+    torch.manual_seed(0)
+    n = sum(p.numel() for p in TinyGPT().parameters())
+    chunk_bytes = 4 * 3 * CHUNK
+    buffers = 2 * ((4 * n + 4095) // 4096 * 4096)
+    staging = chunk_bytes * (2 + 3)
+    cpu = buffers + staging + ram_chunks * chunk_bytes + 4096
+    return TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=cpu, nvme_bytes="8MiB",
+                                 nvme_dir=str(tmp_path), device="cpu",
+                                 pool_slab_bytes=chunk_bytes * 8))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_split_tier_matches_adamw_and_keeps_the_last_stepped_chunks_in_ram(tmp_path, overlap):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = copy.deepcopy(ref)
+    store = _split_store(tmp_path, ram_chunks=10)
+    opt = HybridAdam(model.parameters(), **HP, state_tier="split", store=store,
+                     chunk_numel=CHUNK, grad_accumulation_steps=2, overlap=overlap)
+    torch_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    g = opt._groups[0]
+    n_chunks = len(g.plan.chunks)
+    # the budget holds 10 full chunks (+ the small last chunk: without overlap it is stepped
+    # last, so it is the first to get RAM)
+    n_ram = 10 if overlap else 11
+    assert opt.chunk_tiers() == {"cpu": n_ram, "nvme": n_chunks - n_ram}
+    # RAM holds the chunks stepped last: the first layers with overlap, the last without
+    ram = list(range(n_ram)) if overlap else list(range(n_chunks - n_ram, n_chunks))
+    nvme = [c for c in range(n_chunks) if c not in ram]
+    assert sorted(c for gi, c in opt._nvme_chunks) == nvme
+
+    def check_tiers():
+        tiers = [store.tier_of(k) for k in g.chunk_keys]
+        assert all(tiers[c] == "cpu" for c in ram)
+        # NVMe chunks are in NVMe, except the ones read ahead for the next step
+        assert sum(tiers[c] == "nvme" for c in nvme) >= len(nvme) - 2 * opt.nvme_lookahead_chunks
+    check_tiers()
+    _train(model, opt, 3)
+    _train(ref, torch_opt, 3)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    check_tiers()  # the placement is static
+    st = opt.step_stats()
+    n_nvme = n_chunks - n_ram
+    chunk_bytes = 4 * 3 * CHUNK
+    assert st["chunks"] == n_chunks
+    # each NVMe chunk is read and written about once per step (the last chunk is smaller; a
+    # read-ahead chunk may be demoted and re-read under the tight staging budget); RAM chunks
+    # cause no NVMe traffic at all
+    for name in ("nvme_read_bytes", "nvme_write_bytes"):
+        assert (n_nvme - 1) * chunk_bytes <= st[name] <= (n_nvme + 5) * chunk_bytes, (name, st)
+    # state dict round trip works with both kinds of chunks
+    sd = opt.state_dict()
+    ref_sd = torch_opt.state_dict()
+    for i, s in sd["state"].items():
+        torch.testing.assert_close(s["exp_avg"], ref_sd["state"][i]["exp_avg"])
+    check_tiers()
+    opt.close()
+    store.close()
+
+
+def test_split_needs_a_store_with_nvme(tmp_path):
+    with pytest.raises(ValueError, match="split"):
+        HybridAdam(TinyGPT().parameters(), state_tier="split")
+
+
+def test_step_stats_are_consistent_and_reset_each_step(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    n = sum(p.numel() for p in model.parameters())
+    opt = HybridAdam(model.parameters(), **HP, state_tier="nvme", nvme_dir=str(tmp_path),
+                     chunk_numel=CHUNK, offload_fraction=1.0)
+    assert opt.step_stats()["chunks"] == 0
+    for step in range(2):
+        _train(model, opt, 1, accum=1)
+        st = opt.step_stats()
+        assert st["d2h_bytes"] == st["h2d_bytes"] == 4 * n  # every offloaded element, once
+        assert st["chunks"] == len(opt._groups[0].plan.chunks)
+        assert 0 < st["cpu_adam_s"] and 0 <= st["stall_s"] <= st["step_s"]
+        state_bytes = 12 * n
+        assert state_bytes <= st["nvme_write_bytes"] <= state_bytes + 4096 * st["chunks"]
+        assert st["nvme_read_bytes"] == st["nvme_write_bytes"]
+    opt.close()
+
+
+# ---------------------------------------------------------------- meta init
+
+def _small_gpt_cfg():
+    from tiermem.bench._gpt import GPTConfig
+    return GPTConfig(n_layers=3, d_model=32, n_heads=4, seq_len=16, vocab=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_materialize_matches_eager_init_bit_for_bit(dtype, monkeypatch):
+    from tiermem.bench._gpt import GPT
+    from tiermem.models import init as init_mod
+    from tiermem.models import materialize_
+    cfg = _small_gpt_cfg()
+    torch.manual_seed(1)
+    eager = GPT(cfg).to(dtype=dtype)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    sizes = []
+    real_empty = torch.empty
+
+    def counting_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        sizes.append(t.numel())
+        return t
+    monkeypatch.setattr(init_mod.torch, "empty", counting_empty)
+    torch.manual_seed(1)
+    materialize_(model, "cpu", dtype)
+    for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+        assert a.dtype == dtype and a.device.type == "cpu" and not a.is_meta, name
+        assert torch.equal(a, b), name
+    # fp32 scratch: one tensor at a time, never more than the biggest single module's
+    biggest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in eager.modules())
+    assert max(sizes) <= biggest and sum(sizes) == sum(p.numel() for p in eager.parameters())
+    idx, tgt = make_batch(0, seq_len=16, vocab=64)
+    torch.testing.assert_close(model(idx, tgt)[1], eager(idx, tgt)[1])
+
+
+def test_materialize_needs_an_init_for_custom_modules():
+    from tiermem.models import materialize_
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale())
+    with pytest.raises(ValueError, match="reset_parameters"):
+        materialize_(m, "cpu")
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale())
+    materialize_(m, "cpu", torch.bfloat16,
+                 init_fn=lambda mod: mod.w.fill_(2.0) if isinstance(mod, Scale) else None)
+    assert torch.equal(m[1].w, torch.full((4,), 2.0, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- examples/train_large.py
+
+def _run_example(*args, timeout=120):
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "train_large.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_train_large_tiny_runs_two_steps_on_cpu(tmp_path):
+    r = _run_example("--config", str(ROOT / "examples/configs/h200_13b_nvme.yaml"), "--tiny",
+                     "--nvme-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2 and "model TFLOP/s" in lines[0] and "nvme r/w" in lines[0]
+    tiers = next(ln for ln in r.stdout.splitlines() if "chunks per tier" in ln)
+    assert "'nvme': 0" not in tiers and "'cpu': 0" not in tiers, tiers  # split
+
+
+def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):
+    r = _run_example("--config", str(ROOT / "examples/configs/h200_13b_nvme.yaml"), "--dry-run")
+    assert r.returncode == 0 and "FITS" in r.stdout, r.stdout + r.stderr
+    big = tmp_path / "h200_30b.yaml"
+    text = (ROOT / "examples/configs/h200_13b_nvme.yaml").read_text()
+    big.write_text(text.replace("n_layers: 40, d_model: 5120, n_heads: 40",
+                                "n_layers: 60, d_model: 6144, n_heads: 48"))
+    r = _run_example("--config", str(big), "--dry-run")
+    assert r.returncode == 1 and "does not fit" in r.stderr, r.stdout + r.stderr
