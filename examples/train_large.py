@@ -7,8 +7,8 @@ in a TierStore (pinned RAM, NVMe, or split between them), checkpoints every bloc
 gradients, and prints per step: loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes
 and HybridAdam's step breakdown.
 
-    python examples/train_large.py --config examples/configs/h200_13b_nvme.yaml [--dry-run]
-    python examples/train_large.py --config examples/configs/h200_13b_nvme.yaml --tiny  # CPU smoke
+    python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
+    python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
 
 TODO (later session): activation offload (tiermem.offload) on top of checkpointing, and the
 planner's own model of the "split" state tier (it is checked here as RAM + NVMe).
@@ -64,7 +64,7 @@ def make_plan(cfg: dict):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="YAML preset (examples/configs/...)")
+    ap.add_argument("--config", required=True, help="YAML preset (examples/configs/large/...)")
     ap.add_argument("--dry-run", action="store_true", help="only plan; exit 0 fits, 1 does not")
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps")

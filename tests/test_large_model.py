@@ -184,7 +184,7 @@ def _run_example(*args, timeout=120):
 
 
 def test_train_large_tiny_runs_two_steps_on_cpu(tmp_path):
-    r = _run_example("--config", str(ROOT / "examples/configs/h200_13b_nvme.yaml"), "--tiny",
+    r = _run_example("--config", str(ROOT / "examples/configs/large/h200_13b_nvme.yaml"), "--tiny",
                      "--nvme-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
@@ -194,10 +194,10 @@ def test_train_large_tiny_runs_two_steps_on_cpu(tmp_path):
 
 
 def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):
-    r = _run_example("--config", str(ROOT / "examples/configs/h200_13b_nvme.yaml"), "--dry-run")
+    r = _run_example("--config", str(ROOT / "examples/configs/large/h200_13b_nvme.yaml"), "--dry-run")
     assert r.returncode == 0 and "FITS" in r.stdout, r.stdout + r.stderr
     big = tmp_path / "h200_30b.yaml"
-    text = (ROOT / "examples/configs/h200_13b_nvme.yaml").read_text()
+    text = (ROOT / "examples/configs/large/h200_13b_nvme.yaml").read_text()
     big.write_text(text.replace("n_layers: 40, d_model: 5120, n_heads: 40",
                                 "n_layers: 60, d_model: 6144, n_heads: 48"))
     r = _run_example("--config", str(big), "--dry-run")
