@@ -58,7 +58,7 @@ def make_plan(cfg: dict):
                 dtype="bf16", moments_dtype=moments, gpu_bytes=b["gpu_bytes"],
                 host_bytes=b["host_bytes"], nvme_bytes=b["nvme_bytes"],
                 offload_fraction=o.get("offload_fraction"),
-                state_tier="auto" if tier == "split" else tier, checkpoint=True,
+                state_tier=tier, checkpoint=True,
                 chunk_numel=o.get("chunk_numel", 1 << 22))
 
 

@@ -143,3 +143,20 @@ def test_json_output_and_the_tiermem_command(capsys):
     assert data["fits"] is True and data["num_params"] == PRESETS["7b"].num_params()
     assert cli.main(["plan", "--help"]) == 0
     assert "--model-size" in capsys.readouterr().out
+
+
+def test_split_state_fits_where_ram_or_nvme_alone_does_not():
+    """13B with 96 GiB RAM and 64 GiB of disk: neither tier alone holds the offloaded state,
+    RAM first + the rest on NVMe (HybridAdam's state_tier='split') does; auto picks it."""
+    from tiermem.plan import PRESETS, plan
+    c = PRESETS["13b"]
+    kw = dict(n_layers=c.n_layers, d_model=c.d_model, n_heads=c.n_heads, vocab=c.vocab,
+              seq=c.seq_len, batch=c.micro_batch, host_bytes="96GiB", nvme_bytes="64GiB")
+    n = c.num_params()
+    assert not plan(n, **kw, state_tier="cpu").fits
+    assert not plan(n, **kw, state_tier="nvme").fits
+    split = plan(n, **kw, state_tier="split")
+    assert split.fits and plan(n, **kw).state_tier == "split"
+    state = next(i for i in split.items if i.name == "optimizer state, offloaded")
+    assert state.host > 0 and state.nvme > 0
+    assert split.used["host"] <= split.capacity["host"] and split.used["nvme"] <= split.capacity["nvme"]

@@ -124,7 +124,7 @@ class Plan:
     Attributes:
         fits: every tier within its capacity.
         offload_fraction: chosen (or given) fraction of optimizer state off the GPU.
-        state_tier: ``"cpu"`` or ``"nvme"``: where the offloaded state lives.
+        state_tier: ``"cpu"``, ``"nvme"`` or ``"split"``: where the offloaded state lives.
         offload_layers: blocks whose activations go to the host tier.
         items: the rows (what goes where).
         capacity, used: per tier (``"gpu"``, ``"host"``, ``"nvme"``).
@@ -237,7 +237,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             ``"141GB"``, ``"128GiB"``); defaults: the H200 machine.
         offload_fraction: fraction of the optimizer state off the GPU in [0, 1]; None: the
             smallest that fits.
-        state_tier: ``"cpu"``, ``"nvme"`` or ``"auto"`` (RAM if it fits, else NVMe).
+        state_tier: ``"cpu"``, ``"nvme"``, ``"split"`` (RAM first, the rest on NVMe, like
+            HybridAdam's ``state_tier="split"``) or ``"auto"`` (RAM if it fits, else split).
         offload_layers: blocks whose activations are offloaded, in [0, n_layers); None:
             0, or n_layers-1 when the GPU cannot fit otherwise.
         activation_tier: ``"cpu"`` or ``"nvme"``: where offloaded activations go.
@@ -311,8 +312,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             offload_fraction, (int, float)) or not 0.0 <= offload_fraction <= 1.0):
         raise ValueError(f"offload_fraction={offload_fraction!r} must be in [0.0, 1.0] or None "
                          f"(auto)")
-    if state_tier not in ("auto", "cpu", "nvme"):
-        raise ValueError(f"state_tier={state_tier!r} is not 'auto', 'cpu' or 'nvme'")
+    if state_tier not in ("auto", "cpu", "nvme", "split"):
+        raise ValueError(f"state_tier={state_tier!r} is not 'auto', 'cpu', 'nvme' or 'split'")
     if activation_tier not in ("cpu", "nvme"):
         raise ValueError(f"activation_tier={activation_tier!r} is not 'cpu' or 'nvme'")
     if offload_layers is not None and (isinstance(offload_layers, bool) or not isinstance(
@@ -343,14 +344,15 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                           note=f"{gpu_state_per_param} B/param"
                                f"{' (fp32 master + moments)' if p != 4 else ' (moments)'}"))
         state = off_n * off_state_per_param
-        items.append(Item("optimizer state, offloaded",
+        state_item = Item("optimizer state, offloaded",
                           host=state if tier == "cpu" else 0, nvme=state if tier == "nvme" else 0,
                           note=f"{off_state_per_param} B/param (fp32 master + {moments_dtype} "
-                               f"moments)" if off_n else ""))
+                               f"moments)" if off_n else "")
+        items.append(state_item)
         if off_n:
             items.append(Item("pinned staging (grads + params)", host=2 * p * off_n,
                               note=f"{2 * p} B/offloaded param"))
-            if tier == "nvme":
+            if tier in ("nvme", "split"):
                 look = (nvme_lookahead_chunks + 3) * chunk_numel * 12
                 items.append(Item("NVMe read-ahead buffers", host=look,
                                   note=f"{nvme_lookahead_chunks}+3 chunks"))
@@ -370,6 +372,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         items.append(Item("head + loss", gpu=head, note="logits, fp32 log-softmax, grads"))
         items.append(Item("reserve", gpu=gpu_reserve, host=host_reserve,
                           note="CUDA context/workspace/fragmentation; OS + Python"))
+        if tier == "split":  # HybridAdam state_tier="split": RAM first, the rest on NVMe
+            host_free = cap["host"] - sum(i.host for i in items)
+            state_item.host = max(0, min(state, host_free))
+            state_item.nvme = state - state_item.host
+            state_item.note += f"; {state_item.host / max(state, 1):.0%} in RAM, rest on NVMe"
         used = {t: sum(getattr(i, t) for i in items) for t in ("gpu", "host", "nvme")}
         reasons = [f"{t} needs {used[t] / GB:,.1f} GB, has {cap[t] / GB:,.1f} GB "
                    f"(over by {(used[t] - cap[t]) / GB:,.1f} GB)"
@@ -389,7 +396,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
 
     layer_options = [offload_layers] if offload_layers is not None else \
         sorted({0, n_layers - 1})
-    tiers = ["cpu", "nvme"] if state_tier == "auto" else [state_tier]
+    tiers = ["cpu", "split"] if state_tier == "auto" else [state_tier]  # split beats all-nvme
     best: Plan | None = None
     for k in layer_options:
         f = offload_fraction if offload_fraction is not None else min(1.0, min_fraction(k))
@@ -527,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-reserve", default="8GiB", help="host bytes kept free (default 8GiB)")
     p.add_argument("--offload-fraction", type=_fraction, default=None, metavar="F|auto",
                    help="optimizer state off the GPU, 0..1 (default auto: the least that fits)")
-    p.add_argument("--state-tier", default="auto", choices=["auto", "cpu", "nvme"],
-                   help="where offloaded state lives (default auto: RAM, else NVMe)")
+    p.add_argument("--state-tier", default="auto", choices=["auto", "cpu", "nvme", "split"],
+                   help="where offloaded state lives (default auto: RAM, else split RAM + NVMe)")
     p.add_argument("--offload-layers", type=_layers, default=None, metavar="K|auto",
                    help="blocks whose activations are offloaded (default auto)")
     p.add_argument("--activation-tier", default="cpu", choices=["cpu", "nvme"],
