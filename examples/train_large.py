@@ -37,7 +37,7 @@ from tiermem.plan import plan  # noqa: E402
 TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
         "train": dict(steps=2, micro_batch=2, grad_accumulation_steps=2, device="cpu"),
         "budgets": dict(gpu_bytes="4GiB", host_bytes="16GiB", nvme_bytes="1GiB"),
-        "store": dict(cpu_bytes="3MiB", nvme_bytes="64MiB", pool_slab_bytes="768KiB"),
+        "store": dict(cpu_bytes="2.5MiB", nvme_bytes="64MiB", pool_slab_bytes="768KiB"),
         "optimizer": dict(chunk_numel=1 << 14, offload_fraction=1.0)}  # RAM + NVMe both used
 
 

@@ -36,7 +36,8 @@ def _split_store(tmp_path, ram_chunks):
     torch.manual_seed(0)
     n = sum(p.numel() for p in TinyGPT().parameters())
     chunk_bytes = 4 * 3 * CHUNK
-    buffers = 2 * ((4 * n + 4095) // 4096 * 4096)
+    # the fp32 grad buffer and the 4-slot param-out ring (tiermem.optim.hybrid_adam._OUT_SLOTS)
+    buffers = (4 * n + 4095) // 4096 * 4096 + 4 * 4 * CHUNK
     staging = chunk_bytes * (2 + 3)
     cpu = buffers + staging + ram_chunks * chunk_bytes + 4096
     return TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=cpu, nvme_bytes="8MiB",

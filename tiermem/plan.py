@@ -18,9 +18,10 @@ gradients                   N·p on the GPU (``param.grad`` in the model dtype)
 GPU-side optimizer state    (1-f)·N·(8 + 4·[p != 4]): fp32 moments, plus an fp32 master copy
                             unless the params are fp32 already (they are their own master)
 offloaded optimizer state   f·N·(4 + 2·m): fp32 master + moments, in pinned RAM
-                            (``state_tier="cpu"``) or in spill files (``"nvme"``)
-staging buffers             f·N·2·p pinned RAM: HybridAdam's gradient and updated-param
-                            buffers (one element each per offloaded param)
+                            (``state_tier="cpu"``), in spill files (``"nvme"``), or RAM first
+                            and the rest in spill files (``"split"``)
+staging buffers             f·N·p + 4·chunk_numel·p pinned RAM: HybridAdam's gradient buffer
+                            (one element per offloaded param) and its 4-chunk param-out ring
 NVMe read-ahead             (lookahead+3)·chunk_numel·12 pinned RAM, with ``"nvme"`` only
 activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
                             r (4: 17·b·s·d·a, 34·b·s·d in bf16 = Megatron's sbh·34 with
@@ -44,12 +45,11 @@ the GPU): the model gives 51.5 GiB without the reserve, the H200 measured a 52.5
 
 Automatic placement (``offload_fraction=None``, ``state_tier="auto"``, ``offload_layers=None``):
 keep activations on the GPU if possible, and find the smallest offload fraction (in steps of
-0.01) with which the GPU fits; put the offloaded state in RAM, else on NVMe. Only when even
-``f = 1`` does not fit the GPU are the activations of all blocks but the last offloaded (to the
-host tier). HybridAdam keeps one optimizer's offloaded state in one tier, so the state is never
-split between RAM and NVMe; when no placement fits, the plan says which tier overflows, by how
-much, and whether RAM + NVMe together could hold the offloaded state at all (with fp32 and with
-bf16 moments).
+0.01) with which the GPU fits; put the offloaded state in RAM, else split it (RAM first, the
+rest on NVMe: HybridAdam's ``state_tier="split"``). Only when even ``f = 1`` does not fit the
+GPU are the activations of all blocks but the last offloaded (to the host tier). When no
+placement fits, the plan says which tier overflows, by how much, and whether RAM + NVMe
+together could hold the offloaded state at all (with fp32 and with bf16 moments).
 """
 
 from __future__ import annotations
@@ -350,8 +350,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                                f"moments)" if off_n else "")
         items.append(state_item)
         if off_n:
-            items.append(Item("pinned staging (grads + params)", host=2 * p * off_n,
-                              note=f"{2 * p} B/offloaded param"))
+            items.append(Item("pinned staging (grads + params)",
+                              host=p * off_n + 4 * chunk_numel * p,  # grads + a 4-chunk param ring
+                              note=f"{p} B/offloaded param + 4 chunks"))
             if tier in ("nvme", "split"):
                 look = (nvme_lookahead_chunks + 3) * chunk_numel * 12
                 items.append(Item("NVMe read-ahead buffers", host=look,
@@ -452,19 +453,18 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, state_pp: int, p:
     if (over["host"] or over["nvme"]) and f > 0:
         if f == 1.0:  # could the offloaded state fit anywhere at all? (RAM + NVMe together)
             total = cap["host"] + cap["nvme"]
-            both = max(0, cap["host"] - host_reserve - 2 * p * n) + cap["nvme"]
+            both = max(0, cap["host"] - host_reserve - p * n) + cap["nvme"]
             for label, per in (("fp32 moments", 12), ("bf16 moments", 8)):
                 need = n * per
                 if need > total:
                     verdict = f"more than RAM + NVMe together ({total / GB:,.0f} GB): no " \
                               f"placement fits"
                 elif need > both:
-                    verdict = f"RAM + NVMe hold {both / GB:,.0f} GB after the {2 * p} B/param " \
+                    verdict = f"RAM + NVMe hold {both / GB:,.0f} GB after the {p} B/param " \
                               f"pinned staging and the host reserve: no placement fits"
                 else:
-                    verdict = f"RAM + NVMe could hold it ({both / GB:,.0f} GB after staging) only " \
-                              f"split between them, which one HybridAdam does not do (it keeps " \
-                              f"its offloaded state in one tier)"
+                    verdict = f"RAM + NVMe hold it ({both / GB:,.0f} GB after staging) split " \
+                              f"between them: optimizer.state_tier=split"
                 pl.notes.append(f"with {label} the optimizer state of all {n / 1e9:.1f}B params "
                                 f"is {need / GB:,.0f} GB ({per} B/param): {verdict}")
         elif moments_dtype == "fp32":

@@ -56,6 +56,11 @@ from tiermem.store.store import TierFullError, TierStore
 from tiermem.store.transfer import Copier
 
 
+_OUT_SLOTS = 4
+"""Chunk-sized pinned buffers the CPU step writes updated params into before their H2D copy:
+a ring, so param staging costs 4 chunks instead of 2 bytes per offloaded bf16 param."""
+
+
 def _state_numel(numel: int, moments_dtype: torch.dtype) -> int:
     """fp32 elements of one chunk's state blob: the master, then both moments."""
     return numel * (3 if moments_dtype == torch.float32 else 2)
@@ -97,7 +102,9 @@ class _Group:
     grad_key: Any = None
     out_key: Any = None
     grad_buf: torch.Tensor | None = None
-    out_buf: torch.Tensor | None = None
+    out_ring: list = field(default_factory=list)  # _OUT_SLOTS chunk-sized param-out buffers
+    out_events: list = field(default_factory=list)  # last H2D from each slot
+    out_next: int = 0
     chunk_keys: list = field(default_factory=list)
 
 
@@ -369,7 +376,8 @@ class HybridAdam(torch.optim.Optimizer):
         return sum(g.plan.cpu_numel for g in self._groups)
 
     def _make_store(self, nvme_dir: str | None) -> TierStore:
-        buf_bytes = sum(round_up(g.plan.cpu_numel * g.params[0].element_size()) * 2
+        buf_bytes = sum(round_up(g.plan.cpu_numel * g.params[0].element_size())
+                        + round_up(_OUT_SLOTS * self.chunk_numel * g.params[0].element_size())
                         for g in self._groups if g.plan.cpu_numel)
         chunk_bytes = round_up(4 * _state_numel(self.chunk_numel, self.moments_dtype))
         state_bytes = sum(round_up(4 * _state_numel(c.numel, self.moments_dtype)) for g in self._groups
@@ -409,10 +417,12 @@ class HybridAdam(torch.optim.Optimizer):
                                  f"different dtypes in different param groups")
             g.grad_key = ("hybrid_adam", id(self), g.index, "grad")
             g.out_key = ("hybrid_adam", id(self), g.index, "out")
-            for key in (g.grad_key, g.out_key):
-                self._store.put(key, torch.empty(g.plan.cpu_numel, dtype=dtype), tier="cpu")
+            slot_numel = max(c.numel for c in g.plan.chunks)
+            self._store.put(g.grad_key, torch.empty(g.plan.cpu_numel, dtype=dtype), tier="cpu")
+            self._store.put(g.out_key, torch.empty(_OUT_SLOTS, slot_numel, dtype=dtype), tier="cpu")
             g.grad_buf = self._store.get(g.grad_key, "cpu", hold=True)
-            g.out_buf = self._store.get(g.out_key, "cpu", hold=True)
+            g.out_ring = list(self._store.get(g.out_key, "cpu", hold=True))
+            g.out_events = [None] * _OUT_SLOTS
             flat_params = [self._local(g, i) for i in range(g.n_local)]
             for chunk in g.plan.chunks:
                 if self.state_tier == "split":
@@ -650,7 +660,7 @@ class HybridAdam(torch.optim.Optimizer):
             master, exp_avg, exp_avg_sq = _state_views(blob, chunk.numel, self.moments_dtype)
             self._prefetch_after(g, c)
             lo, hi = chunk.flat_start, chunk.flat_start + chunk.numel
-            grad, out = group.grad_buf[lo:hi], group.out_buf[lo:hi]
+            grad, out, slot = group.grad_buf[lo:hi], *self._out_slot(group, chunk.numel)
             hp = self.param_groups[g]
             beta1, beta2 = hp["betas"]
             runs = self._runs(group, chunk, events)
@@ -677,6 +687,7 @@ class HybridAdam(torch.optim.Optimizer):
                 self._acc["cpu_adam_s"] += adam_s
                 self._acc["h2d_bytes"] += h2d
                 self._acc["chunks"] += 1
+            group.out_events[slot] = last
         finally:
             self._store.release(key)
         if (g, c) in self._nvme_chunks:
@@ -684,6 +695,15 @@ class HybridAdam(torch.optim.Optimizer):
         if last is not None:
             with self._lock:
                 self._h2d_events.append(last)
+
+    @staticmethod
+    def _out_slot(group: _Group, numel: int) -> tuple[torch.Tensor, int]:
+        """The next param-out ring slot (``numel`` elements) and its index; worker thread only."""
+        slot = group.out_next
+        group.out_next = (slot + 1) % _OUT_SLOTS
+        if group.out_events[slot] is not None:
+            group.out_events[slot].synchronize()  # the slot's last H2D must finish before reuse
+        return group.out_ring[slot][:numel], slot
 
     def _runs(self, group: _Group, chunk: Chunk, events: dict) -> list[tuple[int, int, int]]:
         """(start in chunk, numel, step) runs of consecutive pieces that have gradients."""
