@@ -289,6 +289,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._grad_events: dict[tuple[int, int], list] = {}
         self._chunk_missing: dict[tuple[int, int], int] = {}
         self._queued: set[tuple[int, int]] = set()
+        self._read_ahead: set[tuple[int, int]] = set()  # NVMe chunks prefetched, not yet stepped
         self._h2d_events: list = []
         self._errors: list[BaseException] = []
         self._outstanding = 0
@@ -598,7 +599,10 @@ class HybridAdam(torch.optim.Optimizer):
             self._acc = self._new_stats()
             self._moved0 = dict(self._store.stats()["moved_bytes"])
         if self._nvme_chunks:
-            for g, c in self._nvme_order()[:self.nvme_lookahead_chunks]:
+            first = self._nvme_order()[:self.nvme_lookahead_chunks]
+            with self._lock:
+                self._read_ahead = set(first)
+            for g, c in first:
                 self._store.prefetch(self._groups[g].chunk_keys[c], "cpu")
 
     def _expected_order(self) -> list[tuple[int, int]]:
@@ -725,9 +729,12 @@ class HybridAdam(torch.optim.Optimizer):
         order = self._expected_order()
         pos = order.index((g, c))
         with self._lock:  # chunks whose gradients came early were stepped already
-            later = [item for item in order[pos + 1:]
-                     if item in self._nvme_chunks and item not in self._queued]
-        for gg, cc in later[:self.nvme_lookahead_chunks]:
+            self._read_ahead.discard((g, c))
+            room = self.nvme_lookahead_chunks - len(self._read_ahead)  # bounded: never evicted
+            later = [item for item in order[pos + 1:] if item in self._nvme_chunks
+                     and item not in self._queued and item not in self._read_ahead][:max(0, room)]
+            self._read_ahead.update(later)
+        for gg, cc in later:
             self._store.prefetch(self._groups[gg].chunk_keys[cc], "cpu")
 
     # ------------------------------------------------------------------ step
@@ -986,34 +993,31 @@ class HybridAdam(torch.optim.Optimizer):
                 st["exp_avg_sq"].view(-1)[sl] = g.gpu_exp_avg_sq[k].cpu()
                 if "master" in st:
                     st["master"].view(-1)[sl] = g.gpu_masters[k].cpu()
-            for chunk, key in zip(g.plan.chunks, g.chunk_keys):
-                with self._chunk_state(key) as blob:
-                    state = _state_views(blob, chunk.numel, self.moments_dtype)
-                    for pc in chunk.pieces:
-                        st = states[pc.param]
-                        rel = pc.flat_offset - chunk.flat_start
-                        sl = slice(pc.start, pc.start + pc.numel)
-                        st["exp_avg"].view(-1)[sl] = state[1][rel:rel + pc.numel]
-                        st["exp_avg_sq"].view(-1)[sl] = state[2][rel:rel + pc.numel]
-                        if "master" in st:
-                            st["master"].view(-1)[sl] = state[0][rel:rel + pc.numel]
+            for pc, sl, (master, exp_avg, exp_avg_sq) in self._offloaded_pieces(g):
+                st = states[pc.param]
+                st["exp_avg"].view(-1)[sl] = exp_avg
+                st["exp_avg_sq"].view(-1)[sl] = exp_avg_sq
+                if "master" in st:
+                    st["master"].view(-1)[sl] = master
             out.append(states)
         return out
 
-    def _chunk_state(self, key):
-        store = self._store
-        tier = "nvme" if tuple(key[2::2]) in self._nvme_chunks else "cpu"
-
-        class _Use:
-            def __enter__(self_inner):
-                self_inner.t = store.get(key, "cpu", hold=True)
-                return self_inner.t
-
-            def __exit__(self_inner, *exc):
-                store.release(key)
-                if tier == "nvme":
-                    store.evict(key, "nvme").wait()
-        return _Use()
+    def _offloaded_pieces(self, g: _Group):
+        """Yield ``(piece, slice of the local tensor, (master, exp_avg, exp_avg_sq) views of the
+        piece's state)`` for every offloaded piece of ``g``, chunk by chunk; a chunk's state is
+        held in RAM while its pieces are visited and written back to NVMe after."""
+        for chunk, key in zip(g.plan.chunks, g.chunk_keys):
+            blob = self._store.get(key, "cpu", hold=True)
+            try:
+                views = _state_views(blob, chunk.numel, self.moments_dtype)
+                for pc in chunk.pieces:
+                    rel = pc.flat_offset - chunk.flat_start
+                    yield (pc, slice(pc.start, pc.start + pc.numel),
+                           tuple(v[rel:rel + pc.numel] for v in views))
+            finally:
+                self._store.release(key)
+            if (g.index, chunk.index) in self._nvme_chunks:
+                self._store.evict(key, "nvme").wait()
 
     def state_dict(self) -> dict:
         """Return the state in torch.optim's format (``exp_avg``/``exp_avg_sq``/``step`` per
@@ -1104,16 +1108,13 @@ class HybridAdam(torch.optim.Optimizer):
             g.gpu_steps[k].fill_(float(g.steps[pc.param]))
             if g.gpu_masters[k] is not g.gpu_views[k]:
                 g.gpu_masters[k].copy_(master_of(pc.param)[sl])
-        for chunk, key in zip(g.plan.chunks, g.chunk_keys):
-            with self._chunk_state(key) as blob:
-                state = _state_views(blob, chunk.numel, self.moments_dtype)
-                for pc in chunk.pieces:
-                    st = sts[pc.param]
-                    rel = pc.flat_offset - chunk.flat_start
-                    sl = slice(pc.start, pc.start + pc.numel)
-                    state[0][rel:rel + pc.numel] = master_of(pc.param)[sl]
-                    for row, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
-                        state[row][rel:rel + pc.numel] = local_src(pc.param, name)[sl] if st else 0
+        for pc, sl, (master, exp_avg, exp_avg_sq) in self._offloaded_pieces(g):
+            master.copy_(master_of(pc.param)[sl])
+            for moment, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+                if sts[pc.param]:
+                    moment.copy_(local_src(pc.param, name)[sl])
+                else:
+                    moment.zero_()
 
     # ------------------------------------------------------------------ misc
 
