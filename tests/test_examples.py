@@ -129,3 +129,17 @@ def test_readme_commands_match_ci():
     for part in ("pip install -q torch==2.13.0", 'pip install -q -e ".[test]"',
                  'python3 -m pytest -m "not cuda" -q'):
         assert part in ci
+
+
+def test_hf_model_example_matches_the_baseline_exactly():
+    """examples/hf_model.py: a transformers Llama built from a config, activation offload +
+    HybridAdam vs torch fused AdamW, on the CPU in fp32: identical losses. Optional extra."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_model.py"
+    spec = importlib.util.spec_from_file_location("hf_model_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--steps", "4", "--layers", "2"]) == 0
