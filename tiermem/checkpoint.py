@@ -39,6 +39,7 @@ from typing import Any, Hashable
 
 import torch
 
+from tiermem._leftovers import stale_entries
 from tiermem.config import TIERS
 
 FORMAT_VERSION = 1
@@ -241,33 +242,6 @@ def _load_verified(path: str | os.PathLike, kind: str, verify: bool = True) -> d
 # temporary files
 
 
-def _pid_start_time(pid: int) -> float | None:
-    """Wall-clock start time of process ``pid`` (Linux /proc), or None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 of stat(5); fields[0] is field 3
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def _writer_alive(pid: int, mtime: float) -> bool:
-    if pid == os.getpid():
-        return True  # maybe a save in progress in another thread of this process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, OSError):
-        return True  # another user's live process (or an odd pid): leave it
-    started = _pid_start_time(pid)
-    # the pid was reused by a process that started after the file was last written
-    return started is None or mtime >= started - 2.0
-
-
 def cleanup_temp_files(directory: str | os.PathLike) -> list[str]:
     """Remove temporary files of interrupted saves in ``directory``.
 
@@ -279,26 +253,8 @@ def cleanup_temp_files(directory: str | os.PathLike) -> list[str]:
     Returns:
         The paths removed.
     """
-    directory = os.fspath(directory)
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    me = os.geteuid()
-    for name in names:
-        m = _TMP_RE.fullmatch(name)
-        if not m:
-            continue
-        path = os.path.join(directory, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
-            continue
-        if _writer_alive(int(m.group("pid")), st.st_mtime):
-            continue
+    for path in stale_entries(directory, _TMP_RE, stat.S_ISREG):
         try:
             os.unlink(path)
             removed.append(path)

@@ -36,8 +36,6 @@ Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
 
 from __future__ import annotations
 
-import math
-import os
 import queue
 import threading
 import time

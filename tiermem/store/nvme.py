@@ -46,6 +46,7 @@ from typing import Callable, Hashable, Literal
 
 import torch
 
+from .._leftovers import stale_entries
 from .extents import ExtentAllocator, round_up
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
@@ -161,7 +162,7 @@ def cleanup_stale(base_dir: str | os.PathLike) -> list[str]:
     """Remove spill directories ``tiermem-<pid>-*`` under ``base_dir`` left by dead processes.
 
     A directory is removed only when it is a real directory (not a symlink), belongs to this
-    user, and ``os.kill(pid, 0)`` raises ``ProcessLookupError`` (no such process). Live
+    user, and its pid is dead or reused (:func:`tiermem._leftovers.owner_alive`). Live
     processes, other users' directories and anything unreadable are left alone. A base directory
     shared between PID namespaces (containers) may see a live process as dead: give each
     container its own ``nvme_dir``.
@@ -170,31 +171,7 @@ def cleanup_stale(base_dir: str | os.PathLike) -> list[str]:
         The paths removed.
     """
     removed: list[str] = []
-    base_dir = os.fspath(base_dir)
-    try:
-        names = os.listdir(base_dir)
-    except OSError:
-        return removed
-    me = os.geteuid()
-    for name in names:
-        m = _SPILL_DIR_RE.fullmatch(name)
-        if not m:
-            continue
-        pid = int(m.group(1))
-        path = os.path.join(base_dir, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue                      # alive
-        except ProcessLookupError:
-            pass                          # dead: stale
-        except (PermissionError, OverflowError, OSError):
-            continue                      # someone else's process (alive) or an odd pid
+    for path in stale_entries(base_dir, _SPILL_DIR_RE, stat.S_ISDIR):
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):
             removed.append(path)
