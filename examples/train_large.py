@@ -5,19 +5,21 @@ fit the given budgets; then builds the model on the meta device, materialises it
 module in bf16 on the GPU (never a dense fp32 copy), keeps fp32 masters and moments off the GPU
 in a TierStore (pinned RAM, NVMe, or split between them), checkpoints every block, accumulates
 gradients, and prints per step: loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes
-and HybridAdam's step breakdown.
+and a breakdown: GPU compute (forward + backward, CUDA events), PCIe bytes, CPU Adam seconds,
+NVMe read/write bytes and the stall (``step()`` waiting for the CPU side).
 
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
 
-TODO (later session): activation offload (tiermem.offload) on top of checkpointing, and the
-planner's own model of the "split" state tier (it is checked here as RAM + NVMe).
+Activations: every block is checkpointed, so only block inputs stay (seq·d_model·2 bytes a
+block, 0.02 GB at 13B); offloading them (``tiermem.offload``) would save under 1 GB here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -60,6 +62,27 @@ def make_plan(cfg: dict):
                 offload_fraction=o.get("offload_fraction"),
                 state_tier=tier, checkpoint=True,
                 chunk_numel=o.get("chunk_numel", 1 << 22))
+
+
+class _GpuTimer:
+    """Seconds of GPU work between construction and ``seconds()`` on the current stream
+    (CUDA events); wall seconds on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()  # marks where this micro-batch's GPU work begins
+        else:
+            self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()  # elapsed_time needs both events complete
+        return self.start.elapsed_time(end) / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.randint(0, mcfg.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
     for step in range(steps):
         t_step = time.perf_counter()
-        total = 0.0
+        total, gpu_s = 0.0, 0.0
         for micro in range(accum):
             rows = data[((step * accum + micro) % 4) * b:][:b].to(device)
+            timer = _GpuTimer(device)
             _, loss = model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
             (loss / accum).backward()
-            total += loss.item() / accum
+            total += loss.item() / accum  # .item() syncs: the timer's end event has run
+            gpu_s += timer.seconds()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -131,10 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         st = opt.step_stats()
         print(f"step {step} loss {total:.4f} | {tok_s:,.0f} tok/s, {6 * n * tok_s / 1e12:.2f} "
               f"model TFLOP/s, {dt:.2f} s | state GB gpu {mem['gpu'] / 1e9:.2f} "
-              f"ram {mem['cpu'] / 1e9:.2f} nvme {mem['nvme'] / 1e9:.2f} | cpu_adam "
-              f"{st['cpu_adam_s']:.2f} s, d2h {st['d2h_bytes'] / 1e9:.2f} GB, h2d "
+              f"ram {mem['cpu'] / 1e9:.2f} nvme {mem['nvme'] / 1e9:.2f} | gpu fwd+bwd "
+              f"{gpu_s:.2f} s, cpu_adam {st['cpu_adam_s']:.2f} s, pcie d2h "
+              f"{st['d2h_bytes'] / 1e9:.2f} GB, h2d "
               f"{st['h2d_bytes'] / 1e9:.2f} GB, nvme r/w {st['nvme_read_bytes'] / 1e9:.2f}/"
               f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s", flush=True)
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    print(f"train_large: done in {time.perf_counter() - t0:.0f} s; peak GPU {gpu_peak:.1f} GiB "
+          f"allocated, peak host RSS {rss:.1f} GiB (pinned state included), store peak "
+          + ", ".join(f"{t} {store.stats()[t]['peak_bytes'] / 2**30:.1f} GiB" for t in ("cpu", "nvme")),
+          flush=True)
     opt.close()
     store.close()
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine run: install tiermem, run the CUDA tests and the benchmarks, logs under $OUT.
-# Usage (device tool, carry .whl): bash scripts/device_run.sh PART   (PART: tests | optim | all)
+# Usage (device tool, carry .whl): bash scripts/device_run.sh PART   (PART: tests | optim | all | large13 | large20 | ...)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -43,4 +43,11 @@ if [[ $part == diag ]]; then
 fi
 if [[ $part == store ]]; then
   run cuda_store 90 python3 -m pytest -m cuda -q -p no:cacheprovider tests/store
+fi
+if [[ $part == facts || $part == large13 || $part == large20 ]]; then
+  { free -g; df -h / /tmp "$SPILL"; nproc; } 2>&1 | tee "$OUT/facts.txt"
+fi
+if [[ $part == large13 ]]; then
+  run cuda_tests 200 python3 -m pytest -m cuda -q -p no:cacheprovider tests
+  run large_13b 330 python3 examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL"
 fi
