@@ -55,12 +55,18 @@ def make_plan(cfg: dict):
     m, t, o, b = cfg["model"], cfg["train"], cfg["optimizer"], cfg["budgets"]
     moments = o.get("moments_dtype", "fp32")
     tier = o.get("state_tier", "cpu")
+    host = parse_bytes(b["host_bytes"], "budgets.host_bytes")
+    cpu = parse_bytes(cfg.get("store", {}).get("cpu_bytes", host), "store.cpu_bytes")
+    if cpu > host:
+        raise ValueError(f"store.cpu_bytes={cpu} is more than budgets.host_bytes={host}: the "
+                         f"pinned budget must leave RAM for the OS and Python; lower it")
     return plan(GPTConfig(**m).num_params(), n_layers=m["n_layers"], d_model=m["d_model"],
                 n_heads=m["n_heads"], vocab=m["vocab"], seq=m["seq_len"], batch=t["micro_batch"],
                 dtype="bf16", moments_dtype=moments, gpu_bytes=b["gpu_bytes"],
                 host_bytes=b["host_bytes"], nvme_bytes=b["nvme_bytes"],
                 offload_fraction=o.get("offload_fraction"),
                 state_tier=tier, checkpoint=True,
+                host_reserve_bytes=max(8 << 30, host - cpu),  # RAM = the store's pinned budget
                 chunk_numel=o.get("chunk_numel", 1 << 22))
 
 
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(mcfg, checkpoint=True)
-    materialize_(model, device, dtype)
+    materialize_(model, device, dtype, init_device=device)  # GPU RNG: ~100x the CPU's
     n = sum(p.numel() for p in model.parameters())
     print(f"train_large: {n / 1e9:.3f}B params materialised on {device} in {dtype} "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                   nvme_dir=nvme_dir if nvme_bytes else None, device=str(device),
                                   pool_slab_bytes=s.get("pool_slab_bytes", "256MiB")))
     moments = torch.bfloat16 if o.get("moments_dtype", "fp32") == "bf16" else torch.float32
+    t_opt = time.perf_counter()
     opt = HybridAdam(model.parameters(), lr=float(o.get("lr", 3e-4)), weight_decay=0.1,
                      offload_fraction=pl.offload_fraction if o.get("offload_fraction") is None
                      else float(o["offload_fraction"]),
@@ -132,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                      chunk_numel=int(o.get("chunk_numel", 1 << 22)),
                      grad_accumulation_steps=accum, moments_dtype=moments,
                      max_grad_norm=o.get("max_grad_norm"))
-    print(f"train_large: offloaded chunks per tier {opt.chunk_tiers()}", flush=True)
+    print(f"train_large: HybridAdam built in {time.perf_counter() - t_opt:.1f} s; offloaded "
+          f"chunks per tier {opt.chunk_tiers()}", flush=True)
     b, seq = int(t["micro_batch"]), mcfg.seq_len
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, mcfg.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable

@@ -51,3 +51,10 @@ if [[ $part == large13 ]]; then
   run cuda_tests 200 python3 -m pytest -m cuda -q -p no:cacheprovider tests
   run large_13b 330 python3 examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL"
 fi
+if [[ $part == large ]]; then  # issue 10: 13B fp32 moments, 20B bf16 moments, a 32B refused
+  { free -g; df -h "$SPILL"; } 2>&1 | tee "$OUT/facts.txt"
+  run cuda_hybrid 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim tests/store
+  run large_32b_refused 30 python3 examples/train_large.py --config examples/configs/large/h200_32b_too_big.yaml
+  run large_13b 190 python3 examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL"
+  run large_20b 290 python3 examples/train_large.py --config examples/configs/large/h200_20b_bf16.yaml --nvme-dir "$SPILL"
+fi

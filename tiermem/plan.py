@@ -20,8 +20,8 @@ GPU-side optimizer state    (1-f)·N·(8 + 4·[p != 4]): fp32 moments, plus an f
 offloaded optimizer state   f·N·(4 + 2·m): fp32 master + moments, in pinned RAM
                             (``state_tier="cpu"``), in spill files (``"nvme"``), or RAM first
                             and the rest in spill files (``"split"``)
-staging buffers             f·N·p + 4·chunk_numel·p pinned RAM: HybridAdam's gradient buffer
-                            (one element per offloaded param) and its 4-chunk param-out ring
+staging buffers             6·chunk_numel·p pinned RAM: HybridAdam's 2-chunk gradient ring and
+                            4-chunk param-out ring (gradients wait on the GPU until copied)
 NVMe read-ahead             (lookahead+3)·chunk_numel·12 pinned RAM, with ``"nvme"`` only
 activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
                             r (4: 17·b·s·d·a, 34·b·s·d in bf16 = Megatron's sbh·34 with
@@ -351,8 +351,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         items.append(state_item)
         if off_n:
             items.append(Item("pinned staging (grads + params)",
-                              host=p * off_n + 4 * chunk_numel * p,  # grads + a 4-chunk param ring
-                              note=f"{p} B/offloaded param + 4 chunks"))
+                              host=6 * chunk_numel * p,  # 2-chunk gradient + 4-chunk param ring
+                              note="2 + 4 chunks"))
             if tier in ("nvme", "split"):
                 look = (nvme_lookahead_chunks + 3) * chunk_numel * 12
                 items.append(Item("NVMe read-ahead buffers", host=look,

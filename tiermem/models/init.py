@@ -31,7 +31,8 @@ from torch import nn
 
 
 def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtype | None = None,
-                 init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                 init_fn: Callable[[nn.Module], None] | None = None,
+                 init_device: str | torch.device = "cpu") -> nn.Module:
     """Materialise ``model``'s meta parameters and buffers in place and return it.
 
     Args:
@@ -39,13 +40,20 @@ def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtyp
         device: where the tensors go.
         dtype: dtype of floating-point tensors (``None``: keep fp32); integer buffers keep theirs.
         init_fn: called as ``init_fn(module)`` after ``reset_parameters()`` for each module that
-            owns meta tensors (e.g. a model's own ``_init_weights``); it sees fp32 CPU tensors.
+            owns meta tensors (e.g. a model's own ``_init_weights``); it sees fp32 tensors on
+            ``init_device``.
+        init_device: where the fp32 tensors are allocated and initialised. ``"cpu"`` (default)
+            draws the same random numbers as an eager CPU build (bit-identical, see above) but
+            runs at CPU RNG speed (~90 s for 13B parameters on 16 cores); the target GPU is
+            ~100x faster and draws from the CUDA generator instead (a different, equally valid
+            initialisation). Peak extra memory there: one module's fp32 tensors.
 
     Raises:
         ValueError: a module owns meta tensors but has no ``reset_parameters`` and no
             ``init_fn`` was given (its values would be garbage), naming the module.
     """
     device = torch.device(device)
+    init_device = torch.device(init_device)
     done: dict[int, nn.Parameter] = {}  # id(meta param) -> materialised param (tied weights)
     for name, module in model.named_modules():
         params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
@@ -64,11 +72,13 @@ def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtyp
                              f"reset_parameters(); pass init_fn=... to initialise it")
         for n, p in fresh:
             module._parameters[n] = nn.Parameter(
-                torch.empty(p.shape, dtype=torch.float32 if p.is_floating_point() else p.dtype),
+                torch.empty(p.shape, dtype=torch.float32 if p.is_floating_point() else p.dtype,
+                            device=init_device),
                 requires_grad=p.requires_grad)
         for n, b in buffers:
             module._buffers[n] = torch.zeros(
-                b.shape, dtype=torch.float32 if b.is_floating_point() else b.dtype)
+                b.shape, dtype=torch.float32 if b.is_floating_point() else b.dtype,
+                device=init_device)
         with torch.no_grad():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()

@@ -7,20 +7,24 @@ the rest (the offloaded side) keeps them in the TierStore's ``"cpu"`` tier (pinn
 them through its ``"nvme"`` tier, and steps on the CPU with tiermem's native kernel.
 
 How one step overlaps (``overlap=True``), see Note [hybrid step]:
-1. backward: a post-accumulate-grad hook copies each offloaded gradient D2H into a pinned
-   buffer on a dedicated stream as soon as it is accumulated (last micro-batch only);
-2. a worker thread steps each offloaded chunk on the CPU as soon as all its gradients have
-   landed (gradients arrive last-layer-first, so the later layers' chunks step during backward),
-   writing the updated params in the model dtype into a pinned buffer in the same pass, and
-   copies them H2D on their own stream straight into the parameters;
+1. backward: a post-accumulate-grad hook hands each offloaded gradient to the CPU side as soon
+   as it is accumulated (last micro-batch only), with an event marking it complete;
+2. a worker thread steps each offloaded chunk on the CPU as soon as all its gradients are
+   complete (gradients arrive last-layer-first, so the later layers' chunks step during
+   backward): it copies the chunk's gradients D2H on a dedicated stream into a small pinned
+   ring (the next chunk's copy runs while this one steps; the gradients wait on the GPU, so
+   host staging is a few chunks, not 2 bytes per offloaded param), writes the updated params in
+   the model dtype into a pinned ring in the same pass, and copies them H2D on their own stream
+   straight into the parameters;
 3. ``step()`` steps the GPU side, waits for the worker, and makes the caller's stream wait on
    the H2D copies (no device-wide synchronisation).
 
 Note [hybrid step]: a parameter's post-accumulate-grad hook fires after every use of that
-parameter in the current backward has been enqueued, and the D2H copy waits for the compute
-stream at that point; the worker waits for the D2H to finish before stepping, so the H2D that
+parameter in the current backward has been enqueued; the event it records there is what the
+D2H copy waits for, and the worker waits for the D2H to finish before stepping, so the H2D that
 overwrites the parameter can never race with backward reading it. Gradient clipping needs the
-global norm before any update, so with ``max_grad_norm`` the CPU step waits for ``step()``.
+global norm before any update, so with ``max_grad_norm`` no gradient is copied before
+``step()`` has clipped them all on the GPU (the copies then wait for the clip).
 
 Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the full design:
 - ``data_parallel=True`` (or ``process_group=pg``), plain replicated params, no DDP wrapper:
@@ -57,6 +61,13 @@ from tiermem.store.transfer import Copier
 _OUT_SLOTS = 4
 """Chunk-sized pinned buffers the CPU step writes updated params into before their H2D copy:
 a ring, so param staging costs 4 chunks instead of 2 bytes per offloaded bf16 param."""
+
+_GRAD_SLOTS = 2
+"""Chunk-sized pinned buffers a chunk's gradients are copied into just before it steps: the one
+being stepped and the next one's copy in flight."""
+
+_STOP = object()
+"""Tells the CPU worker to exit."""
 
 
 def _state_numel(numel: int, moments_dtype: torch.dtype) -> int:
@@ -99,7 +110,8 @@ class _Group:
     # offloaded side
     grad_key: Any = None
     out_key: Any = None
-    grad_buf: torch.Tensor | None = None
+    grad_ring: list = field(default_factory=list)  # _GRAD_SLOTS chunk-sized gradient buffers
+    grad_next: int = 0
     out_ring: list = field(default_factory=list)  # _OUT_SLOTS chunk-sized param-out buffers
     out_events: list = field(default_factory=list)  # last H2D from each slot
     out_next: int = 0
@@ -284,7 +296,9 @@ class HybridAdam(torch.optim.Optimizer):
         self._acc_count: dict[tuple[int, int], int] = {}
         self._shipped: set[tuple[int, int]] = set()
         self._shipped_versions: dict[tuple[int, int], tuple[int, int]] = {}
-        self._grad_events: dict[tuple[int, int], list] = {}
+        # (g, i) -> (flat gradient, event marking it complete) or None (no gradient this step)
+        self._grad_refs: dict[tuple[int, int], tuple | None] = {}
+        self._copies: dict[tuple[int, int], tuple] = {}  # worker only: chunks whose D2H is issued
         self._chunk_missing: dict[tuple[int, int], int] = {}
         self._queued: set[tuple[int, int]] = set()
         self._read_ahead: set[tuple[int, int]] = set()  # NVMe chunks prefetched, not yet stepped
@@ -293,7 +307,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._outstanding = 0
         self._idle = threading.Condition(self._lock)
         self._compute_allowed = threading.Event()
-        self._clip_coef: torch.Tensor | None = None
+        self._clip_event: torch.cuda.Event | None = None
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tiermem-hybrid-adam", daemon=True)
         self._worker.start()
@@ -375,7 +389,7 @@ class HybridAdam(torch.optim.Optimizer):
         return sum(g.plan.cpu_numel for g in self._groups)
 
     def _make_store(self, nvme_dir: str | None) -> TierStore:
-        buf_bytes = sum(round_up(g.plan.cpu_numel * g.params[0].element_size())
+        buf_bytes = sum(round_up(_GRAD_SLOTS * self.chunk_numel * g.params[0].element_size())
                         + round_up(_OUT_SLOTS * self.chunk_numel * g.params[0].element_size())
                         for g in self._groups if g.plan.cpu_numel)
         chunk_bytes = round_up(4 * _state_numel(self.chunk_numel, self.moments_dtype))
@@ -417,22 +431,16 @@ class HybridAdam(torch.optim.Optimizer):
             g.grad_key = ("hybrid_adam", id(self), g.index, "grad")
             g.out_key = ("hybrid_adam", id(self), g.index, "out")
             slot_numel = max(c.numel for c in g.plan.chunks)
-            self._store.put(g.grad_key, torch.empty(g.plan.cpu_numel, dtype=dtype), tier="cpu")
+            self._store.put(g.grad_key, torch.empty(_GRAD_SLOTS, slot_numel, dtype=dtype), tier="cpu")
             self._store.put(g.out_key, torch.empty(_OUT_SLOTS, slot_numel, dtype=dtype), tier="cpu")
-            g.grad_buf = self._store.get(g.grad_key, "cpu", hold=True)
+            g.grad_ring = list(self._store.get(g.grad_key, "cpu", hold=True))
             g.out_ring = list(self._store.get(g.out_key, "cpu", hold=True))
             g.out_events = [None] * _OUT_SLOTS
-            flat_params = [self._local(g, i) for i in range(g.n_local)]
             for chunk in g.plan.chunks:
                 if self.state_tier == "split":
                     continue  # placed below, once every group's buffers are allocated
-                state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
-                master = state[:chunk.numel]
-                for pc in chunk.pieces:
-                    lo = pc.flat_offset - chunk.flat_start
-                    master[lo:lo + pc.numel].copy_(flat_params[pc.param][pc.start:pc.start + pc.numel])
                 key = ("hybrid_adam", id(self), g.index, "chunk", chunk.index)
-                self._store.put(key, state, tier=self.state_tier)
+                self._store.put(key, self._initial_state(g, chunk), tier=self.state_tier)
                 g.chunk_keys.append(key)
                 if self.state_tier == "nvme":
                     self._nvme_chunks.add((g.index, chunk.index))
@@ -453,12 +461,12 @@ class HybridAdam(torch.optim.Optimizer):
         Their CPU step is on the critical path after backward, and a RAM chunk needs no read,
         so the tail is pure compute; the chunks stepped first (the last layers) stream through
         NVMe, and their reads are started in ``_begin_step``, i.e. hidden behind the forward
-        pass and the backward of the later layers. The budget is the store's
-        ``cpu_bytes`` less what it already holds (the pinned gradient/param buffers) less the
-        staging room of the NVMe stream (``nvme_lookahead_chunks + 3`` chunks: read-ahead, the
-        chunk being stepped, write-backs in flight). RAM chunks stay held in the store so its
-        eviction never demotes them; a chunk that does not fit after all (pool fragmentation)
-        goes to NVMe.
+        pass and the backward of the later layers. The budget is what the store's
+        ``cpu_bytes`` can still allocate (slab fragmentation included) once the staging room of
+        the NVMe stream is reserved (``nvme_lookahead_chunks + 3`` chunks: read-ahead, the chunk
+        being stepped, write-backs in flight): RAM takes chunks in that order until a put fails,
+        the rest go to NVMe. RAM chunks stay held in the store so its eviction never demotes
+        them.
         """
         order = [(g.index, c) for g in self._groups for c in range(len(g.plan.chunks))]
         if not self.overlap:
@@ -466,37 +474,48 @@ class HybridAdam(torch.optim.Optimizer):
         # order: RAM preference, first = stepped last
         biggest = max((self._chunk_bytes(ch) for g in self._groups for ch in g.plan.chunks),
                       default=0)
-        room = (self._store.config.cpu_bytes - self._store.used_bytes("cpu")
-                - biggest * (self.nvme_lookahead_chunks + 3))
-        ram = set()
-        for g, c in order:
-            nbytes = self._chunk_bytes(self._groups[g].plan.chunks[c])
-            if nbytes > room:
-                break
-            ram.add((g, c))
-            room -= nbytes
-        for g in self._groups:
-            flat_params = [self._local(g, i) for i in range(g.n_local)]
-            for chunk in g.plan.chunks:
-                state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
-                master = state[:chunk.numel]
-                for pc in chunk.pieces:
-                    lo = pc.flat_offset - chunk.flat_start
-                    master[lo:lo + pc.numel].copy_(flat_params[pc.param][pc.start:pc.start + pc.numel])
-                key = ("hybrid_adam", id(self), g.index, "chunk", chunk.index)
-                placed = False
-                if (g.index, chunk.index) in ram:
+        # the NVMe stream's staging is reserved for real first (the pool's slabs fragment, so
+        # counting bytes is not enough), then RAM takes chunks until an allocation fails
+        staging = [("hybrid_adam", id(self), "staging", k)
+                   for k in range(self.nvme_lookahead_chunks + 3)]
+        for key in staging:
+            self._store.put(key, torch.empty(biggest, dtype=torch.uint8), tier="cpu")
+            self._store.get(key, "cpu", hold=True)  # never evicted to make room for RAM chunks
+        nvme = []
+        try:
+            full = False
+            for g, c in order:
+                group, chunk = self._groups[g], self._groups[g].plan.chunks[c]
+                key = ("hybrid_adam", id(self), g, "chunk", chunk.index)
+                if not full:
                     try:
-                        self._store.put(key, state, tier="cpu")
+                        self._store.put(key, self._initial_state(group, chunk), tier="cpu")
                         self._store.get(key, "cpu", hold=True)  # pinned in RAM for good
                         self._ram_held.append(key)
-                        placed = True
+                        continue
                     except TierFullError:
-                        placed = False
-                if not placed:
-                    self._store.put(key, state, tier="nvme")
-                    self._nvme_chunks.add((g.index, chunk.index))
-                g.chunk_keys.append(key)
+                        full = True  # RAM is full: this chunk and the rest go to NVMe
+                nvme.append((g, c, key))
+        finally:
+            for key in staging:
+                self._store.release(key)
+                self._store.delete(key)  # the staging room the NVMe stream needs from now on
+        for g, c, key in nvme:
+            self._store.put(key, self._initial_state(self._groups[g], self._groups[g].plan.chunks[c]),
+                            tier="nvme")
+            self._nvme_chunks.add((g, c))
+        for g in self._groups:
+            g.chunk_keys = [("hybrid_adam", id(self), g.index, "chunk", chunk.index)
+                            for chunk in g.plan.chunks]
+
+    def _initial_state(self, group: _Group, chunk: Chunk) -> torch.Tensor:
+        """A chunk's fp32 state blob at step 0: the master copied from the params, zero moments."""
+        state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
+        master = state[:chunk.numel]
+        for pc in chunk.pieces:
+            lo = pc.flat_offset - chunk.flat_start
+            master[lo:lo + pc.numel].copy_(self._local(group, pc.param)[pc.start:pc.start + pc.numel])
+        return state
 
     def chunk_tiers(self) -> dict[str, int]:
         """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}`` (where each one lives for good
@@ -540,31 +559,30 @@ class HybridAdam(torch.optim.Optimizer):
                         self._ship(g, li)
 
     def _ship(self, g: int, i: int) -> None:
+        """Hand local tensor ``i``'s gradient to the CPU side: keep a reference and an event
+        marking it complete on the current stream (its D2H is issued by the worker, see
+        ``_copy_grads``), and queue the chunks it completes."""
         group = self._groups[g]
         grad = self._grad_of(group, i)
-        events = []
+        ref = None
         if grad is not None:
-            flat_grad = grad.detach()
-            for c in dict.fromkeys(group.plan.chunks_of_param[i]):
-                for pc in group.plan.chunks[c].pieces:
-                    if pc.param == i:
-                        events.append(self._copier.d2h(
-                            group.grad_buf[pc.flat_offset:pc.flat_offset + pc.numel],
-                            flat_grad[pc.start:pc.start + pc.numel]))
-                        with self._stats_lock:
-                            self._acc["d2h_bytes"] += pc.numel * group.grad_buf.element_size()
-        ready = []
+            ready = None
+            if self._copier.cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))  # the D2H waits for the grad
+            ref = (grad.detach(), ready)
+        ready_chunks = []
         with self._lock:
             if self._mode == "local" and grad is not None:  # see _check_grads_untouched
                 self._shipped_versions[(g, i)] = (group.params[i].grad._version,
                                                   group.params[i].grad.data_ptr())
             self._shipped.add((g, i))
-            self._grad_events[(g, i)] = [e for e in events if e is not None] if grad is not None else None
+            self._grad_refs[(g, i)] = ref
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
                 self._chunk_missing[(g, c)] -= 1
                 if self._chunk_missing[(g, c)] == 0:
-                    ready.append((g, c))
-        for item in ready:
+                    ready_chunks.append((g, c))
+        for item in ready_chunks:
             self._enqueue(item)
 
     def _enqueue(self, item: tuple[int, int]) -> None:
@@ -580,13 +598,14 @@ class HybridAdam(torch.optim.Optimizer):
             self._acc_count.clear()
             self._shipped.clear()
             self._shipped_versions.clear()
-            self._grad_events.clear()
+            self._grad_refs.clear()
             self._queued.clear()
             self._h2d_events = []
             self._chunk_missing = {
                 (g.index, c): len({pc.param for pc in chunk.pieces})
                 for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
-        self._clip_coef = None
+        self._clip_event = None
+        self._copies.clear()  # the worker is idle between steps
         if self._zero is not None:
             self._zero.begin_step()
         if self.max_grad_norm is None:
@@ -633,12 +652,24 @@ class HybridAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the CPU worker
 
     def _work(self) -> None:
+        nxt = None
         while True:
-            item = self._queue.get()
-            if item is None:
+            item = nxt if nxt is not None else self._queue.get()
+            nxt = None
+            if item is _STOP:
                 return
             try:
-                self._step_chunk(*item)
+                copies = self._copy_grads(*item)
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                if nxt is not None and nxt is not _STOP:
+                    try:
+                        self._copy_grads(*nxt)  # its D2H runs while this chunk steps
+                    except BaseException:
+                        pass  # raised again, and reported, when that chunk is stepped
+                self._step_chunk(*item, copies)
             except BaseException as exc:  # surfaced by step()
                 with self._lock:
                     self._errors.append(exc)
@@ -647,28 +678,56 @@ class HybridAdam(torch.optim.Optimizer):
                     self._outstanding -= 1
                     self._idle.notify_all()
 
-    def _step_chunk(self, g: int, c: int) -> None:
+    def _copy_grads(self, g: int, c: int) -> tuple[torch.Tensor, dict[int, bool], Any]:
+        """Issue the D2H copy of chunk ``c``'s gradients into the group's next gradient slot
+        (once per chunk and step; worker thread only).
+
+        Returns ``(host gradient of the chunk, {local tensor: has a gradient}, the last copy's
+        event or None)``.
+        """
+        done = self._copies.get((g, c))
+        if done is not None:
+            return done
+        self._compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
         group = self._groups[g]
         chunk: Chunk = group.plan.chunks[c]
         with self._lock:
-            events = {pc.param: self._grad_events.get((g, pc.param)) for pc in chunk.pieces}
-        for evs in events.values():
-            for event in evs or ():
-                event.synchronize()  # the CPU reads the gradient bytes of this D2H copy
-        self._compute_allowed.wait()  # with clipping: step() has set the clip coefficient
+            refs = {pc.param: self._grad_refs.get((g, pc.param)) for pc in chunk.pieces}
+        slot = group.grad_next
+        group.grad_next = (slot + 1) % _GRAD_SLOTS  # the slot's last chunk has been stepped
+        buf = group.grad_ring[slot][:chunk.numel]
+        last, nbytes = None, 0
+        for pc in chunk.pieces:
+            ref = refs[pc.param]
+            if ref is None:
+                continue
+            grad, ready = ref
+            rel = pc.flat_offset - chunk.flat_start
+            last = self._copier.d2h(buf[rel:rel + pc.numel], grad[pc.start:pc.start + pc.numel],
+                                    after=ready if self._clip_event is None else self._clip_event) or last
+            nbytes += pc.numel * buf.element_size()
+        with self._stats_lock:
+            self._acc["d2h_bytes"] += nbytes
+        done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
+        self._copies[(g, c)] = done
+        return done
+
+    def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
+        group = self._groups[g]
+        chunk: Chunk = group.plan.chunks[c]
+        grad, has_grad, copied = copies
+        if copied is not None:
+            copied.synchronize()  # the CPU reads the gradient bytes of this chunk's D2H
         key = group.chunk_keys[c]
         blob = self._store.get(key, "cpu", hold=True)
         try:
             master, exp_avg, exp_avg_sq = _state_views(blob, chunk.numel, self.moments_dtype)
             self._prefetch_after(g, c)
-            lo, hi = chunk.flat_start, chunk.flat_start + chunk.numel
-            grad, out, slot = group.grad_buf[lo:hi], *self._out_slot(group, chunk.numel)
+            lo = chunk.flat_start
+            out, slot = self._out_slot(group, chunk.numel)
             hp = self.param_groups[g]
             beta1, beta2 = hp["betas"]
-            runs = self._runs(group, chunk, events)
-            if self._clip_coef is not None:
-                for start, numel, _ in runs:
-                    grad[start:start + numel].mul_(self._clip_coef)
+            runs = self._runs(group, chunk, has_grad)
             t0 = time.perf_counter()
             for start, numel, step in runs:
                 adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, lr=float(hp["lr"]),
@@ -679,7 +738,7 @@ class HybridAdam(torch.optim.Optimizer):
             adam_s = time.perf_counter() - t0
             last, h2d = None, 0
             for pc in chunk.pieces:
-                if events[pc.param] is None:
+                if not has_grad[pc.param]:
                     continue  # no gradient this step: param and state untouched, like torch
                 rel = pc.flat_offset - lo
                 dst = self._local(group, pc.param)[pc.start:pc.start + pc.numel]
@@ -707,11 +766,11 @@ class HybridAdam(torch.optim.Optimizer):
             group.out_events[slot].synchronize()  # the slot's last H2D must finish before reuse
         return group.out_ring[slot][:numel], slot
 
-    def _runs(self, group: _Group, chunk: Chunk, events: dict) -> list[tuple[int, int, int]]:
+    def _runs(self, group: _Group, chunk: Chunk, has_grad: dict) -> list[tuple[int, int, int]]:
         """(start in chunk, numel, step) runs of consecutive pieces that have gradients."""
         runs: list[list[int]] = []
         for pc in chunk.pieces:
-            if events[pc.param] is None:
+            if not has_grad[pc.param]:
                 continue
             step = group.steps[pc.param] + 1
             start = pc.flat_offset - chunk.flat_start
@@ -777,10 +836,10 @@ class HybridAdam(torch.optim.Optimizer):
         if self._zero is not None:
             self._zero.join_stream()  # the GPU side and clipping read the reduced gradients
         if self.max_grad_norm is not None:
-            consumer = self._copier.consumer_stream()
-            if consumer is not None:
-                consumer.wait_stream(self._copier.d2h_stream)  # D2H reads grads before clipping scales them
-            self._clip_coef = self._clip(self.max_grad_norm)
+            self._clip(self.max_grad_norm)  # no gradient has been copied yet (_copy_grads waits)
+            if self._copier.cuda:
+                self._clip_event = torch.cuda.Event()
+                self._clip_event.record(self._copier.consumer_stream())  # D2H copies clipped grads
         self._compute_allowed.set()
         for g in self._groups:
             self._step_gpu_side(g)
@@ -866,9 +925,9 @@ class HybridAdam(torch.optim.Optimizer):
             if g.gpu_views[k] is not g.gpu_masters[k]:
                 g.gpu_views[k].copy_(g.gpu_masters[k])
 
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        """Clip all grads to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_`` and return the
-        coefficient to apply to gradients already copied off the GPU (host tensor).
+    def _clip(self, max_norm: float) -> None:
+        """Clip all grads in place to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_`` (on
+        the caller's stream, no host synchronisation).
 
         Distributed: the squared norm of this rank's (shard) gradients is all-reduced over the
         data-parallel group, or over the mesh dimensions FSDP2 shards on, so every rank clips
@@ -892,7 +951,6 @@ class HybridAdam(torch.optim.Optimizer):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef)
-        return coef.cpu()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Not supported after backward with overlap: pass ``max_grad_norm`` instead.
@@ -1146,7 +1204,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Stop the worker, remove hooks, release the split tier's RAM chunks and free the
         private store. Idempotent."""
         if self._worker.is_alive():
-            self._queue.put(None)
+            self._queue.put(_STOP)
             self._worker.join()
         held, self._ram_held = getattr(self, "_ram_held", []), []
         for key in held:

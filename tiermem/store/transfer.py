@@ -142,17 +142,22 @@ class Copier:
             event.record(self.h2d_stream)  # marks the copy done for consumers and for freeing src
         return event
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor,
+            after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
         """Copy device ``src`` into host ``dst`` on the D2H stream; return the copy's event.
 
-        The D2H stream first waits for the work queued so far on the caller's stream (which
-        produced ``src``); ``src`` is marked as used by the D2H stream so its memory is not
-        reused before the copy finishes.
+        The D2H stream first waits for ``after`` (an event recorded where ``src`` was produced,
+        for a copy issued from another thread) or else for the work queued so far on the
+        caller's stream; ``src`` is marked as used by the D2H stream so its memory is not reused
+        before the copy finishes.
         """
         if not self.cuda:
             dst.copy_(src)
             return None
-        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))  # src must be produced
+        if after is not None:
+            self.d2h_stream.wait_event(after)  # src is complete at `after`
+        else:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))  # src must be produced
         with torch.cuda.stream(self.d2h_stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
