@@ -373,3 +373,49 @@ def test_prefetch_streams_keys_ahead_of_a_layer_sweep(tmp_path):
         assert lru_hits == 0 and hits >= 2 * (len(seq) - 1)  # steps 3 and 4 prefetched
         assert n_moved == lru_moved
         assert {"nvme->gpu"} <= set(st.stats()["moved_bytes"])
+
+
+# ---------------------------------------------------------------------------------- deaths
+
+
+def test_access_trace_next_death_is_cyclic():
+    tr = AccessTrace(AccessTrace.from_keys("abcab").accesses, deaths=[("c", 4), ("a", 2)])
+    assert tr.next_death("a", 0) == 2 and tr.next_death("c", 3) == 1
+    assert tr.next_death("c", 5) == 4 + 5 - 5  # wraps into the next step
+    assert tr.next_death("c", 5, cyclic=False) == math.inf
+    assert tr.next_death("b", 0) == math.inf  # never removed
+
+
+def test_dead_keys_are_never_used_again_and_prefetch_waits_for_their_room(tmp_path):
+    """Each step: put D, get A, two cpu reads, delete D, get B, three cpu reads. Once the trace
+    is followed, D (removed before its next use) has next use infinity; right after get A (gpu
+    full: D and A), a lookahead prefetch of B must not evict D: D leaves before B's access, so
+    B gets D's room then and nothing is written back (see Note [deaths])."""
+    policy = TracePolicy()
+    with make(tmp_path, policy, 2) as st:
+        for k in ("A", "B", "X0", "X1", "Y0", "Y1", "Y2"):
+            st.put(k, value(k), tier="cpu")
+        st.mark_step()
+        for step in range(3):
+            st.put("D", value("D", step), tier="gpu")
+            assert torch.equal(st.get("A"), value("A"))
+            if step == 2:  # recorded in step 0 (step 1 re-records the setup), followed now
+                assert policy.following and policy.position == 2
+                assert policy.next_use("D") == math.inf and policy.next_use("A") == 8 - 1
+                assert policy.frees_room("gpu", 2) and not policy.frees_room("gpu", 1)
+                assert not policy.frees_room("cpu", 10)
+                before = st.stats()["moved_bytes"].get("gpu->cpu", 0)
+                pf = Prefetcher(st, policy, lookahead=8)
+                assert pf.after_access("A") == 0 and pf.counts["no_room"] == 1
+                assert st.tier_of("D") == "gpu"
+                assert st.stats()["moved_bytes"].get("gpu->cpu", 0) == before
+            for k in ("X0", "X1"):
+                st.get(k, "cpu")
+            st.delete("D")
+            assert torch.equal(st.get("B"), value("B"))
+            for k in ("Y0", "Y1", "Y2"):
+                st.get(k, "cpu")
+            st.evict("A", "cpu")
+            st.evict("B", "cpu")
+            st.mark_step()
+        assert policy.counts["followed_steps"] >= 1

@@ -1,6 +1,7 @@
 """Cost model, tune() on a fake step and on the GPT demo, and the `tiermem tune` command."""
 
 import io
+import json
 import time
 
 import pytest
@@ -8,7 +9,17 @@ import torch
 
 from tiermem import StoreConfig, TierStore
 from tiermem.cli import main as cli_main
-from tiermem.schedule.tuner import CostModel, Result, Trial, expand_grid, link_bytes, main, tune
+from tiermem.schedule.tuner import (
+    CostModel,
+    Result,
+    Trial,
+    act_gpu_bytes,
+    expand_grid,
+    link_bytes,
+    main,
+    setting_labels,
+    tune,
+)
 
 
 def test_link_bytes_maps_store_directions_to_links():
@@ -118,3 +129,74 @@ def test_tiermem_tune_runs_the_gpt_demo(capsys, tmp_path):
     assert rc == 0 and "yes *" in out and "cost model:" in out
     assert out.count(" trace ") >= 4 and out.count(" lru ") >= 4
     assert time.perf_counter() - t0 < 30
+
+
+def test_act_gpu_bytes_and_setting_labels():
+    assert act_gpu_bytes(1.5, 1000) == 1500 and act_gpu_bytes("2", 1000) == 2000
+    assert act_gpu_bytes("3GiB", 1000) == 3 << 30
+    for bad in ("0", "-1", "lots", "inf"):
+        with pytest.raises(ValueError, match="act_gpu_budget"):
+            act_gpu_bytes(bad, 1000)
+    assert setting_labels([{"policy": "lru", "n": 1}, {"policy": "trace", "n": 1, "la": 16}]) \
+        == ["policy=lru", "policy=trace la=16"]
+    assert setting_labels([{"n": 1}]) == ["setting 1"]
+
+
+def test_tune_reports_counters_and_records_telemetry(tmp_path):
+    def factory(setting):
+        store = TierStore(StoreConfig(gpu_bytes=4096, cpu_bytes=1 << 16, pool_slab_bytes=1 << 16,
+                                      device="cpu"))
+        store.put("w", torch.zeros(1024), tier="cpu")
+        calls = [0]
+
+        def step():
+            calls[0] += 1
+            store.get("w")
+            store.evict("w", "cpu")
+            store.mark_step()
+
+        return Trial(step=step, stores=[store], close=store.close,
+                     counters=lambda: {"calls": calls[0], "moved_bytes": 4096 * calls[0]})
+
+    results = tune(factory, {"x": [1, 2]}, steps=2, warmup=1, out=None,
+                   telemetry_dir=str(tmp_path / "tel"))
+    for r in results:
+        assert r.counters == {"calls": 1.0, "moved_bytes": 4096.0}
+        assert len(r.telemetry) == 1 and r.telemetry[0].summary()["steps"] == 1  # last step only
+        assert r.link_bytes() == {"h2d": 4096, "d2h": 4096, "nvme_read": 0, "nvme_write": 0}
+    assert sorted(p.name for p in (tmp_path / "tel").iterdir()) == \
+        ["timeline.png", "trace.json", "tune.json"]
+    doc = json.loads((tmp_path / "tel" / "tune.json").read_text())
+    assert [r["label"] for r in doc["results"]] == ["x=1", "x=2"]
+    assert "H2D MiB" in doc["table"] and "x=1: calls 1" in doc["table"]
+
+
+def test_tiermem_tune_trace_beats_lru_under_pressure_with_telemetry(capsys, tmp_path):
+    """The GPT with activation offload (5 of 6 blocks, prefetch depth 2) and HybridAdam (half
+    offloaded), the activation store's gpu tier limited to 2 blocks: LRU evicts activations it
+    needs next and reloads them; the trace policy moves far fewer bytes, follows its
+    recording, and the run writes a Chrome trace, a timeline PNG and the results."""
+    tel = tmp_path / "tel"
+    rc = main(["--layers", "6", "--d-model", "64", "--heads", "1", "--seq", "64", "--batch", "2",
+               "--num-layers", "5", "--prefetch-depth", "2", "--offload-fraction", "0.5",
+               "--state-tier", "cpu", "--policy", "lru,trace", "--act-gpu-budget", "2",
+               "--steps", "1", "--warmup", "1", "--no-model", "--gpu-budget", "1GiB",
+               "--nvme-dir", str(tmp_path), "--telemetry-dir", str(tel)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "H2D MiB" in out and "stall ms" in out and "telemetry: wrote" in out
+    lru, trace = json.loads((tel / "tune.json").read_text())["results"]
+    assert lru["setting"]["policy"] == "lru" and trace["setting"]["policy"] == "trace"
+    assert lru["counters"]["offloaded_bytes"] == trace["counters"]["offloaded_bytes"] > 0
+    assert trace["counters"]["followed_steps"] == 1.0
+    moved = {r["setting"]["policy"]: r["link_bytes"]["h2d"] + r["link_bytes"]["d2h"]
+             for r in (lru, trace)}
+    assert moved["trace"] <= 0.9 * moved["lru"], moved
+    assert trace["counters"]["evicted_bytes"] < lru["counters"]["evicted_bytes"]
+    assert lru["counters"]["refetched_bytes"] > 0 and lru["counters"]["direct_reloads"] == 0
+    events = json.loads((tel / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {"policy=lru: tiermem transfers", "policy=lru: tiermem memory",
+                     "policy=trace prefetch_lookahead=16: tiermem transfers",
+                     "policy=trace prefetch_lookahead=16: tiermem memory"}
+    assert any(e["ph"] == "X" and e["name"] == "gpu->cpu" for e in events)  # evictions shown
+    assert (tel / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

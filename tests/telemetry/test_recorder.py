@@ -7,7 +7,8 @@ import torch
 
 from tiermem import StoreConfig, TierStore
 from tiermem.telemetry import Recorder
-from tiermem.telemetry.chrome import build_chrome_trace
+from tiermem.telemetry.chrome import build_chrome_trace, to_chrome_trace
+from tiermem.telemetry.plot import plot_compare
 
 U = 4096
 
@@ -133,3 +134,28 @@ def test_plot_memory_writes_a_png(recorded, tmp_path):
     empty = tmp_path / "empty.png"
     Recorder().plot_memory(str(empty))  # nothing recorded: still a (blank) figure
     assert empty.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merged_chrome_trace_keeps_each_recording_in_its_own_processes(recorded, tmp_path):
+    rec, _ = recorded
+    single = build_chrome_trace(rec)["traceEvents"]
+    doc = to_chrome_trace({"lru": rec, "trace": rec}, tmp_path / "both.json")
+    assert json.loads((tmp_path / "both.json").read_text()) == json.loads(json.dumps(doc))
+    events = doc["traceEvents"]
+    assert len(events) == 2 * len(single) and set(doc["otherData"]) == {"lru", "trace"}
+    assert {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"} == {
+        (1, "lru: tiermem transfers"), (2, "lru: tiermem memory"),
+        (3, "trace: tiermem transfers"), (4, "trace: tiermem memory")}
+    for pid in (1, 3):  # the same transfers and steps under each label, steps per process
+        assert sum(e["pid"] == pid and e["ph"] == "X" for e in events) == \
+            sum(e["ph"] == "X" for e in single)
+    assert {e["s"] for e in events if e["ph"] == "i"} == {"p"}
+
+
+def test_plot_compare_writes_one_png_with_a_column_per_recording(recorded, tmp_path):
+    rec, _ = recorded
+    path = tmp_path / "both.png"
+    plot_compare({"lru": rec, "empty": Recorder()}, path, title="two")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="at least one"):
+        plot_compare({}, tmp_path / "none.png")

@@ -18,8 +18,12 @@ Budgets stay hard limits: the store reserves a prefetch's destination bytes befo
 starts and takes victims through its normal eviction path.
 
 Never evicted by a prefetch: the key of the access that triggered it (its caller is about to
-use the returned tensor), keys held or in flight. Keys regenerated each step (a put comes next)
-are skipped until they exist.
+use the returned tensor), keys held or in flight; and nothing at all while a dead key of the
+tier (one whose value leaves the store before its next use, see Note [deaths] in trace.py)
+leaves before the prefetched access: room then frees by itself, and MIN would not evict at
+that access, so an eviction now could only add moves; the prefetch uses free room only. Keys
+regenerated each step (a put comes next) are skipped until they exist, and so are keys whose
+value leaves the store before their next use (nothing would read the prefetched copy).
 """
 
 from __future__ import annotations
@@ -97,16 +101,21 @@ class Prefetcher:
                 if _RANK[tier] <= _RANK[acc.tier]:
                     continue
                 need = policy.next_use(target)
+                if need == math.inf:
+                    continue  # its value leaves the store before anything reads it
                 bound = self._bound(window, i) if self.evict else math.inf
 
-                def evictable(victim: Hashable, need: float = need, bound: float = bound) -> bool:
+                def evictable(victim: Hashable, need: float = need, bound: float = bound,
+                              target: Hashable = target) -> bool:
                     if victim == key or victim == target:
                         return False
                     dist = policy.next_use(victim)
                     return dist > need and dist >= bound
 
+                # room that a dead key frees before the access comes for free: no eviction then
+                evict = self.evict and not policy.frees_room(acc.tier, need)
                 future = store.try_prefetch(target, acc.tier,
-                                            evictable=evictable if self.evict else None)
+                                            evictable=evictable if evict else None)
                 if future is None:
                     self.counts["no_room"] += 1
                     break

@@ -22,6 +22,14 @@ its id at or after ``position``; steps repeat, so past the end it wraps into the
 (distance infinity) and are evicted first, least recently used first. Inside an access the store
 chooses victims before the policy sees the access, so ``position`` then still points at the
 accessed key itself, which the store never picks as its own victim.
+
+Note [deaths] (referred to from prefetch.py): the recording also keeps when each id's value
+leaves the store (``delete``, or a ``put`` replacing it), as the number of accesses before it.
+A key whose value leaves before its next use is dead: its next use is infinity (the cheapest
+victim: one write-back, nothing to read again), and while a dead key of a tier leaves before a
+prefetched access, a lookahead prefetch into that tier evicts nothing (the room frees by itself
+then; an eviction now could only add moves). Activation keys are the typical case: deleted
+right after their last backward use, while a new key takes their id in the next step.
 """
 
 from __future__ import annotations
@@ -72,13 +80,19 @@ class AccessTrace:
 
     Args:
         accesses: :class:`Access` records in execution order.
+        deaths: ``(key id, index)`` of each removal from the store (delete, or a put replacing
+            the value), ``index`` being the number of accesses before it (see Note [deaths]).
     """
 
-    def __init__(self, accesses: Iterable[Access]) -> None:
+    def __init__(self, accesses: Iterable[Access],
+                 deaths: Iterable[tuple[Hashable, int]] = ()) -> None:
         self.accesses: list[Access] = list(accesses)
         self._uses: dict[Hashable, list[int]] = {}
         for i, acc in enumerate(self.accesses):
             self._uses.setdefault(acc.key, []).append(i)
+        self._deaths: dict[Hashable, list[int]] = {}
+        for key_id, i in sorted(deaths, key=lambda d: d[1]):
+            self._deaths.setdefault(key_id, []).append(i)
 
     @classmethod
     def from_keys(cls, keys: Iterable[Hashable], nbytes: int | Sequence[int] = 0,
@@ -124,13 +138,21 @@ class AccessTrace:
         0 means the access at ``position`` itself. See Note [next use]: with ``cyclic`` the
         step repeats after its end; ids never accessed give ``math.inf``.
         """
-        uses = self._uses.get(key_id)
-        if not uses:
+        return self._next(self._uses.get(key_id), position, cyclic)
+
+    def next_death(self, key_id: Hashable, position: int, cyclic: bool = True) -> float:
+        """Return how many accesses after ``position`` the value of ``key_id`` next leaves the
+        store (0: before the access at ``position``; ``math.inf``: never recorded). See
+        Note [deaths]; with ``cyclic`` the step repeats after its end."""
+        return self._next(self._deaths.get(key_id), position, cyclic)
+
+    def _next(self, indices: list[int] | None, position: int, cyclic: bool) -> float:
+        if not indices:
             return math.inf
-        i = bisect.bisect_left(uses, position)
-        if i < len(uses):
-            return uses[i] - position
-        return uses[0] + len(self.accesses) - position if cyclic else math.inf
+        i = bisect.bisect_left(indices, position)
+        if i < len(indices):
+            return indices[i] - position
+        return indices[0] + len(self.accesses) - position if cyclic else math.inf
 
     def _raise_tier(self, index: int, tier: str) -> None:
         """Record that access ``index`` needed ``tier`` (kept if higher than recorded): the
@@ -240,6 +262,7 @@ class TracePolicy(Policy):
         self._diverged_run = 0
         self._unproven = False  # the recording is our own and no step has followed it yet
         self._step: list[Access] = []
+        self._step_deaths: list[tuple[Hashable, int]] = []
         self._step_start_s = time.perf_counter()
         self._phase = "forward"
         self._layer: int | None = None
@@ -310,6 +333,8 @@ class TracePolicy(Policy):
         if new_tier is None:
             forget = getattr(self.key_fn, "forget", None)
             kid = self.key_fn(key)
+            if len(self._step) < _MAX_STEP_ACCESSES:
+                self._step_deaths.append((kid, len(self._step)))
             if self._latest.get(kid) == key:
                 del self._latest[kid]
             if forget is not None:
@@ -331,6 +356,7 @@ class TracePolicy(Policy):
     def mark_step(self) -> None:
         """End the current step: the first one becomes the recording; start following again."""
         step, self._step = self._step, []
+        deaths, self._step_deaths = self._step_deaths, []
         self._step_start_s = time.perf_counter()
         mark = getattr(self.key_fn, "mark_step", None)
         if mark is not None:
@@ -339,7 +365,7 @@ class TracePolicy(Policy):
             return  # an empty step (mark_step twice) changes nothing
         self.counts["steps"] += 1
         if self.trace is None:
-            self.trace = AccessTrace(step)
+            self.trace = AccessTrace(step, deaths)
             self._unproven = True
         elif not self._diverged and self._position == len(self.trace):
             self.counts["followed_steps"] += 1
@@ -352,7 +378,7 @@ class TracePolicy(Policy):
             # replaced at once; a proven one only after retrace_after divergences in a row
             if (self._unproven or self._diverged_run >= self.retrace_after) \
                     and len(step) < _MAX_STEP_ACCESSES:
-                self.trace = AccessTrace(step)
+                self.trace = AccessTrace(step, deaths)
                 self.counts["retraces"] += 1
                 self._diverged_run = 0
         self._position = 0
@@ -361,13 +387,29 @@ class TracePolicy(Policy):
     # ------------------------------------------------------------------ queries
 
     def next_use(self, key: Hashable) -> float:
-        """Accesses until ``key`` is needed again (``math.inf``: never; see Note [next use]).
+        """Accesses until ``key`` is needed again (``math.inf``: never, or its value leaves the
+        store first; see Note [next use] and Note [deaths]).
 
         Only meaningful while :attr:`following`; otherwise returns ``math.inf``.
         """
         if not self.following:
             return math.inf
-        return self.trace.next_use(self.key_fn(key), self._position)
+        kid = self.key_fn(key)
+        use = self.trace.next_use(kid, self._position)
+        return math.inf if self.trace.next_death(kid, self._position) <= use else use
+
+    def frees_room(self, tier: str, within: float) -> bool:
+        """True if a dead key resident in ``tier`` leaves the store within ``within`` accesses
+        (its value leaves before its next use, see Note [deaths]); False unless
+        :attr:`following`."""
+        if not self.following:
+            return False
+        for key in self._lru.victims(tier):
+            kid = self.key_fn(key)
+            death = self.trace.next_death(kid, self._position)
+            if death <= within and death <= self.trace.next_use(kid, self._position):
+                return True
+        return False
 
     def upcoming(self, count: int) -> list[Access]:
         """Return up to ``count`` recorded accesses from the current position (empty unless

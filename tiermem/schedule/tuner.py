@@ -3,9 +3,15 @@
 ``tune(factory, grid, steps=3, budgets=...)`` builds each setting's training step with
 ``factory(setting)``, runs a few steps, and measures step time, peak bytes per tier and stall
 time in ``TierStore.get``; it marks the fastest setting that fits the budgets and prints a table
-with the :class:`CostModel`'s prediction beside each measurement. ``tiermem tune`` runs it on a
-small GPT (:mod:`tiermem.bench._gpt`) with activation offload and HybridAdam, over prefetch
-depth, offloaded layers, optimizer offload fraction, state tier and store policy.
+with the :class:`CostModel`'s prediction beside each measurement (and bytes per link, peaks per
+tier and the trial's own counters). With ``telemetry_dir`` it records each setting's last timed
+step and writes a Chrome trace, a side-by-side memory timeline PNG and the results as JSON.
+``tiermem tune`` runs it on a GPT (:mod:`tiermem.bench._gpt`; small by default, the reference
+GPT with ``--layers 24 --d-model 2048 ...``) with activation offload and HybridAdam, over prefetch
+depth, offloaded layers, optimizer offload fraction, state tier, store policy, the trace
+policy's lookahead and the activation store's gpu budget (``--act-gpu-budget``: below
+``prefetch depth + 1`` blocks' worth of activations, prefetches must evict, which is where the
+``lru`` and ``trace`` policies differ).
 
 Cost model: each link moves its bytes at its bandwidth (H2D, D2H, NVMe read, NVMe write; the two
 NVMe directions share the disk), the CPU Adam steps its parameters at its rate, and compute takes
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import math
 import os
 import statistics
@@ -207,6 +214,11 @@ class Trial:
         device_peak_bytes: returns the peak device bytes of the timed steps when they cannot be
             read from CUDA (e.g. an estimate on a CPU machine); None: the stores' gpu tiers.
         close: frees what the trial holds (called after its steps, also on error).
+        telemetry_stores: the stores whose last timed step :func:`tune` records with a
+            :class:`~tiermem.telemetry.Recorder` when given a ``telemetry_dir`` (None: all of
+            ``stores``).
+        counters: returns cumulative counters of the trial (e.g. bytes evicted, steps the
+            trace policy followed); :func:`tune` reports their increase per timed step.
     """
 
     step: Callable[[], Any]
@@ -214,6 +226,8 @@ class Trial:
     adam_params: int = 0
     device_peak_bytes: Callable[[], int] | None = None
     close: Callable[[], Any] | None = None
+    telemetry_stores: Sequence[Any] | None = None
+    counters: Callable[[], Mapping[str, float]] | None = None
 
 
 @dataclass
@@ -233,6 +247,9 @@ class Result:
         fits: every tier's peak is within its budget (and the setting ran).
         best: the fastest setting that fits.
         error: why the setting failed (it then does not fit).
+        telemetry: the :class:`~tiermem.telemetry.Recorder` of each telemetry store's last timed
+            step (empty unless :func:`tune` got a ``telemetry_dir``).
+        counters: the increase per timed step of each of the trial's ``counters``.
     """
 
     setting: dict
@@ -245,6 +262,12 @@ class Result:
     fits: bool = False
     best: bool = False
     error: str | None = None
+    telemetry: list = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes per link per step (``{"h2d": n, "d2h": n, "nvme_read": n, "nvme_write": n}``)."""
+        return link_bytes(self.moved_bytes)
 
 
 def expand_grid(grid: Mapping[str, Iterable] | Iterable[Mapping[str, Any]]) -> list[dict]:
@@ -288,7 +311,8 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
          grid: Mapping[str, Iterable] | Iterable[Mapping[str, Any]], steps: int = 3,
          budgets: Mapping[str, int | str] | None = None, *, warmup: int = 1,
          cost_model: CostModel | None = None, compute_s: float | None = None,
-         overlap: bool = False, out: TextIO | None | str = "stdout") -> list[Result]:
+         overlap: bool = False, out: TextIO | None | str = "stdout",
+         telemetry_dir: str | os.PathLike | None = None) -> list[Result]:
     """Run ``steps`` timed steps of every grid setting; return (and print) the results.
 
     Args:
@@ -304,9 +328,17 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
         overlap: predict with perfect overlap instead of serial sums.
         out: where the table goes: a text stream, ``"stdout"`` (``sys.stdout`` at call time),
             or None (not printed).
+        telemetry_dir: record the last timed step of every setting (the trial's
+            ``telemetry_stores``) and write there, via :func:`write_telemetry`: ``trace.json``
+            (Chrome trace of every recorded step), ``timeline.png`` (every setting side by side;
+            needs matplotlib, skipped with a note without it) and ``tune.json`` (the results),
+            rewritten after every setting so that a run cut short keeps what it measured. The
+            recording adds a few microseconds per store event to that step. None: no
+            telemetry.
 
     Raises:
         ValueError: ``steps`` < 1, ``warmup`` < 0, an unknown budget tier, a bad grid.
+        OSError: ``telemetry_dir`` cannot be written.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"tune: steps={steps!r} must be an int >= 1")
@@ -316,9 +348,14 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
     for t in budgets:
         if t not in TIERS:
             raise ValueError(f"tune: budgets has unknown tier {t!r}; use {TIERS}")
+    if telemetry_dir is not None:
+        os.makedirs(telemetry_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
+    stream = sys.stdout if out == "stdout" else out
+    settings = expand_grid(grid)
+    labels = setting_labels(settings)
     results = []
-    for setting in expand_grid(grid):
+    for setting, label in zip(settings, labels):
         result = Result(setting)
         results.append(result)
         trial = None
@@ -329,15 +366,22 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
             for _ in range(warmup):
                 trial.step()
             moved0, stall0, _ = _store_totals(trial.stores)
+            counters0 = dict(trial.counters()) if trial.counters is not None else {}
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             times = []
-            for _ in range(steps):
+            for i in range(steps):
+                if telemetry_dir is not None and i == steps - 1:
+                    result.telemetry = _record(trial)
                 t0 = time.perf_counter()
-                trial.step()
-                if cuda:
-                    torch.cuda.synchronize()
+                try:
+                    trial.step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                finally:
+                    if result.telemetry:
+                        _record(trial, stop=True)
                 times.append(time.perf_counter() - t0)
             moved1, stall1, peak = _store_totals(trial.stores)
             result.step_s = statistics.median(times)
@@ -345,6 +389,9 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
             result.moved_bytes = {d: (n - moved0.get(d, 0)) // steps for d, n in moved1.items()
                                   if n - moved0.get(d, 0)}
             result.adam_params = trial.adam_params
+            if trial.counters is not None:
+                result.counters = {k: (v - counters0.get(k, 0)) / steps
+                                   for k, v in trial.counters().items()}
             if cuda:
                 peak["gpu"] = torch.cuda.max_memory_allocated()
             elif trial.device_peak_bytes is not None:
@@ -356,6 +403,13 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
         finally:
             if trial is not None and trial.close is not None:
                 trial.close()
+        if stream is not None:  # progress: what a run cut short still shows
+            print(f"tune: {len(results)}/{len(settings)} {label}: " + (
+                result.error or f"{result.step_s * 1e3:.1f} ms/step, stall "
+                f"{result.stall_s * 1e3:.2f} ms, moved {_mib(sum(result.moved_bytes.values()))} "
+                f"MiB"), file=stream, flush=True)
+        if telemetry_dir is not None and result.telemetry:  # rewritten once all have run
+            write_telemetry(results, telemetry_dir, budgets)
     ran = [r for r in results if r.error is None]
     if cost_model is not None and ran:
         if compute_s is None:
@@ -369,9 +423,91 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
     fitting = [r for r in ran if r.fits]
     if fitting:
         min(fitting, key=lambda r: r.step_s).best = True
-    if out is not None:
-        print(format_table(results, budgets), file=sys.stdout if out == "stdout" else out)
+    if stream is not None:
+        print(format_table(results, budgets), file=stream, flush=True)
+    if telemetry_dir is not None:
+        for line in write_telemetry(results, telemetry_dir, budgets):
+            if stream is not None:
+                print(line, file=stream, flush=True)
     return results
+
+
+def _record(trial: Trial, stop: bool = False) -> list:
+    """Attach a fresh Recorder to each of ``trial``'s telemetry stores and return them; with
+    ``stop``, detach them."""
+    from tiermem.telemetry import Recorder
+
+    stores = trial.stores if trial.telemetry_stores is None else trial.telemetry_stores
+    recorders = []
+    for store in stores:
+        store.recorder = None if stop else Recorder()
+        recorders.append(store.recorder)
+    return recorders
+
+
+def setting_labels(settings: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Return a short label per setting: ``name=value`` of the names whose values differ between
+    the settings (``"policy=lru act_gpu_budget=1.5"``; names a setting lacks are left out);
+    ``"setting N"`` when none differ."""
+    names = list(dict.fromkeys(k for s in settings for k in s))
+    varying = [n for n in names if len({repr(s.get(n)) for s in settings}) > 1]
+    return [" ".join(f"{n}={s[n]}" for n in varying if n in s) or f"setting {i + 1}"
+            for i, s in enumerate(settings)]
+
+
+def write_telemetry(results: Sequence[Result], directory: str | os.PathLike,
+                    budgets: Mapping[str, int] | None = None) -> list[str]:
+    """Write the telemetry of :func:`tune`'s results into ``directory``; return one line per
+    file written.
+
+    Files (three, however many settings): ``trace.json``, one Chrome trace with every setting's
+    recorded step (a pair of processes per setting and telemetry store, named by the setting's
+    label, see :func:`setting_labels`); ``timeline.png``, the first telemetry store of every
+    setting side by side (needs matplotlib: without it the line says it was skipped); and
+    ``tune.json``: the budgets, the table and per setting its label, values and measurements
+    (bytes per link, counters).
+
+    Raises:
+        OSError: a file cannot be written.
+    """
+    from tiermem.telemetry.chrome import to_chrome_trace
+
+    directory = os.fspath(directory)
+    labels = setting_labels([r.setting for r in results])
+    traces, timelines, lines = {}, {}, []
+    for r, label in zip(results, labels):
+        for j, rec in enumerate(r.telemetry):
+            traces[label + (f" store{j}" if len(r.telemetry) > 1 else "")] = rec
+        if r.telemetry:
+            timelines[label] = r.telemetry[0]
+    if traces:
+        to_chrome_trace(traces, os.path.join(directory, "trace.json"))
+        lines.append(f"wrote {os.path.join(directory, 'trace.json')}: Chrome trace of "
+                     f"{len(traces)} recorded steps (open in https://ui.perfetto.dev)")
+    if timelines:
+        try:
+            from tiermem.telemetry.plot import plot_compare
+
+            plot_compare(timelines, os.path.join(directory, "timeline.png"),
+                         title="tiermem tune: bytes per tier and transfers in the last timed step")
+            lines.append(f"wrote {os.path.join(directory, 'timeline.png')}")
+        except ImportError as exc:
+            lines.append(f"timeline.png skipped: {exc}")
+
+    def num(x: float | None) -> float | None:
+        return None if x is None or math.isnan(x) else x
+
+    rows = [{"label": label, "setting": r.setting, "step_s": num(r.step_s),
+             "stall_s": r.stall_s, "predicted_s": r.predicted_s, "link_bytes": r.link_bytes(),
+             "moved_bytes": r.moved_bytes, "peak_bytes": r.peak_bytes,
+             "adam_params": r.adam_params, "counters": r.counters, "fits": r.fits,
+             "best": r.best, "error": r.error}
+            for r, label in zip(results, labels)]
+    with open(os.path.join(directory, "tune.json"), "w") as f:
+        json.dump({"budgets": dict(budgets or {}), "table": format_table(results, budgets),
+                   "results": rows}, f, indent=1, default=str)
+    lines.append(f"wrote {os.path.join(directory, 'tune.json')}")
+    return [f"telemetry: {line}" for line in lines]
 
 
 def _mib(n: int) -> str:
@@ -381,90 +517,164 @@ def _mib(n: int) -> str:
 def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = None) -> str:
     """Return the results as a text table (``*`` marks the fastest setting that fits)."""
     names = list(dict.fromkeys(k for r in results for k in r.setting))
-    head = names + ["ms/step", "pred ms", "gpu MiB", "cpu MiB", "nvme MiB", "stall ms",
-                    "moved MiB", "fits"]
+    head = names + ["ms/step", "pred ms", "stall ms", "gpu MiB", "cpu MiB", "nvme MiB",
+                    "H2D MiB", "D2H MiB", "rd MiB", "wr MiB", "fits"]
     rows = []
     for r in results:
         cells = [str(r.setting.get(n, "")) for n in names]
         if r.error is not None:
-            cells += ["-"] * 7 + [f"no: {r.error[:60]}"]
+            cells += ["-"] * (len(head) - len(names) - 1) + [f"no: {r.error[:60]}"]
         else:
             cells += [f"{r.step_s * 1e3:.1f}",
                       "-" if r.predicted_s is None else f"{r.predicted_s * 1e3:.1f}",
-                      _mib(r.peak_bytes.get("gpu", 0)), _mib(r.peak_bytes.get("cpu", 0)),
-                      _mib(r.peak_bytes.get("nvme", 0)), f"{r.stall_s * 1e3:.2f}",
-                      _mib(sum(r.moved_bytes.values())),
-                      ("yes *" if r.best else "yes") if r.fits else "no"]
+                      f"{r.stall_s * 1e3:.2f}"]
+            cells += [_mib(r.peak_bytes.get(t, 0)) for t in TIERS]
+            cells += [_mib(n) for n in r.link_bytes().values()]
+            cells.append(("yes *" if r.best else "yes") if r.fits else "no")
         rows.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in rows]
+    lines.append("per step: stall = time blocked in TierStore.get; peak MiB per tier (gpu: the "
+                 "device); MiB per link: H2D, D2H, NVMe read (rd) and write (wr)")
     if budgets:
         lines.append("budgets: " + ", ".join(f"{t} {_mib(b)} MiB" for t, b in budgets.items())
                      + "; * = fastest setting that fits")
+    for label, r in zip(setting_labels([r.setting for r in results]), results):
+        if r.counters:  # per timed step; byte counts in MiB
+            lines.append(f"{label}: " + ", ".join(
+                f"{k.removesuffix('_bytes')} {_mib(v)} MiB" if k.endswith("_bytes")
+                else f"{k} {v:g}" for k, v in r.counters.items()) + " per step")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- GPT demo
 
 
-def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> int:
-    """Bytes autograd saves in one forward of ``model`` (each storage once)."""
+def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> tuple[int, int]:
+    """Return the bytes autograd saves in one forward of ``model`` (each storage once,
+    parameters not counted), and those first saved inside one of ``model.blocks``, per block
+    (the mean; what offloading one block moves)."""
     seen: dict[int, int] = {}
+    in_block: set[int] = set()
+    inside = [False]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
+        if s.data_ptr() not in seen:
+            seen[s.data_ptr()] = s.nbytes()
+            if inside[0]:
+                in_block.add(s.data_ptr())
         return t
 
+    hooks = [h for b in model.blocks for h in (
+        b.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True)),
+        b.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False)))]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(idx, tgt)[1]
-    loss.backward()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(idx, tgt)[1]
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
     model.zero_grad(set_to_none=True)
-    return sum(n for ptr, n in seen.items() if ptr not in params)
+    total = sum(n for ptr, n in seen.items() if ptr not in params)
+    blocks = sum(seen[ptr] for ptr in in_block if ptr not in params)
+    return total, blocks // max(1, len(model.blocks))
+
+
+def act_gpu_bytes(value: float | str, block_bytes: int) -> int:
+    """Return the activation store's gpu budget in bytes for an ``act_gpu_budget`` setting.
+
+    Args:
+        value: a number of blocks' worth of saved activations (``1.5``, ``"1.5"``: one and a
+            half times what one block saves), or bytes with a unit (``"3GiB"``).
+        block_bytes: bytes one block saves (see :func:`gpt_factory`).
+
+    Raises:
+        ValueError: not a positive number of blocks nor a byte size.
+    """
+    try:
+        if isinstance(value, str) and value.strip()[-1:].isalpha():
+            return parse_bytes(value, "act_gpu_budget")
+        blocks = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"act_gpu_budget={value!r} is neither a number of blocks (1.5) nor a "
+                         f"byte size with a unit ('3GiB')") from None
+    if not blocks > 0 or math.isinf(blocks):
+        raise ValueError(f"act_gpu_budget={value!r} must be a positive number of blocks")
+    return max(1, int(blocks * block_bytes))
 
 
 def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
-                chunk_numel: int = 1 << 14, cpu_threads: int | None = 1) -> Callable[[dict], Trial]:
+                chunk_numel: int | None = None, cpu_threads: int | None = 1,
+                dtype: torch.dtype = torch.float32) -> Callable[[dict], Trial]:
     """Return a factory of GPT training steps for :func:`tune`.
 
     Settings (all optional): ``num_layers`` (blocks whose activations are offloaded; 0: none),
     ``prefetch_depth``, ``offload_fraction`` and ``state_tier`` of HybridAdam, ``policy``
-    (``"lru"`` / ``"trace"``) and ``prefetch_lookahead`` of the activation store. HybridAdam
-    steps on ``cpu_threads`` threads (1 leaves the other cores to the model's compute). Both stores
-    call ``mark_step`` after every step. On a machine without CUDA the device peak is estimated
-    as parameters + gradients + GPU-side optimizer state + the saved activations that stay on
-    the device.
+    (``"lru"`` / ``"trace"``), ``prefetch_lookahead`` and ``act_gpu_budget`` of the activation
+    store. ``act_gpu_budget`` bounds the reloaded activations the store keeps on the device, in
+    blocks' worth of saved activations (``1.5``) or bytes (``"3GiB"``, see
+    :func:`act_gpu_bytes`); below ``prefetch_depth + 1`` blocks, prefetches must evict, which is
+    where the policies differ. Default: twice all saved activations (never evicts). The
+    activation store's cpu tier also holds twice the saved activations (pinned as needed, in
+    256 MiB slabs). HybridAdam steps on ``cpu_threads`` threads (1 leaves the other cores to the
+    model's compute; None: all), in chunks of ``chunk_numel`` parameters (None: nparams / 64
+    within [2^14, 2^22]). Both stores call ``mark_step`` after every step; the activation store
+    is the trial's telemetry store. The trial's counters: bytes offloaded (put into the store),
+    evicted (gpu -> cpu moves other than puts) and refetched (reloads beyond one per offloaded
+    byte), reloads copied past a full gpu tier (``direct_reloads``) and, with the trace policy,
+    steps that followed its recording (1 per step when it always did). The model is built on
+    ``device`` in ``dtype``. On a machine without CUDA the device peak is estimated as
+    parameters + gradients + GPU-side optimizer state + the saved activations that stay on the
+    device.
+
+    The returned factory has ``saved_bytes`` (all saved activations of a step) and
+    ``block_bytes`` (per block) attributes.
     """
     from tiermem.bench._gpt import GPT
     from tiermem.config import StoreConfig
     from tiermem.offload import offload_activations
     from tiermem.optim import HybridAdam
+    from tiermem.schedule.trace import TracePolicy
     from tiermem.store import TierStore
+    from tiermem.store.policy import make_policy
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        with device:  # initialised in place: a large model is slow to initialise on the host
+            return GPT(cfg).to(dtype)
 
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
     tgt = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
-    torch.manual_seed(0)
-    probe = GPT(cfg).to(device)
-    saved_bytes = _saved_bytes(probe, idx, tgt)
+    probe = build()
+    saved_bytes, block_bytes = _saved_bytes(probe, idx, tgt)
     del probe
 
     def factory(setting: dict) -> Trial:
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device)
+        model = build()
         nparams = sum(p.numel() for p in model.parameters())
         fraction = float(setting.get("offload_fraction", 0.0))
         opt = HybridAdam(model.parameters(), lr=1e-3, offload_fraction=fraction,
                          state_tier=setting.get("state_tier", "cpu"), nvme_dir=nvme_dir,
-                         chunk_numel=chunk_numel, cpu_threads=cpu_threads)
+                         chunk_numel=chunk_numel or max(1 << 14, min(1 << 22, nparams // 64)),
+                         cpu_threads=cpu_threads)
         act_bytes = max(1 << 20, 2 * saved_bytes)
-        store = TierStore(StoreConfig(
-            gpu_bytes=act_bytes, cpu_bytes=act_bytes, pool_slab_bytes=act_bytes,
-            device=str(device), policy=setting.get("policy", "lru"),
-            prefetch_lookahead=int(setting.get("prefetch_lookahead", 0))))
+        budget = setting.get("act_gpu_budget")
+        policy = make_policy(setting.get("policy", "lru"))
+        try:  # the pool pins 256 MiB slabs as they are needed, not its whole budget at once
+            store = TierStore(StoreConfig(
+                gpu_bytes=act_bytes if budget is None else act_gpu_bytes(budget, block_bytes),
+                cpu_bytes=act_bytes, pool_slab_bytes=min(256 << 20, act_bytes),
+                device=str(device), policy=policy,
+                prefetch_lookahead=int(setting.get("prefetch_lookahead", 0))))
+        except BaseException:
+            opt.close()
+            raise
         n = int(setting.get("num_layers", 0))
         off = offload_activations(model.blocks, store=store, num_layers=n,
                                   prefetch_depth=int(setting.get("prefetch_depth", 1))) \
@@ -487,6 +697,18 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
             return static + opt.memory_bytes()["gpu"] + max(0, saved_bytes - put_per_step[0]) \
                 + store.stats()["gpu"]["peak_bytes"]
 
+        def counters() -> dict[str, float]:
+            moved = store.stats()["moved_bytes"]
+            put = off.counters["put_bytes"] if off is not None else 0
+            out = {"offloaded_bytes": put,  # D2H counts the puts only from a device
+                   "evicted_bytes": moved.get("gpu->cpu", 0) - (put if device.type != "cpu" else 0),
+                   "refetched_bytes": moved.get("cpu->gpu", 0) - put}
+            if off is not None:
+                out["direct_reloads"] = off.counters["gpu_full"]
+            if isinstance(policy, TracePolicy):
+                out["followed_steps"] = policy.counts["followed_steps"]
+            return out
+
         def close() -> None:
             opt.close()
             store.close()
@@ -494,8 +716,10 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
         return Trial(step=step, stores=[store, opt._store],
                      adam_params=int(round(fraction * nparams)),
                      device_peak_bytes=None if device.type == "cuda" else device_peak,
-                     close=close)
+                     close=close, telemetry_stores=[store], counters=counters)
 
+    factory.saved_bytes = saved_bytes  # type: ignore[attr-defined]
+    factory.block_bytes = block_bytes  # type: ignore[attr-defined]
     return factory
 
 
@@ -532,6 +756,13 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="HybridAdam state tier: cpu,nvme (default both)")
     g.add_argument("--policy", type=_csv(str, "policy"), default=["lru"],
                    help="activation store policy: lru,trace (default lru)")
+    g.add_argument("--prefetch-lookahead", type=_csv(int, "prefetch-lookahead"), default=[16],
+                   help="accesses the trace policy prefetches ahead along its recording "
+                   "(trace settings only; default 16)")
+    g.add_argument("--act-gpu-budget", type=_csv(str, "act-gpu-budget"), default=None,
+                   help="activation store gpu budget: blocks' worth of saved activations (1.5) "
+                   "or bytes (3GiB); below prefetch depth + 1 blocks prefetches evict, which is "
+                   "where lru and trace differ (default: room for everything, no eviction)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per setting (default 3)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setting; the trace policy records in them (default 2)")
@@ -542,10 +773,25 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="predict with perfect overlap instead of serial sums")
     p.add_argument("--no-model", action="store_true", help="skip the cost-model measurement")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="HybridAdam CPU threads (default: all on CUDA, 1 on CPU)")
+    p.add_argument("--telemetry-dir", default=None,
+                   help="record each setting's last timed step (activation store) and write "
+                   "there trace.json (Chrome trace, all settings), timeline.png (memory per tier "
+                   "and transfers, settings side by side) and tune.json (the results)")
     args = p.parse_args(argv)
     for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ValueError(f"--cpu-threads={args.cpu_threads} must be >= 1")
+    for value in args.act_gpu_budget or ():
+        act_gpu_bytes(value, 1)  # raises for a value that is neither blocks nor bytes
+    for la in args.prefetch_lookahead:
+        if la < 0:
+            raise ValueError(f"--prefetch-lookahead={la} must be >= 0")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     for t in args.state_tier:
@@ -561,13 +807,18 @@ def demo_grid(args: argparse.Namespace) -> list[dict]:
     """Return the demo's settings without redundant points (state tier of an empty offload,
     prefetch depth without offloaded layers)."""
     layers = args.num_layers if args.num_layers is not None else sorted({0, args.layers - 1})
+    budgets = getattr(args, "act_gpu_budget", None) or [None]
+    lookaheads = getattr(args, "prefetch_lookahead", None) or [16]
     out, seen = [], set()
-    for pol, n, d, f, t in itertools.product(args.policy, layers, args.prefetch_depth,
-                                             args.offload_fraction, args.state_tier):
+    for pol, n, d, f, t, b, la in itertools.product(
+            args.policy, layers, args.prefetch_depth, args.offload_fraction, args.state_tier,
+            budgets, lookaheads):
         s = dict(policy=pol, num_layers=n, prefetch_depth=d if n else args.prefetch_depth[0],
                  offload_fraction=f, state_tier=t if f > 0 else args.state_tier[0])
+        if b is not None:
+            s["act_gpu_budget"] = b if n else budgets[0]
         if pol == "trace":
-            s["prefetch_lookahead"] = 16
+            s["prefetch_lookahead"] = la
         key = tuple(sorted(s.items()))
         if key not in seen:
             seen.add(key)
@@ -586,21 +837,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else list(argv))
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                     seq_len=args.seq, vocab=args.vocab)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or
+                                                            ("bf16" if cuda else "fp32")]
     with tempfile.TemporaryDirectory(dir=args.nvme_dir, prefix="tiermem-tune-") as nvme_dir:
-        factory = gpt_factory(cfg, args.batch, device, nvme_dir)
+        factory = gpt_factory(cfg, args.batch, device, nvme_dir, dtype=dtype,
+                              cpu_threads=args.cpu_threads if args.cpu_threads or cuda else 1)
         budgets: dict[str, int | str] = {}
         if args.gpu_budget is not None:
             budgets["gpu"] = args.gpu_budget
         else:  # params, grads, fp32 Adam state and all activations on the device, times 3/4
-            nparams = cfg.num_params()
-            probe = factory(dict(num_layers=0))
-            try:
-                need = probe.device_peak_bytes() if probe.device_peak_bytes else 0
-            finally:
-                probe.close()
-            need = max(need, 16 * nparams)
-            budgets["gpu"] = int(0.75 * need)
+            need = 0
+            if not cuda:  # on CUDA the trial reads no estimate: skip building one
+                probe = factory(dict(num_layers=0))
+                try:
+                    need = probe.device_peak_bytes()
+                finally:
+                    probe.close()
+            budgets["gpu"] = int(0.75 * max(need, 16 * cfg.num_params()))
         if args.cpu_budget is not None:
             budgets["cpu"] = args.cpu_budget
         model = None if args.no_model else CostModel.measure(device, nbytes=8 << 20,
@@ -608,12 +863,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                              adam_params=1 << 18)
         settings = demo_grid(args)
         print(f"tiermem tune: GPT {cfg.n_layers}x{cfg.d_model}, {cfg.num_params() / 1e6:.2f}M "
-              f"params, batch {args.batch}x{cfg.seq_len} on {device}; {len(settings)} settings x "
-              f"{args.steps} steps")
+              f"params ({str(dtype).removeprefix('torch.')}), batch {args.batch}x{cfg.seq_len} on "
+              f"{device}; {len(settings)} settings x {args.steps} steps; saved activations "
+              f"{_mib(factory.saved_bytes)} MiB per step, {_mib(factory.block_bytes)} MiB per "
+              f"block", flush=True)
         if model is not None:
             print(f"cost model: H2D {model.h2d_gbps:.1f} GB/s, D2H {model.d2h_gbps:.1f} GB/s, "
                   f"NVMe read {model.nvme_read_gbps:.2f} / write {model.nvme_write_gbps:.2f} GB/s,"
                   f" CPU Adam {model.cpu_adam_gparams:.2f} G params/s")
         results = tune(factory, settings, steps=args.steps, budgets=budgets, warmup=args.warmup,
-                       cost_model=model, overlap=args.overlap)
+                       cost_model=model, overlap=args.overlap, telemetry_dir=args.telemetry_dir)
     return 0 if any(r.best for r in results) else 1
