@@ -81,6 +81,58 @@ def test_overlap_off_gives_the_same_result_as_overlap_on():
     opt_a.close(), opt_b.close()
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_param_sync_forward_matches_step_and_torch(tmp_path, tier, fraction):
+    """Note [forward sync]: step() returns before the CPU side is done and each module's
+    forward waits for its own params; the arithmetic is the same, so the result is bit-identical
+    to param_sync="step" (and within 1e-6 of torch's AdamW), with accumulation, a scheduler and
+    frozen params (whose chunks complete the step from the first gradient hook)."""
+    ref, a, b = make_models(), make_models(), make_models()
+    ref_opt = torch.optim.AdamW(param_groups(ref), **HP, fused=True)
+    kw = dict(**HP, offload_fraction=fraction, state_tier=tier, nvme_dir=str(tmp_path),
+              chunk_numel=1024, grad_accumulation_steps=2)
+    opt_a = HybridAdam(param_groups(a), **kw, param_sync="step")
+    opt_b = HybridAdam(param_groups(b), **kw, param_sync="forward")
+    ref_losses = train(ref, ref_opt, 12, freeze_at=4)
+    losses_a = train(a, opt_a, 12, freeze_at=4)
+    losses_b = train(b, opt_b, 12, freeze_at=4)
+    assert opt_b._pending  # the last step is still open...
+    opt_b.synchronize()  # ...until someone needs the params
+    assert not opt_b._pending
+    assert losses_b == losses_a
+    assert_params_close(b, a, exact=True)
+    assert losses_b == pytest.approx(ref_losses, rel=1e-6, abs=1e-6)
+    assert_params_close(b, ref, exact=False)
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    for i in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa["state"][i][name], sb["state"][i][name]), (i, name)
+    opt_a.close(), opt_b.close()
+
+
+def test_param_sync_forward_waits_per_module_and_completes_on_state_dict():
+    model = make_models()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
+                     param_sync="forward")
+    idx, tgt = make_batch(0)
+    model(idx, tgt)[1].backward()
+    opt.step()
+    assert opt._pending
+    # the embedding's chunks are stepped last (its gradient comes last): once its forward may
+    # run, every chunk is done and the step is completed
+    model.tok(idx)
+    assert not opt._pending
+    model(idx, tgt)[1].backward()
+    opt.step()
+    assert opt._pending
+    opt.state_dict()  # reads the state: completes the step first
+    assert not opt._pending
+    with pytest.raises(ValueError, match="param_sync='sideways' is unknown"):
+        HybridAdam(model.parameters(), param_sync="sideways")
+    opt.close()
+
+
 @pytest.mark.parametrize("adamw", [True, False])
 def test_adam_l2_and_maximize_parity(adamw):
     ref, model = make_models(), make_models()
@@ -285,6 +337,40 @@ def test_cuda_bf16_parity(tmp_path, tier, fraction, overlap):
                 ref_state["exp_avg"].copy_(mine["exp_avg"])
                 ref_state["exp_avg_sq"].copy_(mine["exp_avg_sq"])
     opt.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_cuda_param_sync_forward_is_bit_identical_to_step(tmp_path, fraction):
+    """Note [forward sync] on the GPU: each module's forward waits (host, then stream) for the
+    H2D copies of its own chunks; a slow H2D stream must not let a forward read a stale param."""
+    def run(param_sync):
+        torch.manual_seed(0)
+        model = TinyGPT(d_model=64, n_layers=4).cuda().to(torch.bfloat16)
+        opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, chunk_numel=4096,
+                         param_sync=param_sync)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+        losses = []
+        for step in range(10):
+            idx, tgt = make_batch(step)
+            _, loss = model(idx.cuda(), tgt.cuda())
+            loss.backward()
+            opt.step()
+            with torch.cuda.stream(opt._copier.h2d_stream):
+                torch.cuda._sleep(2_000_000)  # H2D copies queue behind ~1 ms of spinning
+            opt.zero_grad()
+            sched.step()
+            losses.append(loss.item())
+        opt.synchronize()
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return losses, params
+
+    losses_step, params_step = run("step")
+    losses_fwd, params_fwd = run("forward")
+    assert losses_fwd == losses_step
+    for a, b in zip(params_fwd, params_step):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.cuda

@@ -17,7 +17,19 @@ How one step overlaps (``overlap=True``), see Note [hybrid step]:
    the model dtype into a pinned ring in the same pass, and copies them H2D on their own stream
    straight into the parameters;
 3. ``step()`` steps the GPU side, waits for the worker, and makes the caller's stream wait on
-   the H2D copies (no device-wide synchronisation).
+   the H2D copies (no device-wide synchronisation). With ``param_sync="forward"`` it returns
+   without waiting: the next forward waits, module by module, only for the chunks of the params
+   that module uses (see Note [forward sync]), so the CPU step of the last layers' chunks
+   overlaps the first layers' forward.
+
+Note [forward sync]: after such a ``step()``, a global forward pre-hook makes each module wait
+(host: until the worker has stepped the chunks holding its params and issued their H2D;
+stream: on those copies' events) before it runs. Everything else that reads the params or the
+state completes the step first: the next ``step()``, the next backward's first gradient hook,
+``state_dict``/``load_state_dict``, ``synchronize()`` and ``close``. Code that reads a param
+outside a module's forward (an EMA, logging a norm) must call ``opt.synchronize()`` first.
+One process only (data parallel all-gathers the updated shards in ``step()``; FSDP2 gathers
+params in its own pre-forward hooks).
 
 Note [hybrid step]: a parameter's post-accumulate-grad hook fires after every use of that
 parameter in the current backward has been enqueued; the event it records there is what the
@@ -160,6 +172,9 @@ class HybridAdam(torch.optim.Optimizer):
             default group). torch.distributed must be initialized.
         bucket_numel: elements per gradient-reduce bucket with ``data_parallel`` (buckets are
             reduced from the grad hooks as they fill).
+        param_sync: when the updated offloaded params are waited for: ``"step"`` (default: in
+            ``step()``, like any torch optimizer) or ``"forward"`` (in the next forward, per
+            module, see Note [forward sync]; one process, CUDA or CPU).
 
     With ``data_parallel`` or FSDP2, ``step()``, ``state_dict()`` and ``load_state_dict()`` are
     collective: call them on every rank. A private store's spill directory is
@@ -181,7 +196,8 @@ class HybridAdam(torch.optim.Optimizer):
                  grad_accumulation_steps: int = 1, moments_dtype: torch.dtype = torch.float32,
                  cpu_threads: int | None = None,
                  nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
-                 process_group: Any = None, bucket_numel: int = 1 << 23) -> None:
+                 process_group: Any = None, bucket_numel: int = 1 << 23,
+                 param_sync: str = "step") -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -222,6 +238,10 @@ class HybridAdam(torch.optim.Optimizer):
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"HybridAdam: bucket_numel={bucket_numel!r} must be an int >= 1 "
                              f"(elements per gradient-reduce bucket)")
+        if param_sync not in ("step", "forward"):
+            raise ValueError(f"HybridAdam: param_sync={param_sync!r} is unknown; use 'step' "
+                             f"(updated params ready when step() returns) or 'forward' (the next "
+                             f"forward waits per module)")
         if process_group is not None and data_parallel is False:
             raise ValueError("HybridAdam: process_group is given but data_parallel=False; drop "
                              "process_group, or set data_parallel=True to shard the state over it")
@@ -239,6 +259,10 @@ class HybridAdam(torch.optim.Optimizer):
                              f"put the model on one device (use one HybridAdam per device)")
         self.device = devices.pop()
         self._mode, self._who = self._choose_mode(all_params, data_parallel, process_group)
+        if param_sync == "forward" and self._mode != "local":
+            raise ValueError(f"{self._who}: param_sync='forward' works in one process only; "
+                             f"with data_parallel or FSDP2 use param_sync='step'")
+        self.param_sync = param_sync
         if store is not None and store.device != self.device:
             raise ValueError(f"HybridAdam: params are on {self.device} but the store's device is "
                              f"{store.device}; make the store with StoreConfig.device="
@@ -308,6 +332,14 @@ class HybridAdam(torch.optim.Optimizer):
         self._idle = threading.Condition(self._lock)
         self._compute_allowed = threading.Event()
         self._clip_event: torch.cuda.Event | None = None
+        self._frozen_hp: list[dict] | None = None  # set by step(), see there
+        # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
+        self._pending = False
+        self._chunk_h2d: dict[tuple[int, int], Any] = {}  # stepped chunk -> its last H2D event
+        self._chunks_of: dict[int, list[tuple[int, int]]] = {  # id(param) -> its chunks
+            id(g.params[i]): [(g.index, c) for c in dict.fromkeys(chunks)]
+            for g in self._groups for i, chunks in g.plan.chunks_of_param.items()}
+        self._forward_hook = None
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tiermem-hybrid-adam", daemon=True)
         self._worker.start()
@@ -322,6 +354,9 @@ class HybridAdam(torch.optim.Optimizer):
                 for g in self._groups for i, p in enumerate(g.params)]
         else:  # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
             self._hooks = []
+        if param_sync == "forward":
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                self._before_forward)
         self._begin_step()
 
     # ------------------------------------------------------------------ modes and local tensors
@@ -527,6 +562,8 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _on_grad(self, g: int, i: int) -> None:
         """Post-accumulate-grad hook of an offloaded param: ship its grad on the last micro-batch."""
+        if self._pending:
+            self._finish_step()  # a param unused in forward: its previous update completes first
         with self._lock:
             count = self._acc_count.get((g, i), 0) + 1
             self._acc_count[(g, i)] = count
@@ -599,12 +636,14 @@ class HybridAdam(torch.optim.Optimizer):
             self._shipped.clear()
             self._shipped_versions.clear()
             self._grad_refs.clear()
+            self._chunk_h2d.clear()
             self._queued.clear()
             self._h2d_events = []
             self._chunk_missing = {
                 (g.index, c): len({pc.param for pc in chunk.pieces})
                 for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
         self._clip_event = None
+        self._frozen_hp = None
         self._copies.clear()  # the worker is idle between steps
         if self._zero is not None:
             self._zero.begin_step()
@@ -725,7 +764,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._prefetch_after(g, c)
             lo = chunk.flat_start
             out, slot = self._out_slot(group, chunk.numel)
-            hp = self.param_groups[g]
+            frozen = self._frozen_hp
+            hp = frozen[g] if frozen is not None else self.param_groups[g]
             beta1, beta2 = hp["betas"]
             runs = self._runs(group, chunk, has_grad)
             t0 = time.perf_counter()
@@ -753,9 +793,11 @@ class HybridAdam(torch.optim.Optimizer):
             self._store.release(key)
         if (g, c) in self._nvme_chunks:
             self._store.evict(key, "nvme")  # write-back overlaps the next chunk's compute
-        if last is not None:
-            with self._lock:
+        with self._idle:
+            if last is not None:
                 self._h2d_events.append(last)
+            self._chunk_h2d[(g, c)] = last
+            self._idle.notify_all()  # a forward may wait for this chunk (Note [forward sync])
 
     @staticmethod
     def _out_slot(group: _Group, numel: int) -> tuple[torch.Tensor, int]:
@@ -809,11 +851,17 @@ class HybridAdam(torch.optim.Optimizer):
             RuntimeError: the CPU step failed (the worker's error is chained; the message
                 names the rank under torch.distributed), or too many backward passes.
         """
+        if self._pending:
+            self._finish_step()  # two steps without a forward between them
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         t_step = time.perf_counter()
+        # chunks stepped from now on use this step's hyper-parameters, even when an LR
+        # scheduler changes them before the worker is done (param_sync="forward")
+        self._frozen_hp = [{k: v for k, v in hp.items() if k != "params"}
+                           for hp in self.param_groups]
         with self._lock:
             extra = [k for k, n in self._acc_count.items() if n > self.grad_accumulation_steps]
         if extra:
@@ -843,6 +891,51 @@ class HybridAdam(torch.optim.Optimizer):
         self._compute_allowed.set()
         for g in self._groups:
             self._step_gpu_side(g)
+        self._t_step = t_step
+        self._stepped = [(g, i) for g in self._groups for i in range(g.n_local)  # before zero_grad
+                         if self._has_grad(g, i)]
+        if self.param_sync == "forward":
+            self._pending = True  # the next forward waits per module (Note [forward sync])
+            return loss
+        self._finish_step()
+        return loss
+
+    def synchronize(self) -> None:
+        """Complete the last ``step()`` (with ``param_sync="forward"`` it may still be updating
+        offloaded params): afterwards every param holds its update for the caller's stream.
+
+        Raises:
+            RuntimeError: the CPU step failed.
+        """
+        if self._pending:
+            self._finish_step()
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """Global forward pre-hook (param_sync="forward"): wait for this module's params."""
+        if not self._pending:
+            return
+        chunks = [item for p in module._parameters.values() if p is not None
+                  for item in self._chunks_of.get(id(p), ())]
+        if not chunks:
+            return
+        with self._idle:
+            while any(item not in self._chunk_h2d for item in chunks) and not self._errors:
+                self._idle.wait()  # the worker has not stepped this module's chunks yet
+            events = [self._chunk_h2d.get(item) for item in chunks]
+            done = len(self._chunk_h2d) == len(self._chunk_missing) or bool(self._errors)
+        if done:
+            self._finish_step()
+            return
+        consumer = self._copier.consumer_stream()
+        for event in events if consumer is not None else ():
+            if event is not None:
+                consumer.wait_event(event)  # this module reads the params copied H2D
+
+    def _finish_step(self) -> None:
+        """Wait for the CPU side of the last ``step()``, make the caller's stream wait for its
+        H2D copies, count the step and start the next one."""
+        self._pending = False
+        t_step = self._t_step
         t_wait = time.perf_counter()
         with self._idle:
             while self._outstanding:
@@ -862,10 +955,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._zero.gather(lambda g: ([self._local(self._groups[g], i)
                                           for i in range(self._groups[g].n_local)],
                                          self._groups[g].params))
-        for g in self._groups:
-            for i in range(g.n_local):
-                if self._has_grad(g, i):
-                    g.steps[i] += 1
+        for g, i in self._stepped:
+            g.steps[i] += 1  # after the worker: it steps chunks with steps[i] + 1
         moved = self._store.stats()["moved_bytes"]
         with self._stats_lock:
             done = dict(self._acc, stall_s=stall, step_s=time.perf_counter() - t_step)
@@ -873,7 +964,6 @@ class HybridAdam(torch.optim.Optimizer):
             done["nvme_write_bytes"] = moved.get("cpu->nvme", 0) - self._moved0.get("cpu->nvme", 0)
             self._last_stats = done
         self._begin_step()
-        return loss
 
     def _check_grads_untouched(self) -> None:
         """Refuse a step whose gradients changed after backward copied them off the GPU.
@@ -1084,6 +1174,7 @@ class HybridAdam(torch.optim.Optimizer):
         shard; loading reshards, onto another world size too). ``data_parallel``: full CPU
         tensors on every rank (collective; ``torch.save`` it on rank 0, or use DCP), loadable
         on any world size and by a single-process optimizer."""
+        self.synchronize()
         self._drain()
         states = self._param_states()
         flat_state, index, groups = {}, 0, []
@@ -1105,6 +1196,7 @@ class HybridAdam(torch.optim.Optimizer):
         Raises:
             ValueError: the number of groups or params, or a tensor's shape, does not match.
         """
+        self.synchronize()
         self._drain()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -1203,6 +1295,14 @@ class HybridAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Stop the worker, remove hooks, release the split tier's RAM chunks and free the
         private store. Idempotent."""
+        if getattr(self, "_forward_hook", None) is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        if getattr(self, "_pending", False):
+            try:
+                self._finish_step()
+            except RuntimeError:
+                pass  # closing anyway; the failed step was reported by the hook or step()
         if self._worker.is_alive():
             self._queue.put(_STOP)
             self._worker.join()
