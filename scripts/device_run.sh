@@ -58,3 +58,11 @@ if [[ $part == large ]]; then  # issue 10: 13B fp32 moments, 20B bf16 moments, a
   run large_13b 190 python3 examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL"
   run large_20b 290 python3 examples/train_large.py --config examples/configs/large/h200_20b_bf16.yaml --nvme-dir "$SPILL"
 fi
+if [[ $part == perf ]]; then  # issues 4 and 6: CUDA tests, trace vs LRU, optimizer placement
+  run cuda_optim 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim tests/schedule tests/offload tests/telemetry
+  run tune_policy 240 tiermem tune --layers 24 --d-model 2048 --heads 16 --seq 2048 --batch 8 --vocab 32000 \
+    --num-layers 23 --prefetch-depth 2 --offload-fraction 0.5 --state-tier cpu --policy lru,trace \
+    --act-gpu-budget 2,64 --steps 3 --warmup 2 --gpu-budget 48GiB --telemetry-dir "$OUT/tune"
+  run bench_optim 330 tiermem bench optim --steps 3 --setups gpu,0.5,0.5+fwd,1.0,1.0+fwd --nvme-dir "$SPILL"
+  rm -f "$OUT/install.log" "$OUT/gpu.txt"  # at most 8 files come back
+fi
