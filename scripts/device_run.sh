@@ -66,3 +66,9 @@ if [[ $part == perf ]]; then  # issues 4 and 6: CUDA tests, trace vs LRU, optimi
   run bench_optim 330 tiermem bench optim --steps 3 --setups gpu,0.5,0.5+fwd,1.0,1.0+fwd --nvme-dir "$SPILL"
   rm -f "$OUT/install.log" "$OUT/gpu.txt"  # at most 8 files come back
 fi
+if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench optim --world 2
+  nvidia-smi -L | tee "$OUT/gpus.txt"
+  run cuda_dist 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/distributed
+  run bench_optim_world2 240 tiermem bench optim --world 2 --steps 3 --accum 1,4 --setups gpu,0.5,1.0 --timeout 230
+  rm -f "$OUT/install.log" "$OUT/gpu.txt"
+fi

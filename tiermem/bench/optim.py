@@ -6,8 +6,14 @@ setting (micro-batches accumulated per optimizer step):
 - ``naive``: grads D2H after backward, torch fused AdamW on pinned fp32 masters, cast, H2D
   (a straightforward full offload);
 - ``hybrid f=F``: HybridAdam with ``offload_fraction=F`` and state in pinned RAM;
-- ``hybrid f=1 nvme``: HybridAdam with all state streamed through NVMe.
+- ``hybrid f=1 nvme``: HybridAdam with all state streamed through NVMe;
+- a ``+fwd`` suffix (``0.5+fwd``): the same with ``param_sync="forward"`` (the next forward
+  waits per module for the updated params instead of ``step()`` waiting for all of them).
+``cpu adam ms`` is the CPU kernel time of a step (summed over chunks), ``stall ms`` the time the
+step waited for the CPU side after backward.
 Times are medians of the timed steps; ``x`` is relative to ``gpu`` at the same tokens/step.
+``--world N`` (N > 1) runs the multi-process version instead: FSDP2 + fused AdamW against
+FSDP2 + HybridAdam and data-parallel HybridAdam, see ``tiermem/bench/optim_dist.py``.
 """
 
 from __future__ import annotations
@@ -87,17 +93,19 @@ def _make_opt(name: str, model: torch.nn.Module, nvme_dir: str, accum: int, cpu_
         return _GpuMasters(model.parameters())
     if name == "naive":
         return _NaiveOffload(model.parameters())
+    name, fwd = name.removesuffix("+fwd"), name.endswith("+fwd")
     fraction, _, tier = name.partition(":")
     return HybridAdam(model.parameters(), **HP, offload_fraction=float(fraction),
                       state_tier=tier or "cpu", nvme_dir=nvme_dir, grad_accumulation_steps=accum,
-                      cpu_threads=cpu_threads)
+                      cpu_threads=cpu_threads, param_sync="forward" if fwd else "step")
 
 
 def _label(name: str) -> str:
     if name in ("gpu", "naive"):
         return {"gpu": "GPU-only fused AdamW", "naive": "naive full offload"}[name]
+    name, fwd = name.removesuffix("+fwd"), name.endswith("+fwd")
     fraction, _, tier = name.partition(":")
-    return f"HybridAdam f={float(fraction):g} {tier or 'cpu'}"
+    return f"HybridAdam f={float(fraction):g} {tier or 'cpu'}{' fwd-sync' if fwd else ''}"
 
 
 def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps: int,
@@ -120,7 +128,7 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
             gen = torch.Generator(device="cpu").manual_seed(0)
             idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
             n_steps = nvme_steps if name.endswith("nvme") else steps
-            times, losses = [], []
+            times, losses, adam_ms, stall_ms = [], [], [], []
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -135,6 +143,10 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
                     torch.cuda.synchronize()
                 if step:
                     times.append(time.perf_counter() - t0)
+                    if isinstance(opt, HybridAdam):  # the last completed step (with
+                        stats = opt.step_stats()     # param_sync="forward": the one before)
+                        adam_ms.append(1e3 * stats["cpu_adam_s"])
+                        stall_ms.append(1e3 * stats["stall_s"])
                 losses.append(loss.item())
             ms = 1e3 * statistics.median(times)
             if name == "gpu":
@@ -142,7 +154,9 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
             rows.append({"setup": _label(name), "tokens": batch * cfg.seq_len * accum,
                          "ms": ms, "x": ms / base_ms if base_ms else float("nan"),
-                         "peak_gib": peak, "loss": losses[-1]})
+                         "peak_gib": peak, "loss": losses[-1],
+                         "adam_ms": statistics.median(adam_ms) if adam_ms else float("nan"),
+                         "stall_ms": statistics.median(stall_ms) if stall_ms else float("nan")})
             print(format_table(rows[-1:], header=False), flush=True)
             opt.close()
             del model, opt
@@ -154,11 +168,12 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
 
 def format_table(rows: list[dict], header: bool = True) -> str:
     """Render rows as a fixed-width table."""
-    lines = [f"{'setup':<28}{'tokens/step':>12}{'ms/step':>10}{'x':>8}{'peak GiB':>10}{'loss':>9}"] \
-        if header else []
+    lines = [f"{'setup':<37}{'tokens/step':>12}{'ms/step':>10}{'x':>8}{'peak GiB':>10}"
+             f"{'loss':>9}{'cpu adam ms':>12}{'stall ms':>9}"] if header else []
     for r in rows:
-        lines.append(f"{r['setup']:<28}{r['tokens']:>12}{r['ms']:>10.1f}{r['x']:>7.2f}x"
-                     f"{r['peak_gib']:>10.1f}{r['loss']:>9.4f}")
+        lines.append(f"{r['setup']:<37}{r['tokens']:>12}{r['ms']:>10.1f}{r['x']:>7.2f}x"
+                     f"{r['peak_gib']:>10.1f}{r['loss']:>9.4f}{r.get('adam_ms', float('nan')):>12.1f}"
+                     f"{r.get('stall_ms', float('nan')):>9.1f}")
     return "\n".join(lines)
 
 
@@ -173,25 +188,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000 if big else 128)
     parser.add_argument("--batch", type=int, default=8 if big else 2, help="micro-batch size")
     parser.add_argument("--accum", default="1,4", help="micro-batches per step, comma-separated")
-    parser.add_argument("--setups", default="gpu,naive,0.25,0.5,1.0,1.0:nvme",
-                        help="gpu, naive, a fraction F (pinned RAM) or F:nvme")
+    parser.add_argument("--setups", default=None,
+                        help="gpu, naive, a fraction F (pinned RAM) or F:nvme (default "
+                             "gpu,naive,0.25,0.5,1.0,1.0:nvme); with --world > 1: gpu, F[:T], "
+                             "fsdp:F[:T] or dp:F[:T] (default gpu,0.5,1.0)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setup")
     parser.add_argument("--nvme-steps", type=int, default=2, help="timed steps of NVMe setups")
     parser.add_argument("--nvme-dir", default=None, help="spill directory (default: a temp dir)")
     parser.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU Adam")
+    parser.add_argument("--world", type=int, default=1,
+                        help="processes (one GPU each on CUDA, gloo on the CPU otherwise); > 1 "
+                             "benchmarks FSDP2 / data parallel (tiermem/bench/optim_dist.py)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before the --world ranks are stopped (default 1800)")
     args = parser.parse_args(argv)
+    if args.world != 1:
+        from tiermem.bench import optim_dist
+        return optim_dist.main_dist(args)
+    args.setups = args.setups or "gpu,naive,0.25,0.5,1.0,1.0:nvme"
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                     seq_len=args.seq, vocab=args.vocab)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     for s in setups:
         if s not in ("gpu", "naive"):
-            f, _, tier = s.partition(":")
+            f, _, tier = s.removesuffix("+fwd").partition(":")
             try:
                 ok = 0.0 <= float(f) <= 1.0 and tier in ("", "cpu", "nvme")
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f"--setups: {s!r} is not gpu, naive, F or F:nvme with F in [0, 1]")
+                raise ValueError(f"--setups: {s!r} is not gpu, naive, F or F:nvme with F in "
+                                 f"[0, 1], optionally followed by +fwd")
     if "gpu" in setups:
         setups.remove("gpu")
     setups.insert(0, "gpu")
