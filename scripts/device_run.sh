@@ -72,3 +72,7 @@ if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench op
   run bench_optim_world2 240 tiermem bench optim --world 2 --steps 3 --accum 1,4 --setups gpu,0.5,1.0 --timeout 230
   rm -f "$OUT/install.log" "$OUT/gpu.txt"
 fi
+if [[ $part == dist_tests ]]; then
+  run cuda_dist 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/distributed
+  rm -f "$OUT/install.log"
+fi

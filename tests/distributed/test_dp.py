@@ -281,9 +281,16 @@ def test_nccl_two_gpus_match_single_gpu_adamw(tmp_path):
         pytest.skip("needs 2 CUDA GPUs (device kind nvidia-h200-x2)")
     cfgs = [c for c in configs() if c["kind"] in ("dp", "fsdp") and not c.get("state")]
     results = spawn_job(tmp_path, cfgs, backend="nccl", timeout=540.0)
-    refs = {}
+    refs, failures = {}, []
+    # GPU kernels (attention backward) and NCCL's sums are not bitwise reproducible across
+    # processes, so the key biases' gradients (rounding noise, see key_bias) differ, and Adam
+    # turns any noise into steps of up to ~lr: those elements are only bounded by the sum of
+    # their group's learning rates (lr 1e-3 under the LambdaLR schedule), twice for both runs
+    noise_atol = 2 * sum(1e-3 / (1 + 0.1 * s) for s in range(worker.STEPS))
     for c in cfgs:
         refs.setdefault(c["ref"], reference(*c["ref"], device="cuda:0"))
-        # GPU kernels (attention backward) need not be bitwise reproducible across processes:
-        # the key biases' rounding noise may differ (see key_bias)
-        assert_parity(ok(results, c["name"]), refs[c["ref"]], noise_atol=1e-4)
+        try:
+            assert_parity(ok(results, c["name"]), refs[c["ref"]], noise_atol=noise_atol)
+        except AssertionError as exc:
+            failures.append(f"{c['name']}: {exc}")
+    assert not failures, "\n\n".join(failures)
