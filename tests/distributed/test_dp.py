@@ -149,9 +149,10 @@ def assert_parity(res, ref, tol=TOL, noise_atol=None):
             got, want = r["params"][name].clone(), p.clone()
             kb = key_bias(name, p) if noise_atol is not None else None
             if kb is not None:
-                torch.testing.assert_close(got[kb], want[kb], rtol=0, atol=noise_atol, msg=name)
+                torch.testing.assert_close(got[kb], want[kb], rtol=0, atol=noise_atol,
+                                           msg=lambda m, name=name: f"{name}: {m}")
                 got[kb] = want[kb] = 0
-            torch.testing.assert_close(got, want, **tol, msg=name)
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -280,6 +281,8 @@ def test_nccl_two_gpus_match_single_gpu_adamw(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (device kind nvidia-h200-x2)")
     cfgs = [c for c in configs() if c["kind"] in ("dp", "fsdp") and not c.get("state")]
+    cfgs += [dict(name="dp-clip", kind="dp", tier="cpu", fraction=0.5, clip=0.05, ref=(0.05, 1)),
+             dict(name="dp-accum", kind="dp", tier="cpu", fraction=0.5, accum=2, ref=(None, 2))]
     results = spawn_job(tmp_path, cfgs, backend="nccl", timeout=540.0)
     refs, failures = {}, []
     # GPU kernels (attention backward) and NCCL's sums are not bitwise reproducible across
@@ -289,8 +292,13 @@ def test_nccl_two_gpus_match_single_gpu_adamw(tmp_path):
     noise_atol = 2 * sum(1e-3 / (1 + 0.1 * s) for s in range(worker.STEPS))
     for c in cfgs:
         refs.setdefault(c["ref"], reference(*c["ref"], device="cuda:0"))
+        # with accumulation the reference adds the micro-batch halves in another order than
+        # reduce-after-accumulate does; on the H200s one element of one weight (of ~100k) then
+        # ended 1.0e-6 / 2.0e-6 away (its gradient is near zero, Adam normalises the rounding):
+        # 1e-5 for those configs, 1e-6 for the rest
+        tol = TOL if c.get("accum", 1) == 1 else dict(rtol=1e-5, atol=1e-5)
         try:
-            assert_parity(ok(results, c["name"]), refs[c["ref"]], noise_atol=noise_atol)
+            assert_parity(ok(results, c["name"]), refs[c["ref"]], tol=tol, noise_atol=noise_atol)
         except AssertionError as exc:
             failures.append(f"{c['name']}: {exc}")
     assert not failures, "\n\n".join(failures)
