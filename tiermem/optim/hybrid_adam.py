@@ -52,6 +52,7 @@ Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -326,6 +327,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._chunk_missing: dict[tuple[int, int], int] = {}
         self._queued: set[tuple[int, int]] = set()
         self._read_ahead: set[tuple[int, int]] = set()  # NVMe chunks prefetched, not yet stepped
+        self._order_pos = None  # (expected chunk order, position of each chunk in it)
         self._h2d_events: list = []
         self._errors: list[BaseException] = []
         self._outstanding = 0
@@ -825,13 +827,17 @@ class HybridAdam(torch.optim.Optimizer):
     def _prefetch_after(self, g: int, c: int) -> None:
         if not self._nvme_chunks:
             return
-        order = self._expected_order()
-        pos = order.index((g, c))
+        if self._order_pos is None:  # the plan and the tiers are fixed: index the order once
+            order = self._expected_order()
+            self._order_pos = (order, {item: k for k, item in enumerate(order)})
+        order, pos = self._order_pos
         with self._lock:  # chunks whose gradients came early were stepped already
             self._read_ahead.discard((g, c))
             room = self.nvme_lookahead_chunks - len(self._read_ahead)  # bounded: never evicted
-            later = [item for item in order[pos + 1:] if item in self._nvme_chunks
-                     and item not in self._queued and item not in self._read_ahead][:max(0, room)]
+            later = list(itertools.islice(
+                (item for item in itertools.islice(order, pos[(g, c)] + 1, None)
+                 if item in self._nvme_chunks and item not in self._queued
+                 and item not in self._read_ahead), max(0, room)))
             self._read_ahead.update(later)
         for gg, cc in later:
             self._store.prefetch(self._groups[gg].chunk_keys[cc], "cpu")
