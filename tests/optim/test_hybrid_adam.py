@@ -116,6 +116,9 @@ def test_param_sync_forward_waits_per_module_and_completes_on_state_dict():
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
                      param_sync="forward")
     idx, tgt = make_batch(0)
+    model(idx, tgt)[1].backward()  # the first step records the gradient order (no overlap)
+    opt.step()
+    opt.synchronize()
     model(idx, tgt)[1].backward()
     opt.step()
     assert opt._pending
@@ -131,6 +134,50 @@ def test_param_sync_forward_waits_per_module_and_completes_on_state_dict():
     with pytest.raises(ValueError, match="param_sync='sideways' is unknown"):
         HybridAdam(model.parameters(), param_sync="sideways")
     opt.close()
+
+
+class _ReversedMLP(torch.nn.Module):
+    """Layers registered in the reverse of the order they run in."""
+
+    def __init__(self, width=64, depth=6):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("placement", ["trace", "given"])
+def test_trace_placement_keeps_the_first_executed_layers_on_the_gpu(placement):
+    """Note [trace placement]: the first backward records the gradient order; the first step
+    plans from it, so the GPU keeps the layers that run first (registered last here), whatever
+    the order of model.parameters(); results match torch's AdamW either way."""
+    torch.manual_seed(0)
+    model = _ReversedMLP()
+    ref = copy.deepcopy(model)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024,
+                     placement=placement)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randn(8, 64, generator=gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    on_gpu = {pc.param for pc in opt._groups[0].plan.gpu_pieces}
+    names = [n for n, _ in model.named_parameters()]
+    first_run = {i for i, n in enumerate(names) if n.startswith(("layers.5.", "layers.4.", "layers.3."))}
+    if placement == "trace":
+        assert on_gpu <= first_run  # the last registered run first: they stay on the GPU
+    else:
+        assert on_gpu.isdisjoint({i for i, n in enumerate(names) if n.startswith("layers.5.")})
+    assert_params_close(model, ref, exact=False)
+    opt.close()
+    with pytest.raises(ValueError, match="placement='everywhere' is unknown"):
+        HybridAdam(model.parameters(), placement="everywhere")
 
 
 @pytest.mark.parametrize("adamw", [True, False])
@@ -285,8 +332,14 @@ def test_store_checks(tmp_path):
     with pytest.raises(ValueError, match="params are on meta but the store's device is cpu"):
         HybridAdam(meta.parameters(), store=store)
     opt = HybridAdam(make_models().parameters(), store=store, chunk_numel=1024)
+    assert store.used_bytes("cpu") == 0  # Note [trace placement]: allocated once planned...
+    opt.chunk_tiers()  # ...at the first step, or when asked about before it
     assert store.used_bytes("cpu") > 0
     opt.close()
+    small = TierStore(StoreConfig(cpu_bytes="64KiB", nvme_bytes=0))
+    with pytest.raises(ValueError, match="store.s cpu tier has .* free; the offloaded state needs"):
+        HybridAdam(make_models().parameters(), store=small, chunk_numel=1024)
+    small.close()
     store.close()
 
 
@@ -445,6 +498,9 @@ def test_clipping_after_backward_is_refused_with_overlap_and_exact_without():
     model = make_models()
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024)
     idx, tgt = make_batch(0)
+    model(idx, tgt)[1].backward()  # the first step only records the gradient order, it copies
+    opt.step()                     # in step() (Note [trace placement]); the second overlaps
+    opt.zero_grad()
     model(idx, tgt)[1].backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     with pytest.raises(RuntimeError, match="changed after backward had already copied it"):

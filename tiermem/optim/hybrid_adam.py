@@ -38,6 +38,19 @@ overwrites the parameter can never race with backward reading it. Gradient clipp
 global norm before any update, so with ``max_grad_norm`` no gradient is copied before
 ``step()`` has clipped them all on the GPU (the copies then wait for the clip).
 
+Note [trace placement]: which elements keep their state on the GPU follows the execution
+order, and with ``placement="trace"`` (default; one process, overlap on, ``offload_fraction >
+0``) that order is taken from the first backward rather than assumed from the order the params
+were given in: the first backward only records the order in which gradients arrive (nothing is
+stepped early), and the first ``step()`` builds the partition from it -- the params whose
+gradients arrive last (the first layers) keep their state on the GPU, the chunks follow the
+arrival order -- and only then allocates the state (masters copied from the params, moments
+zero: nothing has been updated yet, so no state moves). That first step is therefore not
+overlapped. Anything that needs the state before the first ``step()`` (``state_dict``,
+``load_state_dict``, ``memory_bytes``, ``chunk_tiers``) fixes the partition then, from the
+gradients seen so far or else the given order. ``placement="given"``: the given order, state
+allocated at construction.
+
 Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the full design:
 - ``data_parallel=True`` (or ``process_group=pg``), plain replicated params, no DDP wrapper:
   ZeRO-1/2. Each rank owns ``1/world`` of every param group's flattened elements and keeps
@@ -113,6 +126,8 @@ class _Group:
     steps: list[int]
     n_local: int = 0
     segments: list | None = None  # data parallel: _dist.Segment per local tensor
+    numels: list[int] = field(default_factory=list)  # per local tensor (for re-planning)
+    sizes: list[int] = field(default_factory=list)  # bytes per element, per local tensor
     locals_in_bucket: dict[int, list[int]] = field(default_factory=dict)
     # GPU side, one entry per GPU piece
     gpu_views: list[torch.Tensor] = field(default_factory=list)
@@ -173,6 +188,9 @@ class HybridAdam(torch.optim.Optimizer):
             default group). torch.distributed must be initialized.
         bucket_numel: elements per gradient-reduce bucket with ``data_parallel`` (buckets are
             reduced from the grad hooks as they fill).
+        placement: ``"trace"`` (default): the GPU/offloaded split follows the gradient arrival
+            order seen in the first backward, see Note [trace placement]; ``"given"``: the
+            params' order as given (first ``1 - offload_fraction`` of the bytes on the GPU).
         param_sync: when the updated offloaded params are waited for: ``"step"`` (default: in
             ``step()``, like any torch optimizer) or ``"forward"`` (in the next forward, per
             module, see Note [forward sync]; one process, CUDA or CPU).
@@ -198,7 +216,7 @@ class HybridAdam(torch.optim.Optimizer):
                  cpu_threads: int | None = None,
                  nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
                  process_group: Any = None, bucket_numel: int = 1 << 23,
-                 param_sync: str = "step") -> None:
+                 param_sync: str = "step", placement: str = "trace") -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -239,6 +257,10 @@ class HybridAdam(torch.optim.Optimizer):
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"HybridAdam: bucket_numel={bucket_numel!r} must be an int >= 1 "
                              f"(elements per gradient-reduce bucket)")
+        if placement not in ("trace", "given"):
+            raise ValueError(f"HybridAdam: placement={placement!r} is unknown; use 'trace' (the "
+                             f"split follows the gradient order of the first backward) or "
+                             f"'given' (the order the params were given in)")
         if param_sync not in ("step", "forward"):
             raise ValueError(f"HybridAdam: param_sync={param_sync!r} is unknown; use 'step' "
                              f"(updated params ready when step() returns) or 'forward' (the next "
@@ -300,7 +322,7 @@ class HybridAdam(torch.optim.Optimizer):
                 numels = [_dist.local_of(p).numel() for p in params]
                 sizes = [p.element_size() for p in params]
             group = _Group(gi, params, plan_group(numels, sizes, self.offload_fraction, chunk_numel),
-                           [0] * len(numels), len(numels), segments)
+                           [0] * len(numels), len(numels), segments, numels=numels, sizes=sizes)
             if segments is not None:
                 bucket_of = self._zero.groups[gi].bucket_of
                 for li, seg in enumerate(segments):
@@ -308,6 +330,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._groups.append(group)
         self._owns_store = store is None
         self._store = store if store is not None else self._make_store(nvme_dir)
+        if store is not None:
+            self._check_room()
         self._copier = Copier(self.device)
         self._nvme_chunks: set[tuple[int, int]] = set()  # (group, chunk) streamed through NVMe
         self._ram_held: list = []  # split: chunk keys held in the cpu tier for good
@@ -315,7 +339,14 @@ class HybridAdam(torch.optim.Optimizer):
         self._acc = self._new_stats()
         self._last_stats = self._new_stats()
         self._moved0: dict = {}
-        self._init_state()
+        # Note [trace placement]: record the first backward's gradient order, plan at step()
+        self._trace_placement = (placement == "trace" and self._mode == "local" and overlap
+                                 and self.offload_fraction > 0.0)
+        self._arrived: dict[tuple[int, int], int] = {}  # (g, i) -> arrival rank, first backward
+        self._state_ready = False
+        if not self._trace_placement:
+            self._init_state()
+            self._state_ready = True
         # cross-thread step state, guarded by _lock (hooks run on autograd threads)
         self._lock = threading.Lock()
         self._acc_count: dict[tuple[int, int], int] = {}
@@ -338,9 +369,7 @@ class HybridAdam(torch.optim.Optimizer):
         # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
         self._pending = False
         self._chunk_h2d: dict[tuple[int, int], Any] = {}  # stepped chunk -> its last H2D event
-        self._chunks_of: dict[int, list[tuple[int, int]]] = {  # id(param) -> its chunks
-            id(g.params[i]): [(g.index, c) for c in dict.fromkeys(chunks)]
-            for g in self._groups for i, chunks in g.plan.chunks_of_param.items()}
+        self._chunks_of = self._param_chunks()
         self._forward_hook = None
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tiermem-hybrid-adam", daemon=True)
@@ -349,7 +378,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._hooks = [  # count backward passes always; ship early only with overlap
                 g.params[i].register_post_accumulate_grad_hook(
                     lambda p, g=g.index, i=i: self._on_grad(g, i))
-                for g in self._groups for i in g.plan.chunks_of_param]
+                for g in self._groups
+                for i in (range(g.n_local) if self._trace_placement else g.plan.chunks_of_param)]
         elif self._mode == "zero":  # every gradient goes into a reduce bucket
             self._hooks = [
                 p.register_post_accumulate_grad_hook(lambda p, g=g.index, i=i: self._on_grad_dp(g, i))
@@ -424,6 +454,39 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _offloaded_numel(self) -> int:
         return sum(g.plan.cpu_numel for g in self._groups)
+
+    def _check_room(self) -> None:
+        """Refuse, at construction, a store whose free budgets cannot hold the offloaded state
+        (a lower bound: pool fragmentation can still make a put fail later).
+
+        Raises:
+            ValueError: names the tier, the bytes free and needed, and the fixes.
+        """
+        groups = [g for g in self._groups if g.plan.cpu_numel]
+        if not groups:
+            return
+        rings = sum(round_up(_GRAD_SLOTS * max(c.numel for c in g.plan.chunks) * g.sizes[0])
+                    + round_up(_OUT_SLOTS * max(c.numel for c in g.plan.chunks) * g.sizes[0])
+                    for g in groups)
+        state = sum(self._chunk_bytes(c) for g in groups for c in g.plan.chunks)
+        staging = 0 if self.state_tier == "cpu" else \
+            max(self._chunk_bytes(c) for g in groups for c in g.plan.chunks) * (
+                self.nvme_lookahead_chunks + 3)
+        cfg = self._store.config
+        cpu_free = cfg.cpu_bytes - self._store.used_bytes("cpu")
+        nvme_free = cfg.nvme_bytes - self._store.used_bytes("nvme")
+        fix = ("raise the store's budgets (StoreConfig.cpu_bytes / nvme_bytes), lower "
+               "offload_fraction, use moments_dtype=torch.bfloat16, or state_tier='split'")
+        cpu_need = rings + (state if self.state_tier == "cpu" else staging)
+        if cpu_need > cpu_free:
+            raise ValueError(f"HybridAdam: the store's cpu tier has {cpu_free} bytes free; the "
+                             f"offloaded state needs {cpu_need} there (state_tier="
+                             f"{self.state_tier!r}, pinned rings and staging included): {fix}")
+        nvme_room = nvme_free + (cpu_free - cpu_need if self.state_tier == "split" else 0)
+        if self.state_tier != "cpu" and state > nvme_room:
+            raise ValueError(f"HybridAdam: the store's nvme tier has {nvme_free} bytes free; the "
+                             f"offloaded state needs {state} (state_tier={self.state_tier!r}"
+                             f"{', RAM included' if self.state_tier == 'split' else ''}): {fix}")
 
     def _make_store(self, nvme_dir: str | None) -> TierStore:
         buf_bytes = sum(round_up(_GRAD_SLOTS * self.chunk_numel * g.params[0].element_size())
@@ -554,9 +617,57 @@ class HybridAdam(torch.optim.Optimizer):
             master[lo:lo + pc.numel].copy_(self._local(group, pc.param)[pc.start:pc.start + pc.numel])
         return state
 
+    def _ensure_state(self) -> None:
+        """Note [trace placement]: plan from the recorded gradient order (when there is one)
+        and allocate the state, once."""
+        if self._state_ready:
+            return
+        with self._lock:
+            arrived = dict(self._arrived)
+        for g in self._groups:
+            order = self._execution_order(g, arrived)
+            if order != list(range(g.n_local)):
+                g.plan = plan_group(g.numels, g.sizes, self.offload_fraction, self.chunk_numel,
+                                    order=order)
+        self._init_state()
+        self._state_ready = True
+        with self._stats_lock:  # the step's I/O counts from here: allocation is not streaming
+            self._moved0 = dict(self._store.stats()["moved_bytes"])
+        self._chunks_of = self._param_chunks()
+        self._order_pos = None
+        with self._lock:
+            self._chunk_missing = {
+                (g.index, c): len({pc.param for pc in chunk.pieces})
+                for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
+        if self._nvme_chunks:
+            first = self._nvme_order()[:self.nvme_lookahead_chunks]
+            with self._lock:
+                self._read_ahead = set(first)
+            for g, c in first:
+                self._store.prefetch(self._groups[g].chunk_keys[c], "cpu")
+
+    @staticmethod
+    def _execution_order(g: _Group, arrived: dict[tuple[int, int], int]) -> list[int]:
+        """Group ``g``'s local tensors in execution order: reverse gradient arrival (the last
+        gradient belongs to the first layer); tensors without a gradient last, as given. The
+        given order when nothing was recorded or the group mixes dtypes (the split is by bytes,
+        so another order could change how many elements are offloaded)."""
+        seen = sorted((rank, i) for (gi, i), rank in arrived.items() if gi == g.index)
+        if not seen or len(set(g.sizes)) > 1:
+            return list(range(g.n_local))
+        order = [i for _, i in reversed(seen)]
+        got = set(order)
+        return order + [i for i in range(g.n_local) if i not in got]
+
+    def _param_chunks(self) -> dict[int, list[tuple[int, int]]]:
+        """``id(param)`` -> the offloaded chunks holding its elements."""
+        return {id(g.params[i]): [(g.index, c) for c in dict.fromkeys(chunks)]
+                for g in self._groups for i, chunks in g.plan.chunks_of_param.items()}
+
     def chunk_tiers(self) -> dict[str, int]:
         """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}`` (where each one lives for good
         with ``state_tier`` ``"cpu"``, ``"nvme"`` or ``"split"``)."""
+        self._ensure_state()
         n = sum(len(g.plan.chunks) for g in self._groups)
         return {"cpu": n - len(self._nvme_chunks), "nvme": len(self._nvme_chunks)}
 
@@ -569,7 +680,11 @@ class HybridAdam(torch.optim.Optimizer):
         with self._lock:
             count = self._acc_count.get((g, i), 0) + 1
             self._acc_count[(g, i)] = count
-            if not self.overlap or count < self.grad_accumulation_steps or (g, i) in self._shipped:
+            if not self._state_ready:  # Note [trace placement]: the first backward only records
+                self._arrived.setdefault((g, i), len(self._arrived))
+                return
+            if (not self.overlap or count < self.grad_accumulation_steps or (g, i) in self._shipped
+                    or i not in self._groups[g].plan.chunks_of_param):
                 return
         self._ship(g, i)
 
@@ -864,6 +979,7 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t_step = time.perf_counter()
+        self._ensure_state()  # Note [trace placement]: the first step plans and allocates
         # chunks stepped from now on use this step's hyper-parameters, even when an LR
         # scheduler changes them before the worker is done (param_sync="forward")
         self._frozen_hp = [{k: v for k, v in hp.items() if k != "params"}
@@ -1181,6 +1297,7 @@ class HybridAdam(torch.optim.Optimizer):
         tensors on every rank (collective; ``torch.save`` it on rank 0, or use DCP), loadable
         on any world size and by a single-process optimizer."""
         self.synchronize()
+        self._ensure_state()
         self._drain()
         states = self._param_states()
         flat_state, index, groups = {}, 0, []
@@ -1203,6 +1320,7 @@ class HybridAdam(torch.optim.Optimizer):
             ValueError: the number of groups or params, or a tensor's shape, does not match.
         """
         self.synchronize()
+        self._ensure_state()
         self._drain()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -1291,6 +1409,7 @@ class HybridAdam(torch.optim.Optimizer):
 
     def memory_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes per place: ``{"gpu": ..., "cpu": ..., "nvme": ...}``."""
+        self._ensure_state()
         gpu = sum(t.numel() * 4 for g in self._groups
                   for t in g.gpu_exp_avg + g.gpu_exp_avg_sq) + sum(
             m.numel() * 4 for g in self._groups for m, v in zip(g.gpu_masters, g.gpu_views)

@@ -52,17 +52,20 @@ class GroupPlan:
 
 
 def plan_group(numels: list[int], element_bytes: list[int], offload_fraction: float,
-               chunk_numel: int) -> GroupPlan:
+               chunk_numel: int, order: list[int] | None = None) -> GroupPlan:
     """Split a group's parameters between GPU and offloaded side, and chunk the offloaded side.
 
     Args:
-        numels: elements of each parameter, in execution order.
+        numels: elements of each parameter.
         element_bytes: bytes per element of each parameter (its model dtype).
         offload_fraction: fraction of the group's bytes to offload, in [0, 1].
         chunk_numel: elements per offloaded chunk (> 0).
+        order: the parameters' indices in execution order (``None``: as given). Pieces keep
+            the parameters' own indices; chunks follow this order.
 
     Raises:
-        ValueError: lengths differ, fraction outside [0, 1], chunk_numel < 1.
+        ValueError: lengths differ, fraction outside [0, 1], chunk_numel < 1, ``order`` not a
+            permutation of the indices.
     """
     if len(numels) != len(element_bytes):
         raise ValueError("numels and element_bytes must have the same length")
@@ -70,11 +73,16 @@ def plan_group(numels: list[int], element_bytes: list[int], offload_fraction: fl
         raise ValueError(f"offload_fraction={offload_fraction} is outside [0.0, 1.0]")
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel={chunk_numel} must be >= 1")
+    if order is None:
+        order = list(range(len(numels)))
+    elif sorted(order) != list(range(len(numels))):
+        raise ValueError(f"order={order} is not a permutation of 0..{len(numels) - 1}")
     total_bytes = sum(n * b for n, b in zip(numels, element_bytes))
     gpu_bytes_left = round((1.0 - offload_fraction) * total_bytes)
     plan = GroupPlan()
     flat = 0
-    for i, (n, b) in enumerate(zip(numels, element_bytes)):
+    for i in order:
+        n, b = numels[i], element_bytes[i]
         keep = min(n, -(-gpu_bytes_left // b)) if gpu_bytes_left > 0 else 0
         gpu_bytes_left -= keep * b
         if keep:
