@@ -636,15 +636,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._chunks_of = self._param_chunks()
         self._order_pos = None
         with self._lock:
-            self._chunk_missing = {
-                (g.index, c): len({pc.param for pc in chunk.pieces})
-                for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
-        if self._nvme_chunks:
-            first = self._nvme_order()[:self.nvme_lookahead_chunks]
-            with self._lock:
-                self._read_ahead = set(first)
-            for g, c in first:
-                self._store.prefetch(self._groups[g].chunk_keys[c], "cpu")
+            self._chunk_missing = self._params_per_chunk()
+        self._read_first_chunks()
 
     @staticmethod
     def _execution_order(g: _Group, arrived: dict[tuple[int, int], int]) -> list[int]:
@@ -756,9 +749,7 @@ class HybridAdam(torch.optim.Optimizer):
             self._chunk_h2d.clear()
             self._queued.clear()
             self._h2d_events = []
-            self._chunk_missing = {
-                (g.index, c): len({pc.param for pc in chunk.pieces})
-                for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
+            self._chunk_missing = self._params_per_chunk()
         self._clip_event = None
         self._frozen_hp = None
         self._copies.clear()  # the worker is idle between steps
@@ -771,6 +762,15 @@ class HybridAdam(torch.optim.Optimizer):
         with self._stats_lock:
             self._acc = self._new_stats()
             self._moved0 = dict(self._store.stats()["moved_bytes"])
+        self._read_first_chunks()
+
+    def _params_per_chunk(self) -> dict[tuple[int, int], int]:
+        """``(group, chunk)`` -> how many local tensors' gradients the chunk waits for."""
+        return {(g.index, c): len({pc.param for pc in chunk.pieces})
+                for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
+
+    def _read_first_chunks(self) -> None:
+        """Start reading the first NVMe chunks of the next step (hidden behind its forward)."""
         if self._nvme_chunks:
             first = self._nvme_order()[:self.nvme_lookahead_chunks]
             with self._lock:
