@@ -462,16 +462,9 @@ class HybridAdam(torch.optim.Optimizer):
         Raises:
             ValueError: names the tier, the bytes free and needed, and the fixes.
         """
-        groups = [g for g in self._groups if g.plan.cpu_numel]
-        if not groups:
+        if not self._offloaded_numel():
             return
-        rings = sum(round_up(_GRAD_SLOTS * max(c.numel for c in g.plan.chunks) * g.sizes[0])
-                    + round_up(_OUT_SLOTS * max(c.numel for c in g.plan.chunks) * g.sizes[0])
-                    for g in groups)
-        state = sum(self._chunk_bytes(c) for g in groups for c in g.plan.chunks)
-        staging = 0 if self.state_tier == "cpu" else \
-            max(self._chunk_bytes(c) for g in groups for c in g.plan.chunks) * (
-                self.nvme_lookahead_chunks + 3)
+        rings, state, staging = self._host_bytes()
         cfg = self._store.config
         cpu_free = cfg.cpu_bytes - self._store.used_bytes("cpu")
         nvme_free = cfg.nvme_bytes - self._store.used_bytes("nvme")
@@ -488,22 +481,28 @@ class HybridAdam(torch.optim.Optimizer):
                              f"offloaded state needs {state} (state_tier={self.state_tier!r}"
                              f"{', RAM included' if self.state_tier == 'split' else ''}): {fix}")
 
+    def _host_bytes(self) -> tuple[int, int, int]:
+        """Bytes the offloaded side needs: ``(pinned gradient and param-out rings, state of all
+        chunks, NVMe staging: nvme_lookahead_chunks + 3 chunk blobs)``."""
+        chunks = [c for g in self._groups for c in g.plan.chunks]
+        rings = sum(round_up(slots * max(c.numel for c in g.plan.chunks) * g.sizes[0])
+                    for g in self._groups if g.plan.chunks for slots in (_GRAD_SLOTS, _OUT_SLOTS))
+        state = sum(self._chunk_bytes(c) for c in chunks)
+        staging = max(map(self._chunk_bytes, chunks), default=0) * (self.nvme_lookahead_chunks + 3)
+        return rings, state, staging
+
     def _make_store(self, nvme_dir: str | None) -> TierStore:
-        buf_bytes = sum(round_up(_GRAD_SLOTS * self.chunk_numel * g.params[0].element_size())
-                        + round_up(_OUT_SLOTS * self.chunk_numel * g.params[0].element_size())
-                        for g in self._groups if g.plan.cpu_numel)
+        buf_bytes, state_bytes, staging = self._host_bytes()
         chunk_bytes = round_up(4 * _state_numel(self.chunk_numel, self.moments_dtype))
-        state_bytes = sum(round_up(4 * _state_numel(c.numel, self.moments_dtype)) for g in self._groups
-                          for c in g.plan.chunks)
         if self.state_tier == "nvme" and self._mode != "local":
             nvme_dir = _dist.rank_dir(nvme_dir)  # ranks on one host never share spill files
         if self.state_tier == "cpu":
             cpu_bytes = buf_bytes + state_bytes
             nvme_bytes = 0
         else:
-            cpu_bytes = buf_bytes + chunk_bytes * (self.nvme_lookahead_chunks + 3)
+            cpu_bytes = buf_bytes + staging
             # slack: chunk extents are freed on read and reallocated on write-back
-            nvme_bytes = state_bytes + chunk_bytes * (self.nvme_lookahead_chunks + 3)
+            nvme_bytes = state_bytes + staging
         # slabs hold a whole number of chunks; slack for the buffers' partial slabs
         slab_bytes = chunk_bytes * max(1, (1 << 30) // chunk_bytes)
         cpu_bytes += 2 * chunk_bytes
@@ -539,13 +538,17 @@ class HybridAdam(torch.optim.Optimizer):
             for chunk in g.plan.chunks:
                 if self.state_tier == "split":
                     continue  # placed below, once every group's buffers are allocated
-                key = ("hybrid_adam", id(self), g.index, "chunk", chunk.index)
+                key = self._chunk_key(g.index, chunk.index)
                 self._store.put(key, self._initial_state(g, chunk), tier=self.state_tier)
                 g.chunk_keys.append(key)
                 if self.state_tier == "nvme":
                     self._nvme_chunks.add((g.index, chunk.index))
         if self.state_tier == "split":
             self._place_split()
+
+    def _chunk_key(self, g: int, c: int) -> tuple:
+        """The store key of chunk ``c`` of group ``g``'s state blob."""
+        return ("hybrid_adam", id(self), g, "chunk", c)
 
     def _chunk_bytes(self, chunk: Chunk) -> int:
         return round_up(4 * _state_numel(chunk.numel, self.moments_dtype))
@@ -586,7 +589,7 @@ class HybridAdam(torch.optim.Optimizer):
             full = False
             for g, c in order:
                 group, chunk = self._groups[g], self._groups[g].plan.chunks[c]
-                key = ("hybrid_adam", id(self), g, "chunk", chunk.index)
+                key = self._chunk_key(g, chunk.index)
                 if not full:
                     try:
                         self._store.put(key, self._initial_state(group, chunk), tier="cpu")
@@ -605,8 +608,7 @@ class HybridAdam(torch.optim.Optimizer):
                             tier="nvme")
             self._nvme_chunks.add((g, c))
         for g in self._groups:
-            g.chunk_keys = [("hybrid_adam", id(self), g.index, "chunk", chunk.index)
-                            for chunk in g.plan.chunks]
+            g.chunk_keys = [self._chunk_key(g.index, chunk.index) for chunk in g.plan.chunks]
 
     def _initial_state(self, group: _Group, chunk: Chunk) -> torch.Tensor:
         """A chunk's fp32 state blob at step 0: the master copied from the params, zero moments."""
