@@ -8,7 +8,6 @@ same global batch (each rank gets half of it).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
@@ -21,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dist_worker as worker  # noqa: E402
 from models import TinyGPT, make_batch  # noqa: E402
 
+from tiermem.bench.optim_dist import free_port  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
 from tiermem.optim.distributed import plan_buckets, shard_bounds, shard_segments  # noqa: E402
 
@@ -42,12 +42,6 @@ def configs():
     for c in out:
         c["ref"] = (c.get("clip"), c.get("accum", 1))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_job(outdir, cfgs, backend="gloo", timeout=240.0):

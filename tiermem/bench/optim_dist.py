@@ -336,7 +336,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, spec: Spec) -> No
 # ---------------------------------------------------------------------------- the launcher
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on 127.0.0.1 nobody listens on now (for the rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -349,7 +349,7 @@ def _launch(world: int, backend: str, spec: Spec) -> str | None:
     A rank that raises or dies stops the others (torch's spawn context terminates them); a run
     past ``spec.timeout_s`` is killed.
     """
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), backend, spec),
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), backend, spec),
                              nprocs=world, join=False, start_method="spawn")
     stop_at = time.monotonic() + spec.timeout_s
     failure = None
