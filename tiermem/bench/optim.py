@@ -9,8 +9,10 @@ setting (micro-batches accumulated per optimizer step):
 - ``hybrid f=1 nvme``: HybridAdam with all state streamed through NVMe;
 - a ``+fwd`` suffix (``0.5+fwd``): the same with ``param_sync="forward"`` (the next forward
   waits per module for the updated params instead of ``step()`` waiting for all of them).
-``cpu adam ms`` is the CPU kernel time of a step (summed over chunks), ``stall ms`` the time the
-step waited for the CPU side after backward.
+``cpu adam ms`` is the CPU kernel time of a step (summed over chunks), ``worker ms`` the CPU
+worker's busy time (kernel + copy waits + per-chunk bookkeeping), ``stall ms`` the time the
+step waited for the CPU side after backward. Modifiers: ``+bf16`` (bf16 moments, a precision
+trade), ``+chunk=16M`` (``chunk_numel``).
 Times are medians of the timed steps; ``x`` is relative to ``gpu`` at the same tokens/step.
 ``--world N`` (N > 1) runs the multi-process version instead: FSDP2 + fused AdamW against
 FSDP2 + HybridAdam and data-parallel HybridAdam, see ``tiermem/bench/optim_dist.py``.
@@ -88,24 +90,60 @@ class _NaiveOffload:
         pass
 
 
+def parse_setup(name: str) -> dict:
+    """Parse a HybridAdam setup name ``F[:tier][+fwd][+bf16][+chunk=N]``.
+
+    ``F``: offload fraction; ``tier``: ``cpu`` (default) or ``nvme``; ``+fwd``:
+    ``param_sync="forward"``; ``+bf16``: bf16 moments; ``+chunk=N``: ``chunk_numel`` (elements;
+    a ``K``/``M`` suffix multiplies by 2**10 / 2**20).
+
+    Raises:
+        ValueError: a malformed name, naming it and the grammar.
+    """
+    head, *mods = name.split("+")
+    fraction, _, tier = head.partition(":")
+    out = {"fraction": None, "tier": tier or "cpu", "fwd": False, "bf16": False, "chunk": None}
+    try:
+        out["fraction"] = float(fraction)
+        for mod in mods:
+            if mod in ("fwd", "bf16"):
+                out[mod] = True
+            elif mod.startswith("chunk="):
+                num = mod.removeprefix("chunk=")
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(num[-1:], 1)
+                out["chunk"] = int(num[:-1] if scale > 1 else num) * scale
+            else:
+                raise ValueError(mod)
+        ok = 0.0 <= out["fraction"] <= 1.0 and out["tier"] in ("cpu", "nvme")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"--setups: {name!r} is not gpu, naive or F[:tier][+fwd][+bf16]"
+                         f"[+chunk=N] with F in [0, 1], tier cpu or nvme, N elements (e.g. 16M)")
+    return out
+
+
 def _make_opt(name: str, model: torch.nn.Module, nvme_dir: str, accum: int, cpu_threads):
     if name == "gpu":
         return _GpuMasters(model.parameters())
     if name == "naive":
         return _NaiveOffload(model.parameters())
-    name, fwd = name.removesuffix("+fwd"), name.endswith("+fwd")
-    fraction, _, tier = name.partition(":")
-    return HybridAdam(model.parameters(), **HP, offload_fraction=float(fraction),
-                      state_tier=tier or "cpu", nvme_dir=nvme_dir, grad_accumulation_steps=accum,
-                      cpu_threads=cpu_threads, param_sync="forward" if fwd else "step")
+    s = parse_setup(name)
+    extra = {"chunk_numel": s["chunk"]} if s["chunk"] else {}
+    return HybridAdam(model.parameters(), **HP, offload_fraction=s["fraction"],
+                      state_tier=s["tier"], nvme_dir=nvme_dir, grad_accumulation_steps=accum,
+                      cpu_threads=cpu_threads, param_sync="forward" if s["fwd"] else "step",
+                      moments_dtype=torch.bfloat16 if s["bf16"] else torch.float32, **extra)
 
 
 def _label(name: str) -> str:
     if name in ("gpu", "naive"):
         return {"gpu": "GPU-only fused AdamW", "naive": "naive full offload"}[name]
-    name, fwd = name.removesuffix("+fwd"), name.endswith("+fwd")
-    fraction, _, tier = name.partition(":")
-    return f"HybridAdam f={float(fraction):g} {tier or 'cpu'}{' fwd-sync' if fwd else ''}"
+    s = parse_setup(name)
+    chunk = s["chunk"]
+    size = "" if chunk is None else (f" c{chunk >> 20}M" if chunk % (1 << 20) == 0 else f" c{chunk}")
+    return (f"HybridAdam f={s['fraction']:g} {s['tier']}{' fwd' if s['fwd'] else ''}"
+            f"{' bf16m' if s['bf16'] else ''}{size}")
 
 
 def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps: int,
@@ -128,7 +166,7 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
             gen = torch.Generator(device="cpu").manual_seed(0)
             idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
             n_steps = nvme_steps if name.endswith("nvme") else steps
-            times, losses, adam_ms, stall_ms = [], [], [], []
+            times, losses, adam_ms, stall_ms, worker_ms = [], [], [], [], []
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -147,6 +185,7 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
                         stats = opt.step_stats()     # param_sync="forward": the one before)
                         adam_ms.append(1e3 * stats["cpu_adam_s"])
                         stall_ms.append(1e3 * stats["stall_s"])
+                        worker_ms.append(1e3 * stats["worker_s"])
                 losses.append(loss.item())
             ms = 1e3 * statistics.median(times)
             if name == "gpu":
@@ -156,7 +195,8 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
                          "ms": ms, "x": ms / base_ms if base_ms else float("nan"),
                          "peak_gib": peak, "loss": losses[-1],
                          "adam_ms": statistics.median(adam_ms) if adam_ms else float("nan"),
-                         "stall_ms": statistics.median(stall_ms) if stall_ms else float("nan")})
+                         "stall_ms": statistics.median(stall_ms) if stall_ms else float("nan"),
+                         "worker_ms": statistics.median(worker_ms) if worker_ms else float("nan")})
             print(format_table(rows[-1:], header=False), flush=True)
             opt.close()
             del model, opt
@@ -169,10 +209,11 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
 def format_table(rows: list[dict], header: bool = True) -> str:
     """Render rows as a fixed-width table."""
     lines = [f"{'setup':<37}{'tokens/step':>12}{'ms/step':>10}{'x':>8}{'peak GiB':>10}"
-             f"{'loss':>9}{'cpu adam ms':>12}{'stall ms':>9}"] if header else []
+             f"{'loss':>9}{'cpu adam ms':>12}{'worker ms':>10}{'stall ms':>9}"] if header else []
     for r in rows:
         lines.append(f"{r['setup']:<37}{r['tokens']:>12}{r['ms']:>10.1f}{r['x']:>7.2f}x"
                      f"{r['peak_gib']:>10.1f}{r['loss']:>9.4f}{r.get('adam_ms', float('nan')):>12.1f}"
+                     f"{r.get('worker_ms', float('nan')):>10.1f}"
                      f"{r.get('stall_ms', float('nan')):>9.1f}")
     return "\n".join(lines)
 
@@ -189,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8 if big else 2, help="micro-batch size")
     parser.add_argument("--accum", default="1,4", help="micro-batches per step, comma-separated")
     parser.add_argument("--setups", default=None,
-                        help="gpu, naive, a fraction F (pinned RAM) or F:nvme (default "
-                             "gpu,naive,0.25,0.5,1.0,1.0:nvme); with --world > 1: gpu, F[:T], "
+                        help="gpu, naive, or F[:cpu|nvme][+fwd][+bf16][+chunk=N] (fraction F, "
+                             "state tier, param_sync='forward', bf16 moments, chunk_numel; "
+                             "default gpu,naive,0.25,0.5,1.0,1.0:nvme); with --world > 1: gpu, F[:T], "
                              "fsdp:F[:T] or dp:F[:T] (default gpu,0.5,1.0)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setup")
     parser.add_argument("--nvme-steps", type=int, default=2, help="timed steps of NVMe setups")
@@ -211,14 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     for s in setups:
         if s not in ("gpu", "naive"):
-            f, _, tier = s.removesuffix("+fwd").partition(":")
-            try:
-                ok = 0.0 <= float(f) <= 1.0 and tier in ("", "cpu", "nvme")
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"--setups: {s!r} is not gpu, naive, F or F:nvme with F in "
-                                 f"[0, 1], optionally followed by +fwd")
+            parse_setup(s)
     if "gpu" in setups:
         setups.remove("gpu")
     setups.insert(0, "gpu")

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from tiermem import _native
 
-__all__ = ["adam_step_", "native_available"]
+__all__ = ["adam_step_", "adam_step_unchecked", "native_available"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -204,9 +204,25 @@ def adam_step_(
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"num_threads={num_threads} must be >= 1 (or None for "
                          "torch.get_num_threads())")
+    adam_step_unchecked(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                        maximize=maximize, param_out=param_out, offset=offset, numel=numel,
+                        num_threads=num_threads)
+
+
+def adam_step_unchecked(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
+                        step: int, lr: float, beta1: float, beta2: float, eps: float,
+                        weight_decay: float, adamw: bool, maximize: bool,
+                        param_out: Tensor | None, offset: int, numel: int,
+                        num_threads: int | None) -> None:
+    """:func:`adam_step_` without its argument checks, for callers whose buffers are valid by
+    construction (HybridAdam's chunks, once per chunk and step): the same kernel and results.
+
+    Raises:
+        RuntimeError: if the native kernel reports an error (an internal bug).
+    """
     if numel == 0:
         return
-
     native = _native_lib()
     if native is None:
         _warn_fallback()

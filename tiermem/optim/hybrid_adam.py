@@ -77,7 +77,7 @@ import torch
 
 from tiermem.config import StoreConfig
 from tiermem.optim import distributed as _dist
-from tiermem.optim.cpu_adam import adam_step_
+from tiermem.optim.cpu_adam import adam_step_unchecked
 from tiermem.optim.partition import Chunk, GroupPlan, plan_group
 from tiermem.store.pool import round_up
 from tiermem.store.store import TierFullError, TierStore
@@ -791,13 +791,15 @@ class HybridAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _new_stats() -> dict:
-        return {"cpu_adam_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0, "stall_s": 0.0,
-                "chunks": 0}
+        return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
+                "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0}
 
     def step_stats(self) -> dict:
         """Breakdown of the last completed ``step()`` (backward hooks included), reset each step.
 
         ``cpu_adam_s``: seconds of the CPU Adam kernel summed over chunks (worker thread);
+        ``worker_s``: seconds the worker spent on chunks (kernel, copy waits, bookkeeping),
+        ``copy_wait_s``: of which waiting for gradient D2H copies and param-out ring slots;
         ``d2h_bytes`` / ``h2d_bytes``: offloaded gradients copied off / updated params copied
         back; ``nvme_read_bytes`` / ``nvme_write_bytes``: the store's nvme->cpu / cpu->nvme
         traffic during the step (all of the store's traffic, if it is shared);
@@ -816,6 +818,7 @@ class HybridAdam(torch.optim.Optimizer):
             nxt = None
             if item is _STOP:
                 return
+            t0 = time.perf_counter()
             try:
                 copies = self._copy_grads(*item)
                 try:
@@ -832,6 +835,8 @@ class HybridAdam(torch.optim.Optimizer):
                 with self._lock:
                     self._errors.append(exc)
             finally:
+                with self._stats_lock:
+                    self._acc["worker_s"] += time.perf_counter() - t0
                 with self._idle:
                     self._outstanding -= 1
                     self._idle.notify_all()
@@ -854,16 +859,20 @@ class HybridAdam(torch.optim.Optimizer):
         slot = group.grad_next
         group.grad_next = (slot + 1) % _GRAD_SLOTS  # the slot's last chunk has been stepped
         buf = group.grad_ring[slot][:chunk.numel]
-        last, nbytes = None, 0
+        pairs, waits, nbytes = [], [], 0
         for pc in chunk.pieces:
             ref = refs[pc.param]
             if ref is None:
                 continue
             grad, ready = ref
             rel = pc.flat_offset - chunk.flat_start
-            last = self._copier.d2h(buf[rel:rel + pc.numel], grad[pc.start:pc.start + pc.numel],
-                                    after=ready if self._clip_event is None else self._clip_event) or last
+            pairs.append((buf[rel:rel + pc.numel], grad[pc.start:pc.start + pc.numel]))
+            if ready is not None and ready not in waits:
+                waits.append(ready)
             nbytes += pc.numel * buf.element_size()
+        if self._clip_event is not None:
+            waits = [self._clip_event]  # the clipped gradients are complete here
+        last = self._copier.d2h_many(pairs, after=waits) if pairs else None
         with self._stats_lock:
             self._acc["d2h_bytes"] += nbytes
         done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
@@ -874,37 +883,43 @@ class HybridAdam(torch.optim.Optimizer):
         group = self._groups[g]
         chunk: Chunk = group.plan.chunks[c]
         grad, has_grad, copied = copies
+        t_wait = time.perf_counter()
         if copied is not None:
             copied.synchronize()  # the CPU reads the gradient bytes of this chunk's D2H
+        wait_s = time.perf_counter() - t_wait
         key = group.chunk_keys[c]
         blob = self._store.get(key, "cpu", hold=True)
         try:
             master, exp_avg, exp_avg_sq = _state_views(blob, chunk.numel, self.moments_dtype)
             self._prefetch_after(g, c)
             lo = chunk.flat_start
+            t_wait = time.perf_counter()
             out, slot = self._out_slot(group, chunk.numel)
+            wait_s += time.perf_counter() - t_wait
             frozen = self._frozen_hp
             hp = frozen[g] if frozen is not None else self.param_groups[g]
             beta1, beta2 = hp["betas"]
             runs = self._runs(group, chunk, has_grad)
             t0 = time.perf_counter()
             for start, numel, step in runs:
-                adam_step_(master, grad, exp_avg, exp_avg_sq, step=step, lr=float(hp["lr"]),
-                           beta1=beta1, beta2=beta2, eps=hp["eps"],
-                           weight_decay=hp["weight_decay"], adamw=hp["adamw"],
-                           maximize=hp["maximize"], param_out=out, offset=start, numel=numel,
-                           num_threads=self.cpu_threads)
+                adam_step_unchecked(master, grad, exp_avg, exp_avg_sq, step=step,
+                                    lr=float(hp["lr"]), beta1=beta1, beta2=beta2, eps=hp["eps"],
+                                    weight_decay=hp["weight_decay"], adamw=hp["adamw"],
+                                    maximize=hp["maximize"], param_out=out, offset=start,
+                                    numel=numel, num_threads=self.cpu_threads)
             adam_s = time.perf_counter() - t0
-            last, h2d = None, 0
+            pairs, h2d = [], 0
             for pc in chunk.pieces:
                 if not has_grad[pc.param]:
                     continue  # no gradient this step: param and state untouched, like torch
                 rel = pc.flat_offset - lo
-                dst = self._local(group, pc.param)[pc.start:pc.start + pc.numel]
-                last = self._copier.h2d(dst, out[rel:rel + pc.numel]) or last
+                pairs.append((self._local(group, pc.param)[pc.start:pc.start + pc.numel],
+                              out[rel:rel + pc.numel]))
                 h2d += pc.numel * out.element_size()
+            last = self._copier.h2d_many(pairs)
             with self._stats_lock:
                 self._acc["cpu_adam_s"] += adam_s
+                self._acc["copy_wait_s"] += wait_s
                 self._acc["h2d_bytes"] += h2d
                 self._acc["chunks"] += 1
             group.out_events[slot] = last

@@ -133,13 +133,22 @@ class Copier:
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
         """Copy host ``src`` into device ``dst`` on the H2D stream; return the copy's event."""
+        return self.h2d_many([(dst, src)])
+
+    def h2d_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
+        """Copy each host ``src`` into its device ``dst`` on the H2D stream, in order; return
+        one event marking all of them done (None on CPU or for no pairs)."""
         if not self.cuda:
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        if not pairs:
             return None
         with torch.cuda.stream(self.h2d_stream):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.h2d_stream)  # marks the copy done for consumers and for freeing src
+            event.record(self.h2d_stream)  # marks the copies done for consumers and for freeing src
         return event
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor,
@@ -151,18 +160,32 @@ class Copier:
         caller's stream; ``src`` is marked as used by the D2H stream so its memory is not reused
         before the copy finishes.
         """
+        return self.d2h_many([(dst, src)], after=after)
+
+    def d2h_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 after: torch.cuda.Event | list[torch.cuda.Event] | None = None
+                 ) -> torch.cuda.Event | None:
+        """Copy each device ``src`` into its host ``dst`` on the D2H stream; return one event
+        marking all of them done (None on CPU or for no pairs). ``after``: an event, or several,
+        the copies wait for (see :meth:`d2h`)."""
         if not self.cuda:
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             return None
-        if after is not None:
-            self.d2h_stream.wait_event(after)  # src is complete at `after`
+        if not pairs:
+            return None
+        if after is None:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))  # srcs must be produced
         else:
-            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))  # src must be produced
+            for ev in (after if isinstance(after, list) else [after]):
+                self.d2h_stream.wait_event(ev)  # a src is complete at this event
         with torch.cuda.stream(self.d2h_stream):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.d2h_stream)  # host may read dst / reuse src after this
-        src.record_stream(self.d2h_stream)  # caching allocator: src in use until the copy ends
+            event.record(self.d2h_stream)  # host may read the dsts / reuse the srcs after this
+        for _, src in pairs:
+            src.record_stream(self.d2h_stream)  # caching allocator: src in use until the copy ends
         return event
 
     def d2d(self, src: torch.Tensor) -> torch.Tensor:
