@@ -110,6 +110,10 @@ def test_store_config_errors_name_the_field_and_the_fix():
     (ActivationConfig, {"double_buffering": True, "prefetch_depth": 2}, ValueError,
      "activations.double_buffering=True needs activations.prefetch_depth=1"),
     (ActivationConfig, {"tier": "gpu"}, ValueError, "activations.tier='gpu' is not one of"),
+    (ActivationConfig, {"num_layers": 2, "max_kept_bytes": "1GiB"}, ValueError,
+     "activations.max_kept_bytes bounds the automatic choice"),
+    (ActivationConfig, {"max_kept_bytes": "lots"}, ValueError,
+     "activations.max_kept_bytes='lots' is not a byte size"),
     (TrainConfig, {"steps": 0}, ValueError, "train.steps=0 must be >= 1"),
     (TrainConfig, {"steps": 2.5}, TypeError, "train.steps must be an int"),
     (TrainConfig, {"dtype": "float16"}, ValueError, "train.dtype='float16' is not one of"),
@@ -144,3 +148,7 @@ def test_configuration_doc_lists_every_parameter():
     names |= set(inspect.signature(offload_activations).parameters) - {"blocks"}
     missing = sorted(n for n in names if f"`{n}`" not in text)
     assert not missing, f"docs/configuration.md lacks rows for {missing}"
+
+
+def test_activation_max_kept_bytes_parses_units():
+    assert ActivationConfig(max_kept_bytes="2GiB").kwargs()["max_kept_bytes"] == 2 << 30

@@ -294,7 +294,8 @@ class ActivationConfig:
     tier: Literal["cpu", "nvme"] = "cpu"
     """``"cpu"`` (pinned host memory) or ``"nvme"`` (needs store.nvme_bytes and nvme_dir)."""
     num_layers: int | None = None
-    """Offload the first N blocks, in [0, n_layers); None: all but the last block."""
+    """Offload the first N blocks, in [0, n_layers); None: chosen by measurement (``layers="auto"``:
+    the blocks whose copies hide behind compute, see ``offload_activations``)."""
     prefetch_depth: int = 1
     """Layers reloaded ahead of the one backward is in (>= 1)."""
     min_offload_bytes: int = 1024
@@ -303,8 +304,17 @@ class ActivationConfig:
     """Also offload parameters and buffers that autograd saves."""
     double_buffering: bool = False
     """Reload into two persistent device buffer sets (needs prefetch_depth=1)."""
+    max_kept_bytes: int | str | None = None
+    """With num_layers null: at most this many bytes of block activations stay on the device
+    (``"8GiB"``); null: bounded by the device memory left unused (CUDA) or not at all (CPU)."""
 
     def __post_init__(self) -> None:
+        if self.max_kept_bytes is not None:
+            self.max_kept_bytes = parse_bytes(self.max_kept_bytes, "activations.max_kept_bytes")
+            if self.num_layers is not None:
+                raise ValueError(f"activations.max_kept_bytes bounds the automatic choice of "
+                                 f"layers; with activations.num_layers={self.num_layers} set it "
+                                 f"to null (or set num_layers to null)")
         _check_choice("activations.enabled", self.enabled, (True, False))
         _check_choice("activations.tier", self.tier, ("cpu", "nvme"))
         if self.num_layers is not None:

@@ -385,6 +385,7 @@ def train(cfg: RunConfig, *, offload: bool, data: MarkovText,
     peak_rss = rss_bytes()
     saved_bytes = 0
     put_bytes = 0
+    plan_logged = False
     bar = None
     if t.progress:
         from tqdm import tqdm
@@ -405,6 +406,11 @@ def train(cfg: RunConfig, *, offload: bool, data: MarkovText,
                     with offloader:
                         _, loss = model(idx, tgt)
                     put_bytes = max(put_bytes, offloader.counters["put_bytes"] - before)
+                    if offloader.plan is not None and not plan_logged:
+                        plan_logged = True
+                        log(f"activations: layers='auto' chose blocks {offloader.plan['layers']} "
+                            f"of {len(model.blocks)} (their copies hide behind compute; "
+                            f"predicted stall {offloader.plan['predicted_stall_ms']:.1f} ms)")
                     if micro == accum - 1:
                         tiers = _tier_line(store)  # activations of this step are in the store now
                 elif counter is not None:
@@ -546,7 +552,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print
     t = cfg.train
     act = cfg.activations
     layers = "off" if not act.enabled else (
-        f"{act.num_layers if act.num_layers is not None else cfg.model.n_layers - 1} of "
+        f"{act.num_layers if act.num_layers is not None else 'auto'} of "
         f"{cfg.model.n_layers} blocks -> {act.tier}")
     log(f"model: GPT {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
         f"{n / 1e6:.2f}M params, {t.dtype}, device {resolve_device(t.device)}")

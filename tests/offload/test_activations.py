@@ -675,3 +675,68 @@ def test_cuda_peak_memory_falls_as_num_layers_grows(tmp_path):
     assert all(b <= a + slack for a, b in zip(values, values[1:])), peaks
     assert peaks[7] < 0.6 * peaks[0], peaks
     store.close()
+
+
+# ---------------------------------------------------------------------------------- layers="auto"
+
+
+def _three_steps(model):
+    for seed in (1, 2, 3):
+        idx, targets = make_batch(seed)
+        model(idx, targets)[1].backward()
+
+
+@pytest.mark.parametrize("bandwidth, max_kept, expected", [
+    (1e15, None, [0, 1, 2]),   # copies are free: all but the last (needed first in backward)
+    (1.0, None, []),           # copies never hide: nothing
+    (1.0, 0, [0, 1, 2, 3]),    # nothing may stay on the device: everything, stall or not
+])
+def test_auto_layers_follow_measured_compute_and_transfer(make_store, monkeypatch, bandwidth,
+                                                          max_kept, expected):
+    import tiermem.offload.activations as act
+    monkeypatch.setattr(act, "copy_bandwidths", lambda device: (bandwidth, bandwidth))
+    ref, _ = _run(TinyGPT, _three_steps)
+    store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
+    puts = []
+
+    def steps(model):
+        for seed in (1, 2, 3):
+            before = off.counters["put_bytes"]
+            idx, targets = make_batch(seed)
+            model(idx, targets)[1].backward()
+            puts.append(off.counters["put_bytes"] - before)
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    off = offload_activations(model.blocks, store=store, max_kept_bytes=max_kept)
+    with off:
+        assert off.policy.layers == frozenset({0, 1, 2}) and off.plan is None  # calibrating
+        steps(model)
+    _assert_equal_grads(_grads(ref), _grads(model))  # bit-identical whatever is offloaded
+    plan = off.plan
+    assert plan["layers"] == expected and off.policy.layers == frozenset(expected)
+    assert len(plan["fwd_ms"]) == 4 and all(ms >= 0 for ms in plan["fwd_ms"])
+    assert all(n > 0 for n in plan["nbytes"]) and plan["d2h_gbps"] == bandwidth / 1e9
+    assert plan["kept_bytes"] == sum(n for i, n in enumerate(plan["nbytes"]) if i not in expected)
+    assert puts[0] == puts[1] > 0  # the first two forwards offload all but the last block
+    per_block = plan["nbytes"][0]
+    assert puts[2] == pytest.approx(len(expected) * per_block, rel=0.01)
+    _assert_clean(store, off)
+
+
+def test_explicit_layers_make_no_plan(make_store):
+    store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
+    model, off = _run(TinyGPT, _three_steps, offload=lambda m: offload_activations(
+        m.blocks, store=store, num_layers=2))
+    assert off.plan is None and off.policy.layers == frozenset({0, 1})
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(layers="some"), ValueError, r"layers='some' is unknown; pass 'auto'"),
+    (dict(layers="auto", num_layers=2), TypeError, r"num_layers=2 or layers='auto', not both"),
+    (dict(num_layers=2, max_kept_bytes=1), ValueError, r"max_kept_bytes bounds the automatic"),
+    (dict(max_kept_bytes=-5), ValueError, r"max_kept_bytes=-5 must be an int >= 0"),
+])
+def test_auto_validation(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        offload_activations(TinyGPT().blocks, **kwargs)

@@ -55,9 +55,11 @@ Note [offload rules] (referred to from code and tests):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -68,11 +70,15 @@ import torch
 from torch import nn
 
 from tiermem.config import StoreConfig
+from tiermem.schedule.layers import BlockCosts, choose_layers, copy_bandwidths, simulate
 from tiermem.store import TierFullError, TierStore
 
 _OFFLOAD_TIERS = ("cpu", "nvme")
 _ALIGN_BYTES = 512  # offsets of records inside a double-buffer set (any dtype view is aligned)
 _HOST_FRACTION = 0.5  # share of MemAvailable a private store may pin for its cpu tier
+_CALIBRATION_FORWARD = 2  # layers="auto" times this forward (the first one warms up)
+_BWD_PER_FWD = 2.0  # backward compute of a block, in forwards (its two matmuls per forward one)
+_ROOM_FRACTION = 0.8  # share of the device memory left unused that auto may fill with activations
 
 
 def _in_backward() -> bool:
@@ -193,6 +199,55 @@ def resolve_layers(num_blocks: int, num_layers: int | None,
                          f"name it in layers=[...])")
     return frozenset(range(num_layers))
 
+
+
+class _Calibration:
+    """Per-block forward time and saved bytes of one forward (``layers="auto"``).
+
+    Times come from CUDA events on the compute stream (read once the forward is done), or the
+    host clock without CUDA; bytes count each saved storage once per block.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.marks: dict[int, list] = {}  # block -> [start, end] (events or perf_counter)
+        self.nbytes = [0] * num_blocks
+        self.storages: list[set[int]] = [set() for _ in range(num_blocks)]
+
+    def _mark(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))  # times the block's kernels
+            return event
+        return time.perf_counter()
+
+    def enter(self, index: int, device: torch.device) -> None:
+        self.marks[index] = [self._mark(device), None]
+
+    def exit(self, index: int, device: torch.device) -> None:
+        if index in self.marks:
+            self.marks[index][1] = self._mark(device)
+
+    def saved(self, index: int, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.storages[index]:
+            self.storages[index].add(storage.data_ptr())
+            self.nbytes[index] += storage.nbytes()
+
+    def complete(self) -> bool:
+        return len(self.marks) == self.num_blocks and all(e is not None
+                                                          for _, e in self.marks.values())
+
+    def fwd_seconds(self) -> list[float]:
+        out = []
+        for i in range(self.num_blocks):
+            start, end = self.marks[i]
+            if isinstance(start, float):
+                out.append(max(0.0, end - start))
+            else:
+                end.synchronize()  # the timed forward ran long ago; this returns at once
+                out.append(start.elapsed_time(end) / 1e3)
+        return out
 
 # ---------------------------------------------------------------------------------- records
 
@@ -363,9 +418,9 @@ class ActivationOffloader:
 
     def __init__(self, blocks: Sequence[nn.Module], *, store: TierStore | None = None,
                  tier: str = "cpu", num_layers: int | None = None,
-                 layers: Iterable[int] | None = None, prefetch_depth: int = 1,
+                 layers: Iterable[int] | str | None = None, prefetch_depth: int = 1,
                  min_offload_bytes: int = 1024, offload_weights: bool = False,
-                 double_buffering: bool = False) -> None:
+                 double_buffering: bool = False, max_kept_bytes: int | None = None) -> None:
         where = "offload_activations"
         if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             raise TypeError(f"{where}: blocks must be a list or nn.ModuleList of the layer "
@@ -406,11 +461,32 @@ class ActivationOffloader:
             if store.config.nvme_bytes == 0:
                 raise ValueError(f"{where}: tier='nvme' but the store has no nvme budget "
                                  f"(StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir")
+        auto = layers == "auto" or (layers is None and num_layers is None)
+        if isinstance(layers, str) and layers != "auto":
+            raise ValueError(f"{where}: layers={layers!r} is unknown; pass 'auto' (chosen from "
+                             f"measured compute and transfer) or block indices")
+        if auto and num_layers is not None:
+            raise TypeError(f"{where}: pass num_layers={num_layers!r} or layers='auto', not both")
+        if max_kept_bytes is not None and (isinstance(max_kept_bytes, bool) or not isinstance(
+                max_kept_bytes, int) or max_kept_bytes < 0):
+            raise ValueError(f"{where}: max_kept_bytes={max_kept_bytes!r} must be an int >= 0 "
+                             f"(bytes of block activations allowed to stay on the device)")
+        if max_kept_bytes is not None and not auto:
+            raise ValueError(f"{where}: max_kept_bytes bounds the automatic choice; with explicit "
+                             f"num_layers/layers drop it, or pass layers='auto'")
         self.blocks = blocks
         self.tier = tier
         self.double_buffering = bool(double_buffering)
-        self.policy = LayerPolicy(len(blocks), resolve_layers(len(blocks), num_layers, layers),
+        # layers="auto": all but the last until the calibration forward has been timed
+        self.policy = LayerPolicy(len(blocks),
+                                  resolve_layers(len(blocks), num_layers,
+                                                 None if auto else layers),
                                   min_offload_bytes, bool(offload_weights), prefetch_depth)
+        self.max_kept_bytes = max_kept_bytes
+        self.plan: dict | None = None
+        """With ``layers="auto"``: the choice and what it was made from, once made (see
+        :meth:`_plan_layers`); None before (or with explicit layers)."""
+        self._calibration: _Calibration | None = _Calibration(len(blocks)) if auto else None
         self._own_store = store is None
         self._store = store
         self._uid = next(self._uids)
@@ -537,9 +613,18 @@ class ActivationOffloader:
             if self._fresh or index <= self._last_block:
                 self._fwd += 1
                 self._fresh = False
+                cal = self._calibration
+                if cal is not None and self._fwd > _CALIBRATION_FORWARD and cal.complete():
+                    self._plan_layers()
             self._last_block = index
             self._current = index
             pending, self._pending = self._pending, []
+            if self._calibrating():
+                self._calibration.enter(index, self._store.device)
+                for ref in pending:
+                    handle = ref()
+                    if handle is not None and handle.tensor is not None:
+                        self._calibration.saved(index, handle.tensor)
             if self.policy.offloads_layer(index):
                 for ref in pending:
                     handle = ref()
@@ -552,6 +637,38 @@ class ActivationOffloader:
             return
         with self._lock:
             self._current = None
+            if self._calibrating():
+                self._calibration.exit(index, self._store.device)
+
+    # ------------------------------------------------------------------ layers="auto"
+
+    def _calibrating(self) -> bool:
+        return self._calibration is not None and self._fwd == _CALIBRATION_FORWARD
+
+    def _plan_layers(self) -> None:
+        """``layers="auto"``: choose the offloaded blocks from the timed forward (called once,
+        under the lock, when the forward after it starts; the blocks' backward is taken as
+        ``_BWD_PER_FWD`` forwards). Measures the copy bandwidths (one device synchronisation)
+        and bounds what stays on the device by ``max_kept_bytes``, or on CUDA by
+        ``_ROOM_FRACTION`` of the memory the step has left unused so far."""
+        cal, self._calibration = self._calibration, None
+        fwd = cal.fwd_seconds()
+        costs = BlockCosts(tuple(fwd), tuple(_BWD_PER_FWD * f for f in fwd), tuple(cal.nbytes))
+        device = self._store.device
+        d2h, h2d = copy_bandwidths(device)
+        limit = self.max_kept_bytes
+        if limit is None and device.type == "cuda":
+            room = torch.cuda.get_device_properties(device).total_memory \
+                - torch.cuda.max_memory_allocated(device)
+            kept_now = sum(n for i, n in enumerate(cal.nbytes) if i not in self.policy.layers)
+            limit = kept_now + int(_ROOM_FRACTION * max(0, room))
+        layers = choose_layers(costs, d2h, h2d, self.policy.prefetch_depth, limit)
+        timeline = simulate(costs, layers, d2h, h2d, self.policy.prefetch_depth)
+        self.policy = dataclasses.replace(self.policy, layers=layers)
+        self.plan = {"layers": sorted(layers), "fwd_ms": [1e3 * f for f in fwd],
+                     "nbytes": list(cal.nbytes), "d2h_gbps": d2h / 1e9, "h2d_gbps": h2d / 1e9,
+                     "max_kept_bytes": limit, "kept_bytes": timeline.kept_bytes,
+                     "predicted_stall_ms": 1e3 * (timeline.stall_s + timeline.late_s)}
 
     # ------------------------------------------------------------------ pack
 
@@ -575,6 +692,8 @@ class ActivationOffloader:
                 handle = _Saved(self, t.detach())
                 self._pending.append(weakref.ref(handle))
                 return handle
+            if self._calibrating():
+                self._calibration.saved(layer, t)
             if not self.policy.offloads_layer(layer):
                 self.counters["kept"] += 1
                 return t.detach()
@@ -721,14 +840,15 @@ class ActivationOffloader:
 
 def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None = None,
                         tier: str = "cpu", num_layers: int | None = None,
-                        layers: Iterable[int] | None = None, prefetch_depth: int = 1,
+                        layers: Iterable[int] | str | None = None, prefetch_depth: int = 1,
                         min_offload_bytes: int = 1024, offload_weights: bool = False,
-                        double_buffering: bool = False) -> ActivationOffloader:
+                        double_buffering: bool = False,
+                        max_kept_bytes: int | None = None) -> ActivationOffloader:
     """Offload the activations autograd saves inside chosen blocks; use as a context manager.
 
     ::
 
-        with offload_activations(model.blocks, num_layers=20):
+        with offload_activations(model.blocks):     # which blocks: chosen by measurement
             loss = model(idx, targets)[1]
             loss.backward()          # may also run after the with block
 
@@ -740,10 +860,15 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
             is gone.
         tier: ``"cpu"`` (pinned host memory) or ``"nvme"`` (spill files; needs a store with an
             nvme budget).
-        num_layers: offload the first ``num_layers`` blocks, in ``[0, len(blocks))``. Default
-            (and ``layers`` not given): all but the last block, whose activations backward needs
-            first (Megatron's choice).
-        layers: explicit block indices to offload instead of ``num_layers``.
+        num_layers: offload the first ``num_layers`` blocks, in ``[0, len(blocks))`` (Megatron's
+            ``cpu_offloading_num_layers``).
+        layers: explicit block indices to offload instead of ``num_layers``, or ``"auto"``
+            (the default when neither is given): the first two forwards offload all blocks but
+            the last and the second is timed per block (forward time, saved bytes); when the
+            third starts, the blocks whose copies hide behind compute are chosen
+            (:func:`tiermem.schedule.layers.choose_layers`; backward taken as twice forward,
+            copy bandwidths measured once) and kept from then on; ``plan`` says what was chosen
+            and why.
         prefetch_depth: when backward enters layer ``i``, layers ``i-1 ... i-prefetch_depth``
             are reloaded in the background (>= 1).
         min_offload_bytes: saved tensors smaller than this many bytes stay on the device.
@@ -751,6 +876,10 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
         double_buffering: reload into two persistent device buffer sets, alternating between
             layers, instead of fresh allocations (needs ``prefetch_depth=1``; for sequential
             stacks of blocks, see note rule 6 in this module).
+        max_kept_bytes: with ``"auto"``: at most this many bytes of block activations stay on
+            the device (more blocks are offloaded, least stall first, to meet it). Default: on
+            CUDA, what stayed in the timed forward plus 80% of the device memory still unused
+            at the choice (``total - max_memory_allocated``); no bound on the CPU.
 
     Returns:
         an :class:`ActivationOffloader` (enter it with ``with``).
@@ -758,11 +887,14 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
     Raises:
         TypeError: ``blocks`` is not a sequence of modules, ``num_layers`` and ``layers`` both
             given, a non-integer count, ``store`` not a TierStore.
-        ValueError: ``num_layers`` or a ``layers`` index outside ``[0, len(blocks))``,
-            ``prefetch_depth`` < 1, unknown ``tier``, ``tier="nvme"`` without an nvme budget,
-            ``double_buffering`` with ``prefetch_depth`` > 1, ``min_offload_bytes`` < 0.
+        ValueError: ``num_layers`` or a ``layers`` index outside ``[0, len(blocks))``, an
+            unknown ``layers`` string, ``prefetch_depth`` < 1, unknown ``tier``,
+            ``tier="nvme"`` without an nvme budget, ``double_buffering`` with
+            ``prefetch_depth`` > 1, ``min_offload_bytes`` < 0, ``max_kept_bytes`` < 0 or given
+            with explicit layers.
         RuntimeError: (on entry) another offload context is active.
     """
     return ActivationOffloader(blocks, store=store, tier=tier, num_layers=num_layers, layers=layers,
                                prefetch_depth=prefetch_depth, min_offload_bytes=min_offload_bytes,
-                               offload_weights=offload_weights, double_buffering=double_buffering)
+                               offload_weights=offload_weights, double_buffering=double_buffering,
+                               max_kept_bytes=max_kept_bytes)

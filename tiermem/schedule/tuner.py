@@ -43,6 +43,7 @@ from typing import Any, TextIO
 import torch
 
 from tiermem.config import TIERS, parse_bytes
+from tiermem.schedule.layers import copy_bandwidths
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 """Links of the cost model."""
@@ -161,25 +162,19 @@ class CostModel:
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") \
             if str(device) == "auto" else torch.device(device)
-        cuda = device.type == "cuda"
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
 
         def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
             fn()  # warm-up
             best = math.inf
             for _ in range(repeat):
-                if cuda:
-                    torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 fn()
-                if cuda:
-                    torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             return max(best, 1e-9)
 
-        h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
-        d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
+        d2h_bps, h2d_bps = copy_bandwidths(device, nbytes)
+        h2d, d2h = h2d_bps / 1e9, d2h_bps / 1e9
         data = host.numpy().tobytes()
         with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
             path = os.path.join(tmp, "bw")

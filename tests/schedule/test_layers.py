@@ -1,0 +1,123 @@
+"""Choosing the offloaded blocks from measured compute and transfer (tiermem.schedule.layers)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiermem.schedule.layers import BlockCosts, choose_layers, copy_bandwidths, simulate
+
+import torch
+
+
+def _uniform(n: int, fwd: float, nbytes: int) -> BlockCosts:
+    return BlockCosts((fwd,) * n, (2 * fwd,) * n, (nbytes,) * n)
+
+
+def test_cheap_copies_offload_every_block_but_the_last():
+    # the last block's reload is needed the moment backward starts: it can never hide
+    costs = _uniform(6, 1.0, 10)
+    assert choose_layers(costs, 1e6, 1e6) == frozenset(range(5))
+    assert simulate(costs, range(6), 1e6, 1e6).stall_s == pytest.approx(10 / 1e6)
+
+
+def test_hand_timeline():
+    # 4 blocks, fwd 1 s, bwd 2 s, 3 s per copy (3 bytes at 1 byte/s); offload block 0 only:
+    # D2H 1..4 (forward ends at 4: on time); backward 4..12, block 0 runs from 10; its reload
+    # is issued at 4 (it is the last offloaded block) and lands at 7: no stall
+    costs = _uniform(4, 1.0, 3)
+    t = simulate(costs, [0], 1.0, 1.0)
+    assert (t.forward_s, t.late_s, t.stall_s, t.kept_bytes) == (4.0, 0.0, 0.0, 9)
+    # blocks 0 and 1: D2H 1..4 and 4..7 -> 3 s late; backward starts at 7
+    t = simulate(costs, [0, 1], 1.0, 1.0)
+    assert t.late_s == 3.0
+    # block 1's reload (issued at 7) lands at 10, backward reaches block 1 at 7 + 4 = 11;
+    # block 0's is issued when backward enters block 1 (11), lands at 14, needed at 13: 1 s stall
+    assert t.stall_s == 1.0
+    assert not t.hidden
+    assert choose_layers(costs, 1.0, 1.0) == frozenset({0})
+
+
+def test_uniform_stack_spaces_the_offloaded_blocks():
+    # copies take 3 forwards: the first starts when block 0 ends (1 s), so forward (12 s)
+    # finishes 3 of them on time; backward needs offloaded blocks 2 blocks (4 s >= 3 s) apart
+    costs = _uniform(12, 1.0, 3)
+    chosen = choose_layers(costs, 1.0, 1.0)
+    assert simulate(costs, chosen, 1.0, 1.0).hidden
+    assert len(chosen) == 3 == _best_hidden(costs, 1.0, 1.0, 1) // 3
+    order = sorted(chosen)
+    assert all(b - a >= 2 for a, b in zip(order, order[1:]))
+
+
+def _best_hidden(costs, d2h, h2d, depth):
+    n = len(costs.fwd_s)
+    best = 0
+    for r in range(n, 0, -1):
+        for subset in itertools.combinations(range(n), r):
+            if simulate(costs, subset, d2h, h2d, depth).hidden:
+                best = max(best, sum(costs.nbytes[i] for i in subset))
+        if best:
+            return best
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 7), fwd=st.floats(0.5, 2.0), nbytes=st.integers(1, 8),
+       depth=st.integers(1, 3))
+def test_greedy_is_hidden_maximal_and_optimal_on_uniform_stacks(n, fwd, nbytes, depth):
+    costs = _uniform(n, fwd, nbytes)
+    chosen = choose_layers(costs, 1.0, 1.0, depth)
+    assert simulate(costs, chosen, 1.0, 1.0, depth).hidden
+    for i in set(range(n)) - chosen:  # maximal: no block can be added without a stall
+        assert not simulate(costs, chosen | {i}, 1.0, 1.0, depth).hidden
+    assert sum(costs.nbytes[i] for i in chosen) == _best_hidden(costs, 1.0, 1.0, depth)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(1, 8), depth=st.integers(1, 3))
+def test_any_stack_choice_is_hidden_and_maximal(data, n, depth):
+    fwd = data.draw(st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n))
+    nbytes = data.draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
+    costs = BlockCosts(tuple(fwd), tuple(2 * f for f in fwd), tuple(nbytes))
+    chosen = choose_layers(costs, 1.5, 2.0, depth)
+    assert simulate(costs, chosen, 1.5, 2.0, depth).hidden
+    for i in set(range(n)) - chosen:
+        if nbytes[i]:
+            assert not simulate(costs, chosen | {i}, 1.5, 2.0, depth).hidden
+
+
+def test_max_kept_bytes_offloads_more_least_stall_first():
+    costs = _uniform(12, 1.0, 3)
+    hidden = choose_layers(costs, 1.0, 1.0)
+    kept = simulate(costs, hidden, 1.0, 1.0).kept_bytes
+    tight = choose_layers(costs, 1.0, 1.0, max_kept_bytes=kept - 6)
+    assert hidden < tight and len(tight) == len(hidden) + 2
+    assert simulate(costs, tight, 1.0, 1.0).kept_bytes <= kept - 6
+    assert choose_layers(costs, 1.0, 1.0, max_kept_bytes=0) == frozenset(range(12))
+    assert choose_layers(costs, 1.0, 1.0, max_kept_bytes=10 ** 9) == hidden
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(ValueError, match=r"one entry per block"):
+        BlockCosts((1.0,), (1.0, 2.0), (1,))
+    with pytest.raises(ValueError, match=r"BlockCosts.fwd_s\[0\]=-1.0 must be"):
+        BlockCosts((-1.0,), (1.0,), (1,))
+    costs = _uniform(3, 1.0, 1)
+    with pytest.raises(ValueError, match=r"bandwidths must be > 0"):
+        simulate(costs, [0], 0.0, 1.0)
+    with pytest.raises(ValueError, match=r"prefetch_depth=0 must be >= 1"):
+        simulate(costs, [0], 1.0, 1.0, prefetch_depth=0)
+    with pytest.raises(ValueError, match=r"layers \[5\] must be block indices in \[0, 3\)"):
+        simulate(costs, [5], 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"max_kept_bytes=-1 must be >= 0"):
+        choose_layers(costs, 1.0, 1.0, max_kept_bytes=-1)
+
+
+def test_copy_bandwidths_measures_both_directions():
+    d2h, h2d = copy_bandwidths(torch.device("cpu"), nbytes=1 << 20, repeat=1)
+    assert d2h > 0 and h2d > 0
+    with pytest.raises(ValueError, match="nbytes=0"):
+        copy_bandwidths(torch.device("cpu"), nbytes=0)

@@ -1,0 +1,200 @@
+"""Which blocks' activations to offload: the ones whose transfers fit under the compute.
+
+Activation offload pays off only where its copies hide behind compute: in forward, block ``i``'s
+saved tensors go D2H while the blocks after it run, and must be off the device by the end of
+forward (or the memory they hold is still there at the peak); in backward, block ``i``'s reload
+is issued when backward enters the offloaded block after it (or at the start of backward, for
+the last ``prefetch_depth`` offloaded blocks, as :class:`tiermem.offload.activations.LayerPolicy`
+prefetches) and must have landed when backward reaches block ``i``, or backward stalls.
+
+:func:`simulate` replays one step of that pipeline from measured per-block times and bytes
+(one D2H and one H2D stream, each copying at its bandwidth, in order); :func:`choose_layers`
+adds blocks in forward order -- the first blocks' reloads have the most backward compute to
+hide behind -- keeping each one whose addition leaves the step without a stall, then, if
+``max_kept_bytes`` is given, offloads more blocks (least added stall first) until what stays on
+the device fits. Pure functions of numbers: testable anywhere.
+
+Units: seconds, bytes, bytes per second.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Measured costs of each block of a stack, in forward order.
+
+    Attributes:
+        fwd_s: forward compute seconds per block.
+        bwd_s: backward compute seconds per block (commonly ~2x forward).
+        nbytes: bytes of saved activations the block would offload.
+    """
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    nbytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_s)
+        if not n or len(self.bwd_s) != n or len(self.nbytes) != n:
+            raise ValueError(f"BlockCosts: fwd_s, bwd_s and nbytes must have one entry per block "
+                             f"(got {len(self.fwd_s)}, {len(self.bwd_s)}, {len(self.nbytes)})")
+        for name in ("fwd_s", "bwd_s", "nbytes"):
+            for i, x in enumerate(getattr(self, name)):
+                if not (isinstance(x, (int, float)) and x >= 0 and math.isfinite(x)):
+                    raise ValueError(f"BlockCosts.{name}[{i}]={x!r} must be a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What :func:`simulate` predicts for one step.
+
+    Attributes:
+        forward_s: forward compute time (the sum of ``fwd_s``).
+        late_s: how long after the end of forward the last D2H copy ends (0: all hidden).
+        stall_s: total time backward waits for reloads.
+        kept_bytes: activation bytes of the blocks that are not offloaded.
+    """
+
+    forward_s: float
+    late_s: float
+    stall_s: float
+    kept_bytes: int
+
+    @property
+    def hidden(self) -> bool:
+        """True when every copy hides behind compute (no late D2H, no backward stall)."""
+        return self.late_s <= 1e-12 and self.stall_s <= 1e-12
+
+
+def simulate(costs: BlockCosts, layers: Sequence[int] | frozenset[int], d2h_bytes_per_s: float,
+             h2d_bytes_per_s: float, prefetch_depth: int = 1) -> Timeline:
+    """Replay one step with ``layers`` offloaded (see the module docstring).
+
+    Raises:
+        ValueError: a bandwidth that is not positive, ``prefetch_depth`` < 1, a layer index
+            outside the stack.
+    """
+    n = len(costs.fwd_s)
+    if not (d2h_bytes_per_s > 0 and h2d_bytes_per_s > 0):
+        raise ValueError(f"simulate: bandwidths must be > 0 bytes/s (d2h={d2h_bytes_per_s!r}, "
+                         f"h2d={h2d_bytes_per_s!r})")
+    if prefetch_depth < 1:
+        raise ValueError(f"simulate: prefetch_depth={prefetch_depth} must be >= 1")
+    order = sorted(set(layers))
+    if order and not (0 <= order[0] and order[-1] < n):
+        raise ValueError(f"simulate: layers {order} must be block indices in [0, {n})")
+    # forward: each offloaded block's copy starts when the block ends and the stream is free
+    t, d2h_free = 0.0, 0.0
+    offloaded = set(order)
+    for i in range(n):
+        t += costs.fwd_s[i]
+        if i in offloaded:
+            d2h_free = max(d2h_free, t) + costs.nbytes[i] / d2h_bytes_per_s
+    forward_s = t
+    late = max(0.0, d2h_free - forward_s)
+    # backward: reload of order[k] is issued when backward enters order[k + depth]
+    t = forward_s + late  # a reload cannot start before its copy is off the device
+    issue_at: dict[int, list[int]] = {}  # block backward enters -> reloads it issues
+    first = order[-prefetch_depth:]
+    for k, b in enumerate(order[:len(order) - len(first)]):
+        issue_at.setdefault(order[k + prefetch_depth], []).append(b)
+    h2d_free, ready, stall = t, {}, 0.0
+    for b in reversed(first):  # issued at the start of backward, nearest first
+        h2d_free = max(h2d_free, t) + costs.nbytes[b] / h2d_bytes_per_s
+        ready[b] = h2d_free
+    for i in range(n - 1, -1, -1):
+        if i in offloaded:
+            wait = max(0.0, ready[i] - t)
+            stall += wait
+            t += wait
+        for b in issue_at.get(i, ()):  # entering block i prefetches the ones before it
+            h2d_free = max(h2d_free, t) + costs.nbytes[b] / h2d_bytes_per_s
+            ready[b] = h2d_free
+        t += costs.bwd_s[i]
+    kept = sum(costs.nbytes[i] for i in range(n) if i not in offloaded)
+    return Timeline(forward_s, late, stall, kept)
+
+
+def choose_layers(costs: BlockCosts, d2h_bytes_per_s: float, h2d_bytes_per_s: float,
+                  prefetch_depth: int = 1, max_kept_bytes: int | None = None) -> frozenset[int]:
+    """The blocks to offload: as many as hide behind compute, then more if memory demands.
+
+    Args:
+        costs: measured per-block costs.
+        d2h_bytes_per_s: device -> host copy bandwidth.
+        h2d_bytes_per_s: host -> device copy bandwidth.
+        prefetch_depth: offloaded blocks reloaded ahead of the one backward is in.
+        max_kept_bytes: at most this many activation bytes may stay on the device (None: no
+            bound); beyond the hidden set, blocks are added least added stall first until it
+            holds (if even offloading every block cannot meet it, every block is offloaded).
+
+    Returns:
+        the offloaded block indices.
+
+    Raises:
+        ValueError: as :func:`simulate`, or ``max_kept_bytes`` < 0.
+    """
+    if max_kept_bytes is not None and max_kept_bytes < 0:
+        raise ValueError(f"choose_layers: max_kept_bytes={max_kept_bytes} must be >= 0 bytes")
+    n = len(costs.fwd_s)
+
+    def sim(layers: set[int]) -> Timeline:
+        return simulate(costs, frozenset(layers), d2h_bytes_per_s, h2d_bytes_per_s,
+                        prefetch_depth)
+
+    chosen: set[int] = set()
+    for i in range(n):
+        if costs.nbytes[i] and sim(chosen | {i}).hidden:
+            chosen.add(i)
+    if max_kept_bytes is None:
+        return frozenset(chosen)
+    kept = sim(chosen).kept_bytes
+    while kept > max_kept_bytes:
+        rest = [i for i in range(n) if i not in chosen and costs.nbytes[i]]
+        if not rest:
+            break
+        # the block costing least extra time, the larger one on a tie (fewer blocks moved)
+        best = min(rest, key=lambda i: (sim(chosen | {i}).late_s + sim(chosen | {i}).stall_s,
+                                        -costs.nbytes[i]))
+        chosen.add(best)
+        kept -= costs.nbytes[best]
+    return frozenset(chosen)
+
+
+def copy_bandwidths(device: torch.device, nbytes: int = 64 << 20, repeat: int = 3
+                    ) -> tuple[float, float]:
+    """Measure ``(d2h, h2d)`` copy bandwidth in bytes/s between ``device`` and pinned host
+    memory (a host copy without CUDA), best of ``repeat`` after a warm-up.
+
+    Raises:
+        ValueError: ``nbytes`` < 1 or ``repeat`` < 1.
+    """
+    if nbytes < 1 or repeat < 1:
+        raise ValueError(f"copy_bandwidths: nbytes={nbytes} and repeat={repeat} must be >= 1")
+
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+        best = math.inf
+        for k in range(repeat + 1):  # the first is a warm-up
+            if cuda:
+                torch.cuda.synchronize(device)  # time only this copy
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            if cuda:
+                torch.cuda.synchronize(device)  # the copy is done
+            if k:
+                best = min(best, time.perf_counter() - t0)
+        return nbytes / max(best, 1e-9)
+
+    return timed(host, dev), timed(dev, host)
