@@ -694,7 +694,7 @@ def _three_steps(model):
 def test_auto_layers_follow_measured_compute_and_transfer(make_store, monkeypatch, bandwidth,
                                                           max_kept, expected):
     import tiermem.offload.activations as act
-    monkeypatch.setattr(act, "copy_bandwidths", lambda device: (bandwidth, bandwidth))
+    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (bandwidth, bandwidth))
     ref, _ = _run(TinyGPT, _three_steps)
     store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
     puts = []

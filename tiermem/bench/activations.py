@@ -7,6 +7,8 @@ they compare within a run:
 - ``save_on_cpu(pin_memory=True)`` (torch's own offload; unpinned on a machine without CUDA);
 - ``tiermem cpu N=...``: :func:`~tiermem.offload.offload_activations` of the first N blocks to
   pinned host memory, for N = all but the last and the values of ``--num-layers``;
+- ``tiermem cpu auto``: ``layers="auto"``, the blocks whose copies hide behind compute, chosen
+  after the second forward (needs ``--warmup`` >= 2 to time the chosen set only);
 - ``tiermem cpu N=... double-buffered``;
 - ``checkpoint + tiermem``: checkpointing every block and offloading the checkpointed block
   inputs of every block;
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -62,7 +65,8 @@ def _parse_args(argv):
     p.add_argument("--batch", type=int, default=8, help="micro-batch (sequences)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--steps", type=int, default=5, help="timed steps per setup")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per setup")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per setup (2: layers='auto' has chosen before timing)")
     p.add_argument("--num-layers", default=None,
                    help="comma-separated extra num_layers values (default: L/4, L/2, 3L/4)")
     p.add_argument("--prefetch-depth", type=int, default=1, help="layers reloaded ahead")
@@ -99,6 +103,9 @@ def _setups(args, store: TierStore, nvme_store: TierStore | None) -> list[tuple[
         rows.append((f"tiermem cpu N={k}" + (" (all but last)" if k == n - 1 else ""), False,
                      lambda m, k=k: offload_activations(m.blocks, store=store, num_layers=k,
                                                         prefetch_depth=args.prefetch_depth)))
+    rows.append(("tiermem cpu auto", False,  # the label gets the chosen blocks after the run
+                 lambda m: offload_activations(m.blocks, store=store, layers="auto",
+                                               prefetch_depth=args.prefetch_depth)))
     rows.append((f"tiermem cpu N={n - 1} double-buffered", False,
                  lambda m: offload_activations(m.blocks, store=store, num_layers=n - 1,
                                                double_buffering=True)))
@@ -108,6 +115,7 @@ def _setups(args, store: TierStore, nvme_store: TierStore | None) -> list[tuple[
     if nvme_store is not None:
         rows.append((f"tiermem nvme N={n - 1}", False,
                      lambda m: offload_activations(m.blocks, store=nvme_store, tier="nvme",
+                                                   num_layers=n - 1,
                                                    prefetch_depth=args.prefetch_depth)))
         rows.append(("checkpoint + tiermem nvme (all block inputs)", True,
                      lambda m: offload_activations(m.blocks, store=nvme_store, tier="nvme",
@@ -117,6 +125,15 @@ def _setups(args, store: TierStore, nvme_store: TierStore | None) -> list[tuple[
         keys = [s.strip() for s in args.only.split(",") if s.strip()]
         rows = [r for r in rows if r[0] == "no offload" or any(k in r[0] for k in keys)]
     return rows
+
+
+def _spans(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    for k, run in itertools.groupby(enumerate(layers), key=lambda p: p[1] - p[0]):
+        run = [b for _, b in run]
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out) or "none"
 
 
 def _sync(device: torch.device) -> None:
@@ -168,6 +185,9 @@ def run(args, log=print) -> list[Row]:
                 if hasattr(ctx, "stats"):
                     moved = ctx.stats()["put_bytes"] - before  # counters are cumulative
             ms = 1000 * sum(times[args.warmup:]) / args.steps
+            plan = getattr(ctx, "plan", None)
+            if plan is not None:  # layers="auto": say what it chose
+                name = f"{name} ({len(plan['layers'])} blocks: {_spans(plan['layers'])})"
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             rows.append(Row(name, ms, peak, moved))
             log(f"  {name}: {ms:.1f} ms/step")

@@ -212,7 +212,10 @@ class _Calibration:
         self.num_blocks = num_blocks
         self.marks: dict[int, list] = {}  # block -> [start, end] (events or perf_counter)
         self.nbytes = [0] * num_blocks
-        self.storages: list[set[int]] = [set() for _ in range(num_blocks)]
+        # per block: data_ptr -> weakref of the storage counted there (an offloaded storage is
+        # freed in forward and its address reused, so the pointer alone does not identify it)
+        self.storages: list[dict[int, weakref.ref]] = [{} for _ in range(num_blocks)]
+        self.bandwidths: tuple[float, float] | None = None  # (d2h, h2d) bytes/s
 
     def _mark(self, device: torch.device) -> Any:
         if device.type == "cuda":
@@ -230,8 +233,9 @@ class _Calibration:
 
     def saved(self, index: int, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.storages[index]:
-            self.storages[index].add(storage.data_ptr())
+        seen = self.storages[index].get(storage.data_ptr())
+        if seen is None or seen() is not storage:
+            self.storages[index][storage.data_ptr()] = weakref.ref(storage)
             self.nbytes[index] += storage.nbytes()
 
     def complete(self) -> bool:
@@ -620,6 +624,8 @@ class ActivationOffloader:
             self._current = index
             pending, self._pending = self._pending, []
             if self._calibrating():
+                if self._calibration.bandwidths is None:  # before the timed blocks run
+                    self._calibration.bandwidths = copy_bandwidths(self._store.device, 32 << 20)
                 self._calibration.enter(index, self._store.device)
                 for ref in pending:
                     handle = ref()
@@ -648,14 +654,15 @@ class ActivationOffloader:
     def _plan_layers(self) -> None:
         """``layers="auto"``: choose the offloaded blocks from the timed forward (called once,
         under the lock, when the forward after it starts; the blocks' backward is taken as
-        ``_BWD_PER_FWD`` forwards). Measures the copy bandwidths (one device synchronisation)
-        and bounds what stays on the device by ``max_kept_bytes``, or on CUDA by
-        ``_ROOM_FRACTION`` of the memory the step has left unused so far."""
+        ``_BWD_PER_FWD`` forwards) and the copy bandwidths measured when the timed forward
+        started (one device synchronisation there); bound what stays on the device by
+        ``max_kept_bytes``, or on CUDA by ``_ROOM_FRACTION`` of the memory the steps have left
+        unused so far."""
         cal, self._calibration = self._calibration, None
         fwd = cal.fwd_seconds()
         costs = BlockCosts(tuple(fwd), tuple(_BWD_PER_FWD * f for f in fwd), tuple(cal.nbytes))
         device = self._store.device
-        d2h, h2d = copy_bandwidths(device)
+        d2h, h2d = cal.bandwidths
         limit = self.max_kept_bytes
         if limit is None and device.type == "cuda":
             room = torch.cuda.get_device_properties(device).total_memory \

@@ -608,7 +608,8 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
                 dtype: torch.dtype = torch.float32) -> Callable[[dict], Trial]:
     """Return a factory of GPT training steps for :func:`tune`.
 
-    Settings (all optional): ``num_layers`` (blocks whose activations are offloaded; 0: none),
+    Settings (all optional): ``num_layers`` (blocks whose activations are offloaded; 0: none;
+    ``"auto"``: chosen by measurement, ``offload_activations(layers="auto")``),
     ``prefetch_depth``, ``offload_fraction`` and ``state_tier`` of HybridAdam, ``policy``
     (``"lru"`` / ``"trace"``), ``prefetch_lookahead`` and ``act_gpu_budget`` of the activation
     store. ``act_gpu_budget`` bounds the reloaded activations the store keeps on the device, in
@@ -670,10 +671,11 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
         except BaseException:
             opt.close()
             raise
-        n = int(setting.get("num_layers", 0))
-        off = offload_activations(model.blocks, store=store, num_layers=n,
+        n = setting.get("num_layers", 0)
+        layer_arg = {"layers": "auto"} if n == "auto" else {"num_layers": int(n)}
+        off = offload_activations(model.blocks, store=store, **layer_arg,
                                   prefetch_depth=int(setting.get("prefetch_depth", 1))) \
-            if n > 0 else None
+            if n == "auto" or int(n) > 0 else None
         put_per_step = [0]
 
         def step() -> None:
@@ -718,6 +720,11 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
     return factory
 
 
+def _layer_count(text: str) -> int | str:
+    """``"auto"`` or an int (``--num-layers`` values)."""
+    return "auto" if text.strip() == "auto" else int(text)
+
+
 def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list]:
     def parse(text: str) -> list:
         try:
@@ -743,8 +750,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     g = p.add_argument_group("grid (comma-separated values)")
     g.add_argument("--prefetch-depth", type=_csv(int, "prefetch-depth"), default=[1, 2],
                    help="activation layers reloaded ahead (default 1,2)")
-    g.add_argument("--num-layers", type=_csv(int, "num-layers"), default=None,
-                   help="blocks whose activations are offloaded (default 0,L-1)")
+    g.add_argument("--num-layers", type=_csv(_layer_count, "num-layers"), default=None,
+                   help="blocks whose activations are offloaded, or auto (chosen by measured "
+                   "compute vs transfer; default 0,L-1)")
     g.add_argument("--offload-fraction", type=_csv(float, "offload-fraction"),
                    default=[0.0, 0.5, 1.0], help="HybridAdam offload_fraction (default 0,0.5,1)")
     g.add_argument("--state-tier", type=_csv(str, "state-tier"), default=["cpu", "nvme"],
