@@ -623,7 +623,7 @@ def test_cuda_gradients_equal_with_sleepy_streams(tmp_path, monkeypatch, dtype, 
     store = _cuda_store(tmp_path)
     kw = dict(tier="nvme" if setup == "nvme" else "cpu",
               double_buffering=setup == "double_buffering",
-              layers=list(range(6)) if setup == "all_layers" else None)
+              layers=list(range(6)) if setup == "all_layers" else range(5))
 
     def offload(m):
         off = offload_activations(m.blocks, store=store, **kw)
@@ -740,3 +740,30 @@ def test_explicit_layers_make_no_plan(make_store):
 def test_auto_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         offload_activations(TinyGPT().blocks, **kwargs)
+
+
+@pytest.mark.cuda
+def test_cuda_auto_layers_time_blocks_with_events_and_keep_gradients(tmp_path):
+    make = lambda: TinyGPT(vocab=1024, d_model=1024, n_heads=16, n_layers=8,  # noqa: E731
+                           seq_len=1024).to(torch.bfloat16)
+    batches = [make_batch(s, batch=8, seq_len=1024, vocab=1024, device="cuda") for s in range(4)]
+
+    def steps(model):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            for idx, targets in batches:
+                model(idx, targets)[1].backward()
+
+    ref, _ = _run(make, steps, device="cuda")
+    store = _cuda_store(tmp_path, gpu_bytes="40GiB", cpu_bytes="48GiB", nvme_bytes=0)
+    model, off = _run(make, steps, device="cuda",
+                      offload=lambda m: offload_activations(m.blocks, store=store))
+    _assert_equal_grads(_grads(ref), _grads(model))
+    plan = off.plan
+    print("auto plan:", {k: v for k, v in plan.items()})
+    assert all(ms > 0 for ms in plan["fwd_ms"]) and all(n > 0 for n in plan["nbytes"])
+    assert plan["d2h_gbps"] > 1 and plan["h2d_gbps"] > 1  # pinned copies, not pageable
+    assert 7 not in plan["layers"]  # the last block's reload cannot hide
+    assert plan["kept_bytes"] <= plan["max_kept_bytes"]
+    torch.cuda.current_stream().synchronize()  # test only: let reaped moves settle
+    _assert_clean(store, off)
+    store.close()

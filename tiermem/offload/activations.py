@@ -51,6 +51,13 @@ Note [offload rules] (referred to from code and tests):
    store's ``"gpu"`` tier cannot take is copied straight out of the ``"cpu"`` tier with a
    blocking copy (``stats()["gpu_full"]``): size the gpu budget for the prefetch window to
    avoid it.
+8. *Automatic layers* (``layers="auto"``, the default). The first two forwards of one
+   offloader offload every block but the last; the second is timed per block (CUDA events at
+   the block hooks, read later without a device-wide wait) and its saved bytes are counted per
+   block, and the copy bandwidths are measured as it starts (its one device synchronisation).
+   When the third forward starts, :func:`tiermem.schedule.layers.choose_layers` picks the blocks
+   whose copies hide behind compute and the policy keeps them from then on (``plan``). Make
+   the offloader once and enter it every step: a new one starts measuring again.
 """
 
 from __future__ import annotations
