@@ -66,6 +66,14 @@ if [[ $part == perf ]]; then  # issues 4 and 6: CUDA tests, trace vs LRU, optimi
   run bench_optim 330 tiermem bench optim --steps 3 --setups gpu,0.5,0.5+fwd,1.0,1.0+fwd --nvme-dir "$SPILL"
   rm -f "$OUT/install.log" "$OUT/gpu.txt"  # at most 8 files come back
 fi
+if [[ $part == s3a ]]; then  # session 3: CUDA tests (trace placement, auto layers), chunk size, bf16 moments
+  run cuda_tests 170 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim tests/schedule tests/offload tests/telemetry
+  run bench_optim 330 tiermem bench optim --steps 3 --accum 1,4 \
+    --setups gpu,0.5,0.5+chunk=16M,1.0,1.0+chunk=16M,1.0+chunk=64M,1.0+bf16+chunk=16M,0.5+fwd+chunk=16M
+  run bench_activations 100 tiermem bench activations --layers 24 --d-model 2048 --heads 16 --seq 2048 \
+    --batch 8 --vocab 32000 --steps 3 --warmup 2 --only "auto,all but last"
+  rm -f "$OUT/install.log" "$OUT/gpu.txt"
+fi
 if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench optim --world 2
   nvidia-smi -L | tee "$OUT/gpus.txt"
   run cuda_dist 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/distributed

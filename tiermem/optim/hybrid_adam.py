@@ -872,7 +872,7 @@ class HybridAdam(torch.optim.Optimizer):
             nbytes += pc.numel * buf.element_size()
         if self._clip_event is not None:
             waits = [self._clip_event]  # the clipped gradients are complete here
-        last = self._copier.d2h_many(pairs, after=waits) if pairs else None
+        last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
         with self._stats_lock:
             self._acc["d2h_bytes"] += nbytes
         done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
