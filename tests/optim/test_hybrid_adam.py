@@ -206,6 +206,48 @@ def test_clipping_is_correct_for_grads_already_off_the_gpu():
     opt.close()
 
 
+@pytest.mark.parametrize("tier, share, sync", [("cpu", 0.5, "step"), ("cpu", 1.0, "forward"),
+                                                ("nvme", 0.5, "forward"), ("nvme", 1.0, "step")])
+def test_gpu_lane_parity_with_torch_adamw(tmp_path, tier, share, sync):
+    """Note [gpu lane]: chunks stepped by streaming their state through the device (here the
+    CPU: the same code, synchronous copies, torch's fused kernel) match torch's AdamW like the
+    CPU kernel does, with accumulation, a scheduler, frozen params and both param syncs."""
+    ref, model, cpu_only = make_models(), make_models(), make_models()
+    ref_opt = torch.optim.AdamW(param_groups(ref), **HP, fused=True)
+    kw = dict(**HP, offload_fraction=1.0, state_tier=tier, nvme_dir=str(tmp_path),
+              chunk_numel=1024, grad_accumulation_steps=2, param_sync=sync)
+    opt = HybridAdam(param_groups(model), **kw, gpu_step_fraction=share)
+    opt_cpu = HybridAdam(param_groups(cpu_only), **kw)
+    ref_losses = train(ref, ref_opt, 12, freeze_at=4)
+    losses = train(model, opt, 12, freeze_at=4)
+    train(cpu_only, opt_cpu, 12, freeze_at=4)
+    opt.synchronize()
+    stats = opt.step_stats()
+    chunks = sum(len(g.plan.chunks) for g in opt._groups)
+    assert stats["chunks"] == chunks and stats["gpu_chunks"] == int(share * chunks)
+    assert opt.memory_bytes()["gpu"] > 0  # the lane's device slots
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-6)
+    assert_params_close(model, ref, exact=False)
+    sa, sb = opt.state_dict(), opt_cpu.state_dict()
+    for i in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sa["state"][i][name], sb["state"][i][name], rtol=1e-6,
+                                       atol=1e-9)
+        assert torch.equal(sa["state"][i]["step"], sb["state"][i]["step"])
+    opt.close(), opt_cpu.close()
+
+
+def test_gpu_lane_with_clipping_and_bf16_moments_tracks_the_cpu_kernel():
+    a, b = make_models(), make_models()
+    kw = dict(**HP, offload_fraction=1.0, chunk_numel=1024, max_grad_norm=0.05,
+              moments_dtype=torch.bfloat16)
+    opt_a = HybridAdam(a.parameters(), **kw, gpu_step_fraction=0.5)
+    opt_b = HybridAdam(b.parameters(), **kw)
+    assert train(a, opt_a, 10, accum=1) == pytest.approx(train(b, opt_b, 10, accum=1), rel=1e-6)
+    assert_params_close(a, b, exact=False)
+    opt_a.close(), opt_b.close()
+
+
 def test_params_without_grad_are_skipped_like_torch():
     ref, model = make_models(), make_models()
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
@@ -318,6 +360,7 @@ def test_gpu_state_falls_in_proportion_to_the_fraction():
     (dict(betas=(0.9, 1.0)), ValueError, "Invalid beta parameter at index 1"),
     (dict(grad_accumulation_steps=0), ValueError, "grad_accumulation_steps=0"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm=0.0"),
+    (dict(gpu_step_fraction=1.2), ValueError, r"gpu_step_fraction=1.2 is outside \[0.0, 1.0\]"),
 ])
 def test_bad_arguments_are_rejected(kw, err, match):
     with pytest.raises(err, match=match):
@@ -424,6 +467,46 @@ def test_cuda_param_sync_forward_is_bit_identical_to_step(tmp_path, fraction):
     assert losses_fwd == losses_step
     for a, b in zip(params_fwd, params_step):
         assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sync", ["step", "forward"])
+def test_cuda_gpu_lane_is_bit_identical_to_torch_cuda_fused(tmp_path, sync):
+    """Note [gpu lane] with every chunk on the lane: the same torch CUDA kernel on the same fp32
+    masters and gradients as fp32 masters + torch.optim.AdamW(fused=True), so bf16 params,
+    masters and moments are bit-identical for every step (no teacher forcing), with
+    accumulation and a slow H2D stream."""
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=64, n_layers=4).cuda().to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(masters, **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=4096,
+                     gpu_step_fraction=1.0, grad_accumulation_steps=2, param_sync=sync)
+    for step in range(8):
+        for micro in range(2):
+            idx, tgt = make_batch(2 * step + micro)
+            (model(idx.cuda(), tgt.cuda())[1] / 2).backward()
+            (ref_model(idx.cuda(), tgt.cuda())[1] / 2).backward()
+        opt.step()
+        with torch.cuda.stream(opt._copier.h2d_stream):
+            torch.cuda._sleep(2_000_000)  # state loads queue behind ~1 ms of spinning
+        opt.zero_grad()
+        for m, p in zip(masters, ref_model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        ref_opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref_model.parameters()):
+                p.copy_(m)
+    opt.synchronize()
+    assert opt.step_stats()["gpu_chunks"] == opt.step_stats()["chunks"] > 0
+    state = opt.state_dict()
+    for i, (m, p, q) in enumerate(zip(masters, ref_model.parameters(), model.parameters())):
+        assert torch.equal(q, p), i
+        assert torch.equal(state["state"][i]["master"], m.detach().cpu()), i
+        assert torch.equal(state["state"][i]["exp_avg"], ref_opt.state[m]["exp_avg"].cpu()), i
+    opt.close()
 
 
 @pytest.mark.cuda

@@ -12,7 +12,8 @@ setting (micro-batches accumulated per optimizer step):
 ``cpu adam ms`` is the CPU kernel time of a step (summed over chunks), ``worker ms`` the CPU
 worker's busy time (kernel + copy waits + per-chunk bookkeeping), ``stall ms`` the time the
 step waited for the CPU side after backward. Modifiers: ``+bf16`` (bf16 moments, a precision
-trade), ``+chunk=16M`` (``chunk_numel``).
+trade), ``+chunk=16M`` (``chunk_numel``), ``+gpu=0.5`` (``gpu_step_fraction``: half the
+offloaded chunks stepped by the GPU streaming their state, Note [gpu lane]).
 Times are medians of the timed steps; ``x`` is relative to ``gpu`` at the same tokens/step.
 ``--world N`` (N > 1) runs the multi-process version instead: FSDP2 + fused AdamW against
 FSDP2 + HybridAdam and data-parallel HybridAdam, see ``tiermem/bench/optim_dist.py``.
@@ -91,18 +92,19 @@ class _NaiveOffload:
 
 
 def parse_setup(name: str) -> dict:
-    """Parse a HybridAdam setup name ``F[:tier][+fwd][+bf16][+chunk=N]``.
+    """Parse a HybridAdam setup name ``F[:tier][+fwd][+bf16][+chunk=N][+gpu=G]``.
 
     ``F``: offload fraction; ``tier``: ``cpu`` (default) or ``nvme``; ``+fwd``:
     ``param_sync="forward"``; ``+bf16``: bf16 moments; ``+chunk=N``: ``chunk_numel`` (elements;
-    a ``K``/``M`` suffix multiplies by 2**10 / 2**20).
+    a ``K``/``M`` suffix multiplies by 2**10 / 2**20); ``+gpu=G``: ``gpu_step_fraction``.
 
     Raises:
         ValueError: a malformed name, naming it and the grammar.
     """
     head, *mods = name.split("+")
     fraction, _, tier = head.partition(":")
-    out = {"fraction": None, "tier": tier or "cpu", "fwd": False, "bf16": False, "chunk": None}
+    out = {"fraction": None, "tier": tier or "cpu", "fwd": False, "bf16": False, "chunk": None,
+           "gpu": 0.0}
     try:
         out["fraction"] = float(fraction)
         for mod in mods:
@@ -112,14 +114,18 @@ def parse_setup(name: str) -> dict:
                 num = mod.removeprefix("chunk=")
                 scale = {"K": 1 << 10, "M": 1 << 20}.get(num[-1:], 1)
                 out["chunk"] = int(num[:-1] if scale > 1 else num) * scale
+            elif mod.startswith("gpu="):
+                out["gpu"] = float(mod.removeprefix("gpu="))
             else:
                 raise ValueError(mod)
-        ok = 0.0 <= out["fraction"] <= 1.0 and out["tier"] in ("cpu", "nvme")
+        ok = (0.0 <= out["fraction"] <= 1.0 and out["tier"] in ("cpu", "nvme")
+              and 0.0 <= out["gpu"] <= 1.0)
     except ValueError:
         ok = False
     if not ok:
         raise ValueError(f"--setups: {name!r} is not gpu, naive or F[:tier][+fwd][+bf16]"
-                         f"[+chunk=N] with F in [0, 1], tier cpu or nvme, N elements (e.g. 16M)")
+                         f"[+chunk=N][+gpu=G] with F and G in [0, 1], tier cpu or nvme, N "
+                         f"elements (e.g. 16M)")
     return out
 
 
@@ -133,7 +139,8 @@ def _make_opt(name: str, model: torch.nn.Module, nvme_dir: str, accum: int, cpu_
     return HybridAdam(model.parameters(), **HP, offload_fraction=s["fraction"],
                       state_tier=s["tier"], nvme_dir=nvme_dir, grad_accumulation_steps=accum,
                       cpu_threads=cpu_threads, param_sync="forward" if s["fwd"] else "step",
-                      moments_dtype=torch.bfloat16 if s["bf16"] else torch.float32, **extra)
+                      moments_dtype=torch.bfloat16 if s["bf16"] else torch.float32,
+                      gpu_step_fraction=s["gpu"], **extra)
 
 
 def _label(name: str) -> str:
@@ -142,8 +149,9 @@ def _label(name: str) -> str:
     s = parse_setup(name)
     chunk = s["chunk"]
     size = "" if chunk is None else (f" c{chunk >> 20}M" if chunk % (1 << 20) == 0 else f" c{chunk}")
+    lane = f" gpu={s['gpu']:g}" if s["gpu"] else ""
     return (f"HybridAdam f={s['fraction']:g} {s['tier']}{' fwd' if s['fwd'] else ''}"
-            f"{' bf16m' if s['bf16'] else ''}{size}")
+            f"{' bf16m' if s['bf16'] else ''}{size}{lane}")
 
 
 def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps: int,

@@ -51,6 +51,20 @@ overlapped. Anything that needs the state before the first ``step()`` (``state_d
 gradients seen so far or else the given order. ``placement="given"``: the given order, state
 allocated at construction.
 
+Note [gpu lane]: the CPU kernel is bound by host memory bandwidth (~28 bytes per param and step:
+fp32 master and moments read and written, bf16 gradient in, bf16 param out), while the GPU's
+copy engines reach host memory over PCIe on their own. With ``gpu_step_fraction > 0`` a share of
+the offloaded chunks (spread evenly over the order they are stepped in) is stepped by the GPU
+instead: the worker issues the chunk's state blob H2D into one of ``_LANE_SLOTS`` device slots
+(after the slot's previous write-back), and on a lane stream that waits for the load and the
+gradients' events, widens the chunk's gradients to fp32 where backward left them, runs torch's
+fused Adam on the chunk's runs (the same kernel as the GPU side), casts the updated params into
+the model and records the event forward and ``step()`` wait on; the state then goes D2H back
+into its blob. The worker does not wait: it goes on to the next chunk, and releases a lane
+chunk's blob (counting it done for ``step()``) only when its write-back has finished. The state
+never lives on the GPU: it stays in the store's cpu tier (or streams through nvme) between
+steps. Gradients of lane chunks never leave the GPU and their params are not copied H2D.
+
 Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the full design:
 - ``data_parallel=True`` (or ``process_group=pg``), plain replicated params, no DDP wrapper:
   ZeRO-1/2. Each rank owns ``1/world`` of every param group's flattened elements and keeps
@@ -65,6 +79,7 @@ Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -87,6 +102,10 @@ from tiermem.store.transfer import Copier
 _OUT_SLOTS = 4
 """Chunk-sized pinned buffers the CPU step writes updated params into before their H2D copy:
 a ring, so param staging costs 4 chunks instead of 2 bytes per offloaded bf16 param."""
+
+_LANE_SLOTS = 3
+"""Device slots of the GPU lane (Note [gpu lane]): one chunk's state loading, one stepping, one
+writing back."""
 
 _GRAD_SLOTS = 2
 """Chunk-sized pinned buffers a chunk's gradients are copied into just before it steps: the one
@@ -191,6 +210,11 @@ class HybridAdam(torch.optim.Optimizer):
         placement: ``"trace"`` (default): the GPU/offloaded split follows the gradient arrival
             order seen in the first backward, see Note [trace placement]; ``"given"``: the
             params' order as given (first ``1 - offload_fraction`` of the bytes on the GPU).
+        gpu_step_fraction: share of the offloaded chunks, in [0.0, 1.0], that the GPU steps by
+            streaming their state through it (H2D, torch's fused Adam, D2H back; the state stays
+            in the store), spread evenly over the gradient order, while the CPU steps the rest:
+            the GPU's copy engines add their bandwidth to the CPU's, see Note [gpu lane].
+            Costs ``_LANE_SLOTS`` chunks of state and fp32 gradients in GPU memory.
         param_sync: when the updated offloaded params are waited for: ``"step"`` (default: in
             ``step()``, like any torch optimizer) or ``"forward"`` (in the next forward, per
             module, see Note [forward sync]; one process, CUDA or CPU).
@@ -216,7 +240,8 @@ class HybridAdam(torch.optim.Optimizer):
                  cpu_threads: int | None = None,
                  nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
                  process_group: Any = None, bucket_numel: int = 1 << 23,
-                 param_sync: str = "step", placement: str = "trace") -> None:
+                 param_sync: str = "step", placement: str = "trace",
+                 gpu_step_fraction: float = 0.0) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -257,6 +282,11 @@ class HybridAdam(torch.optim.Optimizer):
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"HybridAdam: bucket_numel={bucket_numel!r} must be an int >= 1 "
                              f"(elements per gradient-reduce bucket)")
+        if not (isinstance(gpu_step_fraction, (int, float)) and not isinstance(gpu_step_fraction, bool)
+                and 0.0 <= gpu_step_fraction <= 1.0):
+            raise ValueError(f"HybridAdam: gpu_step_fraction={gpu_step_fraction!r} is outside "
+                             f"[0.0, 1.0]; it is the share of the offloaded chunks the GPU steps "
+                             f"by streaming their state through it (0.0: the CPU steps all)")
         if placement not in ("trace", "given"):
             raise ValueError(f"HybridAdam: placement={placement!r} is unknown; use 'trace' (the "
                              f"split follows the gradient order of the first backward) or "
@@ -301,6 +331,15 @@ class HybridAdam(torch.optim.Optimizer):
             cpu_threads = max(1, torch.get_num_threads() - 1)  # one core launches GPU work
         self.cpu_threads = cpu_threads
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
+        self.gpu_step_fraction = float(gpu_step_fraction)
+        # Note [gpu lane]: offloaded chunks the GPU steps by streaming their state through it
+        self._lane_chunks: set[tuple[int, int]] = set()
+        self._lane_state: list[torch.Tensor] = []  # device slots: a chunk's state blob
+        self._lane_grad: list[torch.Tensor] = []  # device slots: a chunk's fp32 gradients
+        self._lane_free: list = []  # per slot: event after which the slot may be overwritten
+        self._lane_next = 0
+        self._lane_pending: collections.deque = collections.deque()  # (event, g, c) written back
+        self._lane_stream = None
         self._zero = None
         self._norm_groups: list = []
         if self._mode == "zero":
@@ -545,6 +584,7 @@ class HybridAdam(torch.optim.Optimizer):
                     self._nvme_chunks.add((g.index, chunk.index))
         if self.state_tier == "split":
             self._place_split()
+        self._init_lane()
 
     def _chunk_key(self, g: int, c: int) -> tuple:
         """The store key of chunk ``c`` of group ``g``'s state blob."""
@@ -792,7 +832,7 @@ class HybridAdam(torch.optim.Optimizer):
     @staticmethod
     def _new_stats() -> dict:
         return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
-                "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0}
+                "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0}
 
     def step_stats(self) -> dict:
         """Breakdown of the last completed ``step()`` (backward hooks included), reset each step.
@@ -814,32 +854,42 @@ class HybridAdam(torch.optim.Optimizer):
     def _work(self) -> None:
         nxt = None
         while True:
+            if nxt is None and self._lane_pending and self._queue.empty():
+                self._reap_lane(block=True)  # nothing else to do: finish the lane's write-backs
             item = nxt if nxt is not None else self._queue.get()
             nxt = None
             if item is _STOP:
+                self._reap_lane(block=True)
                 return
             t0 = time.perf_counter()
+            lane = item in self._lane_chunks  # done when its write-back is (see _reap_lane)
             try:
-                copies = self._copy_grads(*item)
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    pass
-                if nxt is not None and nxt is not _STOP:
+                if lane:
+                    self._step_chunk_gpu(*item)
+                else:
+                    copies = self._copy_grads(*item)
                     try:
-                        self._copy_grads(*nxt)  # its D2H runs while this chunk steps
-                    except BaseException:
-                        pass  # raised again, and reported, when that chunk is stepped
-                self._step_chunk(*item, copies)
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        pass
+                    if nxt is not None and nxt is not _STOP and nxt not in self._lane_chunks:
+                        try:
+                            self._copy_grads(*nxt)  # its D2H runs while this chunk steps
+                        except BaseException:
+                            pass  # raised again, and reported, when that chunk is stepped
+                    self._step_chunk(*item, copies)
             except BaseException as exc:  # surfaced by step()
+                lane = False  # nothing of it is pending: it is done (and failed) now
                 with self._lock:
                     self._errors.append(exc)
             finally:
                 with self._stats_lock:
                     self._acc["worker_s"] += time.perf_counter() - t0
-                with self._idle:
-                    self._outstanding -= 1
-                    self._idle.notify_all()
+                if not lane:
+                    with self._idle:
+                        self._outstanding -= 1
+                        self._idle.notify_all()
+            self._reap_lane(block=False)
 
     def _copy_grads(self, g: int, c: int) -> tuple[torch.Tensor, dict[int, bool], Any]:
         """Issue the D2H copy of chunk ``c``'s gradients into the group's next gradient slot
@@ -973,6 +1023,139 @@ class HybridAdam(torch.optim.Optimizer):
             self._read_ahead.update(later)
         for gg, cc in later:
             self._store.prefetch(self._groups[gg].chunk_keys[cc], "cpu")
+
+    # ------------------------------------------------------------------ the GPU lane
+
+    def _init_lane(self) -> None:
+        """Pick the lane's chunks (``gpu_step_fraction`` of each group's chunks, spread evenly
+        over the order they are stepped in) and allocate its device slots."""
+        self._lane_chunks = set()
+        if self.gpu_step_fraction == 0.0:
+            return
+        order = self._expected_order()
+        share = self.gpu_step_fraction
+        self._lane_chunks = {item for k, item in enumerate(order)
+                             if int((k + 1) * share) > int(k * share)}
+        if not self._lane_chunks:
+            return
+        chunks = [self._groups[g].plan.chunks[c] for g, c in self._lane_chunks]
+        numel = max(c.numel for c in chunks)
+        self._lane_state = [torch.empty(_state_numel(numel, self.moments_dtype),
+                                        dtype=torch.float32, device=self.device)
+                            for _ in range(_LANE_SLOTS)]
+        self._lane_grad = [torch.empty(numel, dtype=torch.float32, device=self.device)
+                           for _ in range(_LANE_SLOTS)]
+        self._lane_free = [None] * _LANE_SLOTS
+        if self._copier.cuda:
+            self._lane_stream = torch.cuda.Stream(self.device)
+
+    def _step_chunk_gpu(self, g: int, c: int) -> None:
+        """Note [gpu lane]: step chunk ``c`` on the GPU: its state H2D into a device slot, the
+        fused Adam on the lane stream with the gradients where backward left them, the updated
+        params cast into the model, the state D2H back into its blob. Issues and returns; the
+        blob stays held until ``_reap_lane`` sees the write-back done."""
+        self._compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
+        group = self._groups[g]
+        chunk: Chunk = group.plan.chunks[c]
+        with self._lock:
+            refs = {pc.param: self._grad_refs.get((g, pc.param)) for pc in chunk.pieces}
+        has_grad = {p: ref is not None for p, ref in refs.items()}
+        key = group.chunk_keys[c]
+        blob = self._store.get(key, "cpu", hold=True)
+        slot = self._lane_next
+        self._lane_next = (slot + 1) % _LANE_SLOTS
+        state = self._lane_state[slot][:_state_numel(chunk.numel, self.moments_dtype)]
+        grads = self._lane_grad[slot]
+        loaded = self._copier.h2d_many([(state, blob)], after=self._lane_free[slot])
+        cuda = self._lane_stream is not None
+        with torch.cuda.stream(self._lane_stream) if cuda else _nullcontext():
+            if cuda:
+                self._lane_stream.wait_event(loaded)  # the state is on the device
+                waits = [self._clip_event] if self._clip_event is not None else \
+                    [ref[1] for ref in refs.values() if ref is not None and ref[1] is not None]
+                for ev in dict.fromkeys(waits):
+                    self._lane_stream.wait_event(ev)  # the gradients are complete
+            master, exp_avg, exp_avg_sq = _state_views(state, chunk.numel, self.moments_dtype)
+            lo = chunk.flat_start
+            for pc in chunk.pieces:
+                if has_grad[pc.param]:
+                    rel = pc.flat_offset - lo
+                    grads[rel:rel + pc.numel].copy_(refs[pc.param][0][pc.start:pc.start + pc.numel])
+            frozen = self._frozen_hp
+            hp = frozen[g] if frozen is not None else self.param_groups[g]
+            runs = self._runs(group, chunk, has_grad)
+            if runs:
+                self._fused_runs(master, grads, exp_avg, exp_avg_sq, runs, hp)
+            h2d = 0
+            for pc in chunk.pieces:
+                if has_grad[pc.param]:
+                    rel = pc.flat_offset - lo
+                    dst = self._local(group, pc.param)[pc.start:pc.start + pc.numel]
+                    dst.copy_(master[rel:rel + pc.numel])
+                    h2d += pc.numel * dst.element_size()
+            stepped = None
+            if cuda:
+                stepped = torch.cuda.Event()
+                stepped.record(self._lane_stream)  # the params are updated; the state may go back
+        written = self._copier.d2h_many([(blob, state)], after=stepped)
+        self._lane_free[slot] = written
+        with self._stats_lock:
+            self._acc["h2d_bytes"] += h2d
+            self._acc["chunks"] += 1
+            self._acc["gpu_chunks"] += 1
+        with self._idle:
+            if stepped is not None:
+                self._h2d_events.append(stepped)
+            self._chunk_h2d[(g, c)] = stepped
+            self._lane_pending.append((written, g, c))
+            self._idle.notify_all()  # a forward may wait for this chunk (Note [forward sync])
+
+    def _fused_runs(self, master: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, runs: list[tuple[int, int, int]], hp: dict) -> None:
+        """torch's fused Adam on the ``(start, numel, step)`` runs of a chunk in place (on the
+        current stream); bf16 moments are widened to fp32 and rounded back, as the CPU kernel."""
+        fused = _fused_op(hp["adamw"])
+        if fused is None:
+            raise RuntimeError("HybridAdam's GPU lane needs torch._fused_adamw_ (torch >= 2.4)")
+        sl = [slice(start, start + numel) for start, numel, _ in runs]
+        ms = [exp_avg[k] for k in sl]
+        vs = [exp_avg_sq[k] for k in sl]
+        wide = self.moments_dtype != torch.float32
+        m32 = [m.float() for m in ms] if wide else ms
+        v32 = [v.float() for v in vs] if wide else vs
+        steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)
+                 for _, _, step in runs]
+        beta1, beta2 = hp["betas"]
+        fused([master[k] for k in sl], [grads[k] for k in sl], m32, v32, [], steps, lr=hp["lr"],
+              beta1=beta1, beta2=beta2, weight_decay=hp["weight_decay"], eps=hp["eps"],
+              amsgrad=False, maximize=hp["maximize"], grad_scale=None, found_inf=None)
+        if wide:
+            for m, v, a, b in zip(ms, vs, m32, v32):
+                m.copy_(a)
+                v.copy_(b)
+
+    def _reap_lane(self, block: bool) -> None:
+        """Release the blobs of lane chunks whose state is back in the store (all of them with
+        ``block``); each counts as done for ``step()`` only then. Worker thread only."""
+        while self._lane_pending:
+            written, g, c = self._lane_pending[0]
+            if written is not None and not block and not written.query():
+                return
+            self._lane_pending.popleft()
+            try:
+                if written is not None:
+                    written.synchronize()  # the host blob holds the updated state after this
+                key = self._groups[g].chunk_keys[c]
+                self._store.release(key)
+                if (g, c) in self._nvme_chunks:
+                    self._store.evict(key, "nvme")  # write-back overlaps the next chunks
+            except BaseException as exc:  # surfaced by step()
+                with self._lock:
+                    self._errors.append(exc)
+            finally:
+                with self._idle:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
 
     # ------------------------------------------------------------------ step
 
@@ -1430,7 +1613,8 @@ class HybridAdam(torch.optim.Optimizer):
         gpu = sum(t.numel() * 4 for g in self._groups
                   for t in g.gpu_exp_avg + g.gpu_exp_avg_sq) + sum(
             m.numel() * 4 for g in self._groups for m, v in zip(g.gpu_masters, g.gpu_views)
-            if m is not v)
+            if m is not v) + sum(t.numel() * t.element_size()
+                                  for t in self._lane_state + self._lane_grad)
         s = self._store.stats()
         return {"gpu": gpu, "cpu": s["cpu"]["used_bytes"], "nvme": s["nvme"]["used_bytes"]}
 

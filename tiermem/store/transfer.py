@@ -135,15 +135,19 @@ class Copier:
         """Copy host ``src`` into device ``dst`` on the H2D stream; return the copy's event."""
         return self.h2d_many([(dst, src)])
 
-    def h2d_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
-        """Copy each host ``src`` into its device ``dst`` on the H2D stream, in order; return
-        one event marking all of them done (None on CPU or for no pairs)."""
+    def h2d_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+        """Copy each host ``src`` into its device ``dst`` on the H2D stream, in order, after
+        ``after`` (an event the copies wait for, e.g. the last read of ``dst``); return one
+        event marking all of them done (None on CPU or for no pairs)."""
         if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
         if not pairs:
             return None
+        if after is not None:
+            self.h2d_stream.wait_event(after)  # dst is free to overwrite at this event
         with torch.cuda.stream(self.h2d_stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
