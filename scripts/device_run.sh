@@ -80,7 +80,7 @@ if [[ $part == s3b ]]; then  # session 3: the GPU lane (gpu_step_fraction), auto
     --setups gpu,1.0+chunk=16M,1.0+chunk=16M+gpu=0.3,1.0+chunk=16M+gpu=0.5,1.0+chunk=16M+gpu=0.7,0.5+chunk=16M+gpu=0.5,0.5+fwd+chunk=16M+gpu=0.5,1.0+fwd+chunk=16M+gpu=0.5
   run tune_auto 150 tiermem tune --layers 24 --d-model 2048 --heads 16 --seq 2048 --batch 8 --vocab 32000 \
     --num-layers auto,23 --prefetch-depth 2 --offload-fraction 0.5 --state-tier cpu --policy lru,trace \
-    --act-gpu-budget 2 --steps 3 --warmup 2 --gpu-budget 48GiB --telemetry-dir "$OUT/tune"
+    --act-gpu-budget 2 --steps 3 --warmup 5 --gpu-budget 48GiB --telemetry-dir "$OUT/tune"
   rm -f "$OUT/install.log" "$OUT/gpu.txt"
 fi
 if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench optim --world 2
