@@ -240,8 +240,9 @@ class OptimizerConfig:
     and store.nvme_dir)."""
     overlap: bool = True
     """Step offloaded chunks on the CPU during backward, as their gradients land."""
-    chunk_numel: int = 1 << 22
-    """Elements per offloaded chunk (unit of the CPU step and NVMe I/O), >= 1024."""
+    chunk_numel: int | None = None
+    """Elements per offloaded chunk (unit of the CPU step and NVMe I/O), >= 1024; null: sized
+    from the model (1/32 of the offloaded elements, within [2^16, 2^24])."""
     max_grad_norm: float | None = None
     """Clip gradients to this global 2-norm inside ``step()``; None: no clipping."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -266,7 +267,8 @@ class OptimizerConfig:
         _check_number("optimizer.offload_fraction", self.offload_fraction, low=0.0, high=1.0)
         _check_choice("optimizer.state_tier", self.state_tier, ("cpu", "nvme"))
         _check_choice("optimizer.overlap", self.overlap, (True, False))
-        _check_number("optimizer.chunk_numel", self.chunk_numel, low=1024, integer=True)
+        if self.chunk_numel is not None:
+            _check_number("optimizer.chunk_numel", self.chunk_numel, low=1024, integer=True)
         if self.max_grad_norm is not None:
             _check_number("optimizer.max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
         _check_choice("optimizer.moments_dtype", self.moments_dtype, ("float32", "bfloat16"))

@@ -115,6 +115,13 @@ _STOP = object()
 """Tells the CPU worker to exit."""
 
 
+def auto_chunk_numel(offloaded_numel: int) -> int:
+    """The default ``chunk_numel``: ``offloaded_numel / 32`` rounded down to a power of two,
+    within [2^16, 2^24] elements."""
+    target = max(1, offloaded_numel // 32)
+    return min(1 << 24, max(1 << 16, 1 << (target.bit_length() - 1)))
+
+
 def _state_numel(numel: int, moments_dtype: torch.dtype) -> int:
     """fp32 elements of one chunk's state blob: the master, then both moments."""
     return numel * (3 if moments_dtype == torch.float32 else 2)
@@ -186,7 +193,10 @@ class HybridAdam(torch.optim.Optimizer):
         nvme_dir: spill directory of the private store (with ``state_tier="nvme"``).
         overlap: step offloaded chunks during backward as their gradients land (else all at
             ``step()``).
-        chunk_numel: elements per offloaded chunk (the unit of the CPU step and NVMe I/O).
+        chunk_numel: elements per offloaded chunk (the unit of the CPU step and NVMe I/O);
+            ``None``: 1/32 of the offloaded elements rounded down to a power of two, within
+            [2^16, 2^24] (per-chunk costs vanish in 16M chunks, while 32 chunks keep the CPU
+            step overlapping backward).
         max_grad_norm: clip gradients to this global 2-norm in ``step()`` (correct for grads
             already copied off the GPU); ``None``: no clipping.
         grad_accumulation_steps: backward passes per optimizer step; gradients are copied off
@@ -235,7 +245,7 @@ class HybridAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, adamw: bool = True,
                  maximize: bool = False, offload_fraction: float = 1.0, state_tier: str = "cpu",
                  store: TierStore | None = None, nvme_dir: str | None = None, overlap: bool = True,
-                 chunk_numel: int = 1 << 22, max_grad_norm: float | None = None,
+                 chunk_numel: int | None = None, max_grad_norm: float | None = None,
                  grad_accumulation_steps: int = 1, moments_dtype: torch.dtype = torch.float32,
                  cpu_threads: int | None = None,
                  nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
@@ -269,8 +279,9 @@ class HybridAdam(torch.optim.Optimizer):
         if state_tier == "nvme" and store is not None and store.config.nvme_bytes == 0:
             raise ValueError("HybridAdam: state_tier='nvme' but the store has no nvme tier "
                              "(StoreConfig.nvme_bytes=0); give it nvme_bytes and nvme_dir")
-        if not isinstance(chunk_numel, int) or chunk_numel < 1024:
-            raise ValueError(f"HybridAdam: chunk_numel={chunk_numel!r} must be an int >= 1024")
+        if chunk_numel is not None and (not isinstance(chunk_numel, int) or chunk_numel < 1024):
+            raise ValueError(f"HybridAdam: chunk_numel={chunk_numel!r} must be an int >= 1024 "
+                             f"or None (sized from the model)")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"HybridAdam: max_grad_norm={max_grad_norm!r} must be > 0 or None")
         if not isinstance(grad_accumulation_steps, int) or grad_accumulation_steps < 1:
@@ -323,7 +334,6 @@ class HybridAdam(torch.optim.Optimizer):
         self.offload_fraction = float(offload_fraction)
         self.state_tier = state_tier
         self.overlap = overlap
-        self.chunk_numel = chunk_numel
         self.max_grad_norm = max_grad_norm
         self.grad_accumulation_steps = grad_accumulation_steps
         self.moments_dtype = moments_dtype
@@ -340,6 +350,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._lane_next = 0
         self._lane_pending: collections.deque = collections.deque()  # (event, g, c) written back
         self._lane_stream = None
+        self._lane_copier: Copier | None = None  # its own H2D/D2H streams (see _init_lane)
         self._zero = None
         self._norm_groups: list = []
         if self._mode == "zero":
@@ -350,6 +361,12 @@ class HybridAdam(torch.optim.Optimizer):
             self._norm_groups = _dist.shard_groups(all_params[0].device_mesh,
                                                    tuple(all_params[0].placements))
         self._groups = []
+        if chunk_numel is None:
+            local = (sum(s.numel for zg in self._zero.groups for s in zg.segments)
+                     if self._mode == "zero" else
+                     sum(_dist.local_of(p).numel() for p in all_params))
+            chunk_numel = auto_chunk_numel(int(local * self.offload_fraction))
+        self.chunk_numel = chunk_numel
         for gi, g in enumerate(self.param_groups):
             params = list(g["params"])
             segments = None
@@ -1046,6 +1063,9 @@ class HybridAdam(torch.optim.Optimizer):
         self._lane_grad = [torch.empty(numel, dtype=torch.float32, device=self.device)
                            for _ in range(_LANE_SLOTS)]
         self._lane_free = [None] * _LANE_SLOTS
+        # own copy streams: a lane copy waits for lane work, which must never hold up the CPU
+        # chunks' gradient and param copies queued behind it on shared streams
+        self._lane_copier = Copier(self.device)
         if self._copier.cuda:
             self._lane_stream = torch.cuda.Stream(self.device)
 
@@ -1066,7 +1086,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._lane_next = (slot + 1) % _LANE_SLOTS
         state = self._lane_state[slot][:_state_numel(chunk.numel, self.moments_dtype)]
         grads = self._lane_grad[slot]
-        loaded = self._copier.h2d_many([(state, blob)], after=self._lane_free[slot])
+        loaded = self._lane_copier.h2d_many([(state, blob)], after=self._lane_free[slot])
         cuda = self._lane_stream is not None
         with torch.cuda.stream(self._lane_stream) if cuda else _nullcontext():
             if cuda:
@@ -1097,7 +1117,7 @@ class HybridAdam(torch.optim.Optimizer):
             if cuda:
                 stepped = torch.cuda.Event()
                 stepped.record(self._lane_stream)  # the params are updated; the state may go back
-        written = self._copier.d2h_many([(blob, state)], after=stepped)
+        written = self._lane_copier.d2h_many([(blob, state)], after=stepped)
         self._lane_free[slot] = written
         with self._stats_lock:
             self._acc["h2d_bytes"] += h2d
