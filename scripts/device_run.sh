@@ -83,6 +83,12 @@ if [[ $part == s3b ]]; then  # session 3: the GPU lane (gpu_step_fraction), auto
     --act-gpu-budget 2 --steps 3 --warmup 5 --gpu-budget 48GiB --telemetry-dir "$OUT/tune"
   rm -f "$OUT/install.log" "$OUT/gpu.txt"
 fi
+if [[ $part == s3c ]]; then  # session 3: the final optimizer table (default chunks), lane on own streams
+  run cuda_optim 120 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim
+  run bench_optim_final 420 tiermem bench optim --steps 3 --accum 1,4 \
+    --setups gpu,0.25,0.5,0.5+fwd,1.0,1.0+gpu=0.3,1.0+gpu=0.5,1.0+bf16,1.0+bf16+gpu=0.5
+  rm -f "$OUT/install.log" "$OUT/gpu.txt"
+fi
 if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench optim --world 2
   nvidia-smi -L | tee "$OUT/gpus.txt"
   run cuda_dist 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/distributed

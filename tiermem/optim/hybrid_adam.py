@@ -872,11 +872,13 @@ class HybridAdam(torch.optim.Optimizer):
         nxt = None
         while True:
             if nxt is None and self._lane_pending and self._queue.empty():
-                self._reap_lane(block=True)  # nothing else to do: finish the lane's write-backs
+                self._reap_lane(block=True)  # nothing else to do: wait for a lane write-back
+                continue  # and look at the queue again
             item = nxt if nxt is not None else self._queue.get()
             nxt = None
             if item is _STOP:
-                self._reap_lane(block=True)
+                while self._lane_pending:
+                    self._reap_lane(block=True)
                 return
             t0 = time.perf_counter()
             lane = item in self._lane_chunks  # done when its write-back is (see _reap_lane)
@@ -1155,12 +1157,14 @@ class HybridAdam(torch.optim.Optimizer):
                 v.copy_(b)
 
     def _reap_lane(self, block: bool) -> None:
-        """Release the blobs of lane chunks whose state is back in the store (all of them with
-        ``block``); each counts as done for ``step()`` only then. Worker thread only."""
+        """Release the blobs of lane chunks whose state is back in the store (with ``block``,
+        after waiting for the oldest); each counts as done for ``step()`` only then. Worker
+        thread only."""
         while self._lane_pending:
             written, g, c = self._lane_pending[0]
             if written is not None and not block and not written.query():
                 return
+            block = False
             self._lane_pending.popleft()
             try:
                 if written is not None:
