@@ -89,6 +89,11 @@ if [[ $part == s3c ]]; then  # session 3: the final optimizer table (default chu
     --setups gpu,0.25,0.5,0.5+fwd,1.0,1.0+gpu=0.3,1.0+gpu=0.5,1.0+bf16,1.0+bf16+gpu=0.5
   rm -f "$OUT/install.log" "$OUT/gpu.txt"
 fi
+if [[ $part == s3d ]]; then  # session 3: how much of f=1 the GPU lane should take
+  run bench_optim_lane_share 300 tiermem bench optim --steps 3 --accum 1,4 \
+    --setups gpu,1.0+gpu=0.7,1.0+gpu=0.85,1.0+gpu=1.0
+  rm -f "$OUT/install.log" "$OUT/gpu.txt"
+fi
 if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench optim --world 2
   nvidia-smi -L | tee "$OUT/gpus.txt"
   run cuda_dist 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/distributed
