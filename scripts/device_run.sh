@@ -94,6 +94,11 @@ if [[ $part == s3d ]]; then  # session 3: how much of f=1 the GPU lane should ta
     --setups gpu,1.0+gpu=0.7,1.0+gpu=0.85,1.0+gpu=1.0
   rm -f "$OUT/install.log" "$OUT/gpu.txt"
 fi
+if [[ $part == s3e ]]; then  # session 3: bf16 moments through the GPU lane
+  run cuda_lane 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/optim -k "lane or bf16"
+  run bench_optim_bf16_lane 200 tiermem bench optim --steps 3 --accum 1,4 --setups gpu,1.0+bf16+gpu=1.0,1.0+bf16
+  rm -f "$OUT/install.log" "$OUT/gpu.txt"
+fi
 if [[ $part == dist ]]; then  # issue 9 on nvidia-h200-x2: NCCL parity, bench optim --world 2
   nvidia-smi -L | tee "$OUT/gpus.txt"
   run cuda_dist 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/distributed
