@@ -252,6 +252,9 @@ class OptimizerConfig:
     """Threads of the CPU step; None: torch's thread count (less one with overlap on CUDA)."""
     nvme_lookahead_chunks: int = 2
     """Chunks of NVMe-resident state read ahead of the CPU step (``state_tier="nvme"``)."""
+    gpu_step_fraction: float = 0.0
+    """Share of the offloaded chunks the GPU steps by streaming their state through it, in
+    [0.0, 1.0] (1.0 is fastest at full offload when PCIe is not busy with activations)."""
 
     def __post_init__(self) -> None:
         _check_number("optimizer.lr", self.lr, low=0.0)
@@ -276,6 +279,7 @@ class OptimizerConfig:
             _check_number("optimizer.cpu_threads", self.cpu_threads, low=1, integer=True)
         _check_number("optimizer.nvme_lookahead_chunks", self.nvme_lookahead_chunks, low=0,
                       integer=True)
+        _check_number("optimizer.gpu_step_fraction", self.gpu_step_fraction, low=0.0, high=1.0)
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``HybridAdam`` (all but params, store and accumulation steps);
