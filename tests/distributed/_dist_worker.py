@@ -85,7 +85,7 @@ def run_config(rank, world, outdir, cfg, device):
                      state_tier=cfg["tier"], nvme_dir=spill, chunk_numel=1024,
                      data_parallel=kind == "dp" or None, bucket_numel=2048,
                      max_grad_norm=cfg.get("clip"), grad_accumulation_steps=cfg.get("accum", 1),
-                     overlap=cfg.get("overlap", True))
+                     overlap=cfg.get("overlap", True), gpu_step_fraction=cfg.get("gpu", 0.0))
     res = {"numel": opt.state_numel(), "memory": opt.memory_bytes(),
            "total": sum(p.numel() for p in model.parameters())}
     res["losses"] = train(model, opt, rank, world, device, accum=cfg.get("accum", 1))

@@ -36,6 +36,8 @@ def configs():
     out += [dict(name="dp-clip-accum", kind="dp", tier="cpu", fraction=0.5, clip=0.05, accum=2),
             dict(name="dp-no-overlap", kind="dp", tier="cpu", fraction=0.5, overlap=False),
             dict(name="fsdp-clip", kind="fsdp", tier="cpu", fraction=0.5, clip=0.05),
+            dict(name="dp-lane", kind="dp", tier="cpu", fraction=1.0, gpu=0.5),
+            dict(name="fsdp-lane", kind="fsdp", tier="nvme", fraction=1.0, gpu=0.5),
             dict(name="dp-state", kind="dp", tier="cpu", fraction=0.5, state=True),
             dict(name="fsdp-state", kind="fsdp", tier="cpu", fraction=0.5, state=True),
             dict(name="errors", kind="errors")]
@@ -188,7 +190,8 @@ def test_fsdp2_matches_single_process_adamw(job, tier, fraction):
 
 
 @pytest.mark.parametrize("name,ref", [("dp-clip-accum", (0.05, 2)), ("dp-no-overlap", (None, 1)),
-                                      ("fsdp-clip", (0.05, 1))])
+                                      ("fsdp-clip", (0.05, 1)), ("dp-lane", (None, 1)),
+                                      ("fsdp-lane", (None, 1))])
 def test_clipping_accumulation_and_overlap_off(job, name, ref):
     _, results, refs = job
     if ref[0] is None:

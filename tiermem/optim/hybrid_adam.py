@@ -1084,6 +1084,7 @@ class HybridAdam(torch.optim.Optimizer):
         has_grad = {p: ref is not None for p, ref in refs.items()}
         key = group.chunk_keys[c]
         blob = self._store.get(key, "cpu", hold=True)
+        self._prefetch_after(g, c)
         slot = self._lane_next
         self._lane_next = (slot + 1) % _LANE_SLOTS
         state = self._lane_state[slot][:_state_numel(chunk.numel, self.moments_dtype)]
