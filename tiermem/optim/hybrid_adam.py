@@ -858,8 +858,10 @@ class HybridAdam(torch.optim.Optimizer):
         ``worker_s``: seconds the worker spent on chunks (kernel, copy waits, bookkeeping),
         ``copy_wait_s``: of which waiting for gradient D2H copies and param-out ring slots;
         ``d2h_bytes`` / ``h2d_bytes``: offloaded gradients copied off / updated params copied
-        back; ``nvme_read_bytes`` / ``nvme_write_bytes``: the store's nvme->cpu / cpu->nvme
-        traffic during the step (all of the store's traffic, if it is shared);
+        back (for chunks on the GPU lane: their state, both ways); ``gpu_chunks``: chunks the
+        GPU lane stepped (Note [gpu lane]); ``nvme_read_bytes`` / ``nvme_write_bytes``: the
+        store's nvme->cpu / cpu->nvme traffic during the step (all of the store's traffic, if
+        it is shared);
         ``stall_s``: time ``step()`` waited for the CPU worker after stepping the GPU side;
         ``step_s``: wall time of ``step()``; ``chunks``: offloaded chunks stepped.
         """
@@ -1046,7 +1048,7 @@ class HybridAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the GPU lane
 
     def _init_lane(self) -> None:
-        """Pick the lane's chunks (``gpu_step_fraction`` of each group's chunks, spread evenly
+        """Pick the lane's chunks (``gpu_step_fraction`` of the offloaded chunks, spread evenly
         over the order they are stepped in) and allocate its device slots."""
         self._lane_chunks = set()
         if self.gpu_step_fraction == 0.0:
@@ -1109,21 +1111,20 @@ class HybridAdam(torch.optim.Optimizer):
             runs = self._runs(group, chunk, has_grad)
             if runs:
                 self._fused_runs(master, grads, exp_avg, exp_avg_sq, runs, hp)
-            h2d = 0
             for pc in chunk.pieces:
                 if has_grad[pc.param]:
                     rel = pc.flat_offset - lo
-                    dst = self._local(group, pc.param)[pc.start:pc.start + pc.numel]
-                    dst.copy_(master[rel:rel + pc.numel])
-                    h2d += pc.numel * dst.element_size()
+                    self._local(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
+                        master[rel:rel + pc.numel])
             stepped = None
             if cuda:
                 stepped = torch.cuda.Event()
                 stepped.record(self._lane_stream)  # the params are updated; the state may go back
         written = self._lane_copier.d2h_many([(blob, state)], after=stepped)
         self._lane_free[slot] = written
-        with self._stats_lock:
-            self._acc["h2d_bytes"] += h2d
+        with self._stats_lock:  # the lane's PCIe traffic is the state, both ways
+            self._acc["h2d_bytes"] += state.numel() * 4
+            self._acc["d2h_bytes"] += state.numel() * 4
             self._acc["chunks"] += 1
             self._acc["gpu_chunks"] += 1
         with self._idle:
