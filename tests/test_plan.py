@@ -81,7 +81,12 @@ def test_placement_accounts_every_tier():
     rows = {i.name: i for i in p.items}
     n = p.num_params
     assert rows["optimizer state, offloaded"].nvme == round(0.5 * n) * 12
-    assert rows["pinned staging (grads + params)"].host == 6 * (1 << 22) * 2
+    assert rows["pinned staging (grads + params)"].host == 6 * (1 << 24) * 2  # 16M chunks
+    assert rows["NVMe read-ahead buffers"].host == 5 * (1 << 24) * 12
+    fixed = preset_plan("13b", offload_fraction=0.5, state_tier="nvme", offload_layers=10,
+                        checkpoint=True, chunk_numel=1 << 22)
+    assert {i.name: i for i in fixed.items}["pinned staging (grads + params)"].host == \
+        6 * (1 << 22) * 2
     assert rows["activations"].host > 0
     assert p.used["nvme"] == sum(i.nvme for i in p.items)
 

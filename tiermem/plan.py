@@ -62,6 +62,7 @@ import sys
 from dataclasses import dataclass, field
 
 from tiermem.config import parse_bytes
+from tiermem.optim.partition import auto_chunk_numel
 
 GB = 1000 ** 3
 GiB = 1 << 30
@@ -217,7 +218,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          state_tier: str = "auto", offload_layers: int | None = None,
          activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
          eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
-         chunk_numel: int = 1 << 22, nvme_lookahead_chunks: int = 2) -> Plan:
+         chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
@@ -248,7 +249,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         gpu_reserve_bytes: GPU bytes kept free for the CUDA context, workspaces and
             fragmentation; None: 1 GiB + 5 % of ``gpu_bytes``.
         host_reserve_bytes: host bytes kept free for the OS, Python and torch.
-        chunk_numel, nvme_lookahead_chunks: HybridAdam's, for the NVMe read-ahead buffers.
+        chunk_numel, nvme_lookahead_chunks: HybridAdam's, for the pinned staging and NVMe
+            read-ahead buffers (``chunk_numel=None``: HybridAdam's default for the offloaded
+            elements, see :func:`tiermem.optim.partition.auto_chunk_numel`).
 
     Returns:
         a :class:`Plan` (``plan.fits``, ``plan.table()``).
@@ -291,9 +294,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     d_model = _positive_int("d_model", d_model)
     n_heads = _positive_int("n_heads", n_heads or max(1, d_model // 128))
     for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
-                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth),
-                        ("chunk_numel", chunk_numel)):
+                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth)):
         _positive_int(name, value)
+    if chunk_numel is not None:
+        _positive_int("chunk_numel", chunk_numel)
     if isinstance(nvme_lookahead_chunks, bool) or not isinstance(nvme_lookahead_chunks, int) \
             or nvme_lookahead_chunks < 0:
         raise ValueError(f"nvme_lookahead_chunks={nvme_lookahead_chunks!r} must be an int >= 0")
@@ -350,11 +354,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                                f"moments)" if off_n else "")
         items.append(state_item)
         if off_n:
+            chunk = chunk_numel or auto_chunk_numel(off_n)
             items.append(Item("pinned staging (grads + params)",
-                              host=6 * chunk_numel * p,  # 2-chunk gradient + 4-chunk param ring
+                              host=6 * chunk * p,  # 2-chunk gradient + 4-chunk param ring
                               note="2 + 4 chunks"))
             if tier in ("nvme", "split"):
-                look = (nvme_lookahead_chunks + 3) * chunk_numel * 12
+                look = (nvme_lookahead_chunks + 3) * chunk * 12
                 items.append(Item("NVMe read-ahead buffers", host=look,
                                   note=f"{nvme_lookahead_chunks}+3 chunks"))
         on_gpu_blocks = n_layers - k

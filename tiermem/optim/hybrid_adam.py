@@ -93,7 +93,7 @@ import torch
 from tiermem.config import StoreConfig
 from tiermem.optim import distributed as _dist
 from tiermem.optim.cpu_adam import adam_step_unchecked
-from tiermem.optim.partition import Chunk, GroupPlan, plan_group
+from tiermem.optim.partition import Chunk, GroupPlan, auto_chunk_numel, plan_group
 from tiermem.store.pool import round_up
 from tiermem.store.store import TierFullError, TierStore
 from tiermem.store.transfer import Copier
@@ -113,13 +113,6 @@ being stepped and the next one's copy in flight."""
 
 _STOP = object()
 """Tells the CPU worker to exit."""
-
-
-def auto_chunk_numel(offloaded_numel: int) -> int:
-    """The default ``chunk_numel``: ``offloaded_numel / 32`` rounded down to a power of two,
-    within [2^16, 2^24] elements."""
-    target = max(1, offloaded_numel // 32)
-    return min(1 << 24, max(1 << 16, 1 << (target.bit_length() - 1)))
 
 
 def _state_numel(numel: int, moments_dtype: torch.dtype) -> int:

@@ -51,6 +51,14 @@ class GroupPlan:
     chunks_of_param: dict[int, list[int]] = field(default_factory=dict)
 
 
+def auto_chunk_numel(offloaded_numel: int) -> int:
+    """HybridAdam's default ``chunk_numel``: ``offloaded_numel / 32`` rounded down to a power of
+    two, within [2^16, 2^24] elements (large enough that per-chunk costs vanish, small enough
+    that the CPU step overlaps backward)."""
+    target = max(1, offloaded_numel // 32)
+    return min(1 << 24, max(1 << 16, 1 << (target.bit_length() - 1)))
+
+
 def plan_group(numels: list[int], element_bytes: list[int], offload_fraction: float,
                chunk_numel: int, order: list[int] | None = None) -> GroupPlan:
     """Split a group's parameters between GPU and offloaded side, and chunk the offloaded side.
