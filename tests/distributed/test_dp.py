@@ -247,7 +247,7 @@ def test_errors_name_the_rank(job):
     for r, out in enumerate(res):
         assert out["accum_error"].startswith(f"HybridAdam[rank {r}]: 2 backward passes")
         assert f"HybridAdam[rank {r}]: the ranks of the process group pass different" in out["mismatch_error"]
-    assert res[1]["step_error"] == "HybridAdam[rank 1]: the CPU step failed: disk gone"
+    assert res[1]["step_error"].startswith("HybridAdam[rank 1]: the CPU step failed: disk gone")
     assert res[0]["step_error"].startswith("HybridAdam[rank 0]: another rank's CPU step failed")
 
 

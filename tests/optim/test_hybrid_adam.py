@@ -248,6 +248,31 @@ def test_gpu_lane_with_clipping_and_bf16_moments_tracks_the_cpu_kernel():
     opt_a.close(), opt_b.close()
 
 
+def test_a_failing_gpu_lane_chunk_fails_the_step_and_releases_its_state(monkeypatch):
+    model = make_models()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
+                     gpu_step_fraction=0.5)
+    train(model, opt, 1, accum=1)  # allocates the state (trace placement)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise OSError("lane kernel failed")
+
+    monkeypatch.setattr(opt, "_fused_runs", broken)
+    with pytest.raises(RuntimeError, match="lane kernel failed"):
+        train(model, opt, 1, accum=1)
+    assert calls
+    # every state blob was released (held keys can never leave their tier): only the
+    # group's two pinned rings stay held
+    held = [k for k, e in opt._store._entries.items() if e.holds]
+    assert sorted(k[-1] for k in held) == ["grad", "out"], held
+    monkeypatch.undo()
+    opt.zero_grad(set_to_none=True)
+    train(model, opt, 1, accum=1)  # the optimizer takes the next step
+    opt.close()
+
+
 def test_params_without_grad_are_skipped_like_torch():
     ref, model = make_models(), make_models()
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)

@@ -1079,41 +1079,51 @@ class HybridAdam(torch.optim.Optimizer):
         has_grad = {p: ref is not None for p, ref in refs.items()}
         key = group.chunk_keys[c]
         blob = self._store.get(key, "cpu", hold=True)
-        self._prefetch_after(g, c)
-        slot = self._lane_next
-        self._lane_next = (slot + 1) % _LANE_SLOTS
-        state = self._lane_state[slot][:_state_numel(chunk.numel, self.moments_dtype)]
-        grads = self._lane_grad[slot]
-        loaded = self._lane_copier.h2d_many([(state, blob)], after=self._lane_free[slot])
-        cuda = self._lane_stream is not None
-        with torch.cuda.stream(self._lane_stream) if cuda else _nullcontext():
-            if cuda:
-                self._lane_stream.wait_event(loaded)  # the state is on the device
-                waits = [self._clip_event] if self._clip_event is not None else \
-                    [ref[1] for ref in refs.values() if ref is not None and ref[1] is not None]
-                for ev in dict.fromkeys(waits):
-                    self._lane_stream.wait_event(ev)  # the gradients are complete
-            master, exp_avg, exp_avg_sq = _state_views(state, chunk.numel, self.moments_dtype)
-            lo = chunk.flat_start
-            for pc in chunk.pieces:
-                if has_grad[pc.param]:
-                    rel = pc.flat_offset - lo
-                    grads[rel:rel + pc.numel].copy_(refs[pc.param][0][pc.start:pc.start + pc.numel])
-            frozen = self._frozen_hp
-            hp = frozen[g] if frozen is not None else self.param_groups[g]
-            runs = self._runs(group, chunk, has_grad)
-            if runs:
-                self._fused_runs(master, grads, exp_avg, exp_avg_sq, runs, hp)
-            for pc in chunk.pieces:
-                if has_grad[pc.param]:
-                    rel = pc.flat_offset - lo
-                    self._local(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
-                        master[rel:rel + pc.numel])
-            stepped = None
-            if cuda:
-                stepped = torch.cuda.Event()
-                stepped.record(self._lane_stream)  # the params are updated; the state may go back
-        written = self._lane_copier.d2h_many([(blob, state)], after=stepped)
+        loaded = None
+        try:
+            self._prefetch_after(g, c)
+            slot = self._lane_next
+            self._lane_next = (slot + 1) % _LANE_SLOTS
+            state = self._lane_state[slot][:_state_numel(chunk.numel, self.moments_dtype)]
+            grads = self._lane_grad[slot]
+            loaded = self._lane_copier.h2d_many([(state, blob)], after=self._lane_free[slot])
+            cuda = self._lane_stream is not None
+            with torch.cuda.stream(self._lane_stream) if cuda else _nullcontext():
+                if cuda:
+                    self._lane_stream.wait_event(loaded)  # the state is on the device
+                    waits = [self._clip_event] if self._clip_event is not None else \
+                        [ref[1] for ref in refs.values() if ref is not None and ref[1] is not None]
+                    for ev in dict.fromkeys(waits):
+                        self._lane_stream.wait_event(ev)  # the gradients are complete
+                master, exp_avg, exp_avg_sq = _state_views(state, chunk.numel, self.moments_dtype)
+                lo = chunk.flat_start
+                for pc in chunk.pieces:
+                    if has_grad[pc.param]:
+                        rel = pc.flat_offset - lo
+                        src = refs[pc.param][0][pc.start:pc.start + pc.numel]
+                        grads[rel:rel + pc.numel].copy_(src)  # widened to fp32
+                frozen = self._frozen_hp
+                hp = frozen[g] if frozen is not None else self.param_groups[g]
+                runs = self._runs(group, chunk, has_grad)
+                if runs:
+                    self._fused_runs(master, grads, exp_avg, exp_avg_sq, runs, hp)
+                for pc in chunk.pieces:
+                    if has_grad[pc.param]:
+                        rel = pc.flat_offset - lo
+                        self._local(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
+                            master[rel:rel + pc.numel])
+                stepped = None
+                if cuda:
+                    stepped = torch.cuda.Event()
+                    stepped.record(self._lane_stream)  # params updated; the state may go back
+            written = self._lane_copier.d2h_many([(blob, state)], after=stepped)
+        except BaseException:  # error path: let what was issued finish before the blob goes
+            if loaded is not None:
+                loaded.synchronize()  # the state load has read the blob
+            if self._lane_stream is not None:
+                self._lane_stream.synchronize()  # nothing queued still uses the slot
+            self._store.release(key)
+            raise
         self._lane_free[slot] = written
         with self._stats_lock:  # the lane's PCIe traffic is the state, both ways
             self._acc["h2d_bytes"] += state.numel() * 4
@@ -1285,10 +1295,14 @@ class HybridAdam(torch.optim.Optimizer):
             events = self._h2d_events
         stall = time.perf_counter() - t_wait
         if self._zero is not None and self._zero.any_failed(bool(errors)) and not errors:
+            self._begin_step()  # the optimizer takes the next step; this one is lost
             raise RuntimeError(f"{self._who}: another rank's CPU step failed (its error names "
                                f"it); this step was abandoned on every rank")
         if errors:
-            raise RuntimeError(f"{self._who}: the CPU step failed: {errors[0]}") from errors[0]
+            self._begin_step()
+            raise RuntimeError(f"{self._who}: the CPU step failed: {errors[0]} (some offloaded "
+                               f"chunks may have been updated: resume from a checkpoint to stay "
+                               f"exact)") from errors[0]
         consumer = self._copier.consumer_stream()
         for event in events if consumer is not None else ():
             consumer.wait_event(event)  # the next forward reads the parameters copied H2D
