@@ -724,6 +724,19 @@ def test_auto_layers_follow_measured_compute_and_transfer(make_store, monkeypatc
     _assert_clean(store, off)
 
 
+def test_auto_layers_on_nvme_count_the_disk(make_store, monkeypatch):
+    import tiermem.offload.activations as act
+    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
+    disk = []
+    monkeypatch.setattr(act, "disk_bandwidths", lambda d: disk.append(d) or (1.0, 2.0))
+    store = make_store(gpu_bytes=8 << 20, cpu_bytes=1 << 20, nvme_bytes=16 << 20)
+    model, off = _run(TinyGPT, _three_steps, offload=lambda m: offload_activations(
+        m.blocks, store=store, tier="nvme"))
+    assert disk == [store.config.nvme_dir]
+    assert (off.plan["d2h_gbps"], off.plan["h2d_gbps"]) == (1e-9, 2e-9)
+    assert off.plan["layers"] == []  # a disk at 1-2 bytes/s hides nothing
+
+
 def test_explicit_layers_make_no_plan(make_store):
     store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
     model, off = _run(TinyGPT, _three_steps, offload=lambda m: offload_activations(

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem.schedule.layers import BlockCosts, choose_layers, copy_bandwidths, simulate
+from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
+                                     simulate)
 
 import torch
 
@@ -121,3 +122,11 @@ def test_copy_bandwidths_measures_both_directions():
     assert d2h > 0 and h2d > 0
     with pytest.raises(ValueError, match="nbytes=0"):
         copy_bandwidths(torch.device("cpu"), nbytes=0)
+
+
+def test_disk_bandwidths_measure_both_directions(tmp_path):
+    write, read = disk_bandwidths(str(tmp_path), nbytes=1 << 20, repeat=1)
+    assert write > 0 and read > 0
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    with pytest.raises(ValueError, match="repeat=0"):
+        disk_bandwidths(str(tmp_path), repeat=0)

@@ -54,7 +54,8 @@ Note [offload rules] (referred to from code and tests):
 8. *Automatic layers* (``layers="auto"``, the default). The first two forwards of one
    offloader offload every block but the last; the second is timed per block (CUDA events at
    the block hooks, read later without a device-wide wait) and its saved bytes are counted per
-   block, and the copy bandwidths are measured as it starts (its one device synchronisation).
+   block, and the copy bandwidths are measured as it starts (its one device synchronisation;
+   with ``tier="nvme"`` also the spill directory's disk, and the slower of the two counts).
    When the third forward starts, :func:`tiermem.schedule.layers.choose_layers` picks the blocks
    whose copies hide behind compute and the policy keeps them from then on (``plan``). Make
    the offloader once and enter it every step: a new one starts measuring again.
@@ -77,7 +78,8 @@ import torch
 from torch import nn
 
 from tiermem.config import StoreConfig
-from tiermem.schedule.layers import BlockCosts, choose_layers, copy_bandwidths, simulate
+from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
+                                     simulate)
 from tiermem.store import TierFullError, TierStore
 
 _OFFLOAD_TIERS = ("cpu", "nvme")
@@ -632,7 +634,7 @@ class ActivationOffloader:
             pending, self._pending = self._pending, []
             if self._calibrating():
                 if self._calibration.bandwidths is None:  # before the timed blocks run
-                    self._calibration.bandwidths = copy_bandwidths(self._store.device, 32 << 20)
+                    self._calibration.bandwidths = self._copy_rates()
                 self._calibration.enter(index, self._store.device)
                 for ref in pending:
                     handle = ref()
@@ -657,6 +659,15 @@ class ActivationOffloader:
 
     def _calibrating(self) -> bool:
         return self._calibration is not None and self._fwd == _CALIBRATION_FORWARD
+
+    def _copy_rates(self) -> tuple[float, float]:
+        """``(offload, reload)`` bytes/s: PCIe copies, and with ``tier="nvme"`` no faster than
+        the spill directory's disk."""
+        d2h, h2d = copy_bandwidths(self._store.device, 32 << 20)
+        if self.tier == "nvme":
+            write, read = disk_bandwidths(self._store.config.nvme_dir)
+            d2h, h2d = min(d2h, write), min(h2d, read)
+        return d2h, h2d
 
     def _plan_layers(self) -> None:
         """``layers="auto"``: choose the offloaded blocks from the timed forward (called once,
@@ -881,8 +892,8 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
             the last and the second is timed per block (forward time, saved bytes); when the
             third starts, the blocks whose copies hide behind compute are chosen
             (:func:`tiermem.schedule.layers.choose_layers`; backward taken as twice forward,
-            copy bandwidths measured once) and kept from then on; ``plan`` says what was chosen
-            and why.
+            copy bandwidths measured once, with ``tier="nvme"`` no faster than the disk) and
+            kept from then on; ``plan`` says what was chosen and why.
         prefetch_depth: when backward enters layer ``i``, layers ``i-1 ... i-prefetch_depth``
             are reloaded in the background (>= 1).
         min_offload_bytes: saved tensors smaller than this many bytes stay on the device.

@@ -20,6 +20,8 @@ Units: seconds, bytes, bytes per second.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,3 +200,43 @@ def copy_bandwidths(device: torch.device, nbytes: int = 64 << 20, repeat: int = 
         return nbytes / max(best, 1e-9)
 
     return timed(host, dev), timed(dev, host)
+
+
+def disk_bandwidths(directory: str | None, nbytes: int = 32 << 20, repeat: int = 2
+                    ) -> tuple[float, float]:
+    """Measure ``(write, read)`` bandwidth in bytes/s of a file in ``directory`` (None: a
+    temporary directory): best of ``repeat`` after a warm-up; each write is fsync'd and the
+    file's pages are dropped from the page cache before each read, so both hit the disk.
+
+    Raises:
+        ValueError: ``nbytes`` < 1 or ``repeat`` < 1.
+        OSError: ``directory`` is not writable.
+    """
+    if nbytes < 1 or repeat < 1:
+        raise ValueError(f"disk_bandwidths: nbytes={nbytes} and repeat={repeat} must be >= 1")
+    data = os.urandom(nbytes)
+    buf = bytearray(nbytes)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = os.path.join(tmp, "bw")
+
+        def write() -> None:
+            with open(path, "wb", buffering=0) as f:
+                f.write(data)
+                os.fsync(f.fileno())  # on the disk, not in the page cache
+
+        def read() -> None:
+            with open(path, "rb", buffering=0) as f:
+                if hasattr(os, "posix_fadvise"):  # drop the cached pages: read the disk
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                f.readinto(buf)
+
+        def best(fn) -> float:
+            fn()  # warm-up
+            out = math.inf
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                out = min(out, time.perf_counter() - t0)
+            return nbytes / max(out, 1e-9)
+
+        return best(write), best(read)

@@ -43,7 +43,7 @@ from typing import Any, TextIO
 import torch
 
 from tiermem.config import TIERS, parse_bytes
-from tiermem.schedule.layers import copy_bandwidths
+from tiermem.schedule.layers import copy_bandwidths, disk_bandwidths
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 """Links of the cost model."""
@@ -162,8 +162,6 @@ class CostModel:
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") \
             if str(device) == "auto" else torch.device(device)
-        host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-
         def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
             fn()  # warm-up
             best = math.inf
@@ -175,21 +173,8 @@ class CostModel:
 
         d2h_bps, h2d_bps = copy_bandwidths(device, nbytes)
         h2d, d2h = h2d_bps / 1e9, d2h_bps / 1e9
-        data = host.numpy().tobytes()
-        with tempfile.TemporaryDirectory(dir=nvme_dir) as tmp:
-            path = os.path.join(tmp, "bw")
-
-            def write() -> None:
-                with open(path, "wb", buffering=0) as f:
-                    f.write(data)
-                    os.fsync(f.fileno())
-
-            def read() -> None:
-                with open(path, "rb", buffering=0) as f:
-                    f.readinto(bytearray(nbytes))
-
-            nvme_write = nbytes / timed(write, repeat=2) / 1e9
-            nvme_read = nbytes / timed(read, repeat=2) / 1e9
+        write_bps, read_bps = disk_bandwidths(nvme_dir, nbytes)
+        nvme_write, nvme_read = write_bps / 1e9, read_bps / 1e9
         p, g, m, v = (torch.rand(adam_params) for _ in range(4))
         steps = itertools.count(1)
         adam = adam_params / timed(lambda: adam_step_(
