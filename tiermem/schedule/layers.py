@@ -163,9 +163,11 @@ def choose_layers(costs: BlockCosts, d2h_bytes_per_s: float, h2d_bytes_per_s: fl
         rest = [i for i in range(n) if i not in chosen and costs.nbytes[i]]
         if not rest:
             break
-        # the block costing least extra time, the larger one on a tie (fewer blocks moved)
-        best = min(rest, key=lambda i: (sim(chosen | {i}).late_s + sim(chosen | {i}).stall_s,
-                                        -costs.nbytes[i]))
+        def cost(i: int) -> tuple[float, int]:
+            t = sim(chosen | {i})  # least extra time first, the larger block on a tie
+            return t.late_s + t.stall_s, -costs.nbytes[i]
+
+        best = min(rest, key=cost)
         chosen.add(best)
         kept -= costs.nbytes[best]
     return frozenset(chosen)
