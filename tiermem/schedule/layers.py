@@ -23,7 +23,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +173,18 @@ def choose_layers(costs: BlockCosts, d2h_bytes_per_s: float, h2d_bytes_per_s: fl
     return frozenset(chosen)
 
 
+def best_time_s(fn: Callable[[], object], repeat: int) -> float:
+    """The shortest of ``repeat`` timed calls of ``fn`` after one untimed warm-up, in seconds
+    (at least 1 ns)."""
+    fn()
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
 def copy_bandwidths(device: torch.device, nbytes: int = 64 << 20, repeat: int = 3
                     ) -> tuple[float, float]:
     """Measure ``(d2h, h2d)`` copy bandwidth in bytes/s between ``device`` and pinned host
@@ -183,25 +195,17 @@ def copy_bandwidths(device: torch.device, nbytes: int = 64 << 20, repeat: int = 
     """
     if nbytes < 1 or repeat < 1:
         raise ValueError(f"copy_bandwidths: nbytes={nbytes} and repeat={repeat} must be >= 1")
-
     cuda = device.type == "cuda"
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
-        best = math.inf
-        for k in range(repeat + 1):  # the first is a warm-up
-            if cuda:
-                torch.cuda.synchronize(device)  # time only this copy
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            if cuda:
-                torch.cuda.synchronize(device)  # the copy is done
-            if k:
-                best = min(best, time.perf_counter() - t0)
-        return nbytes / max(best, 1e-9)
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        if cuda:
+            torch.cuda.synchronize(device)  # the copy is done (and the next starts idle)
 
-    return timed(host, dev), timed(dev, host)
+    return (nbytes / best_time_s(lambda: copy(host, dev), repeat),
+            nbytes / best_time_s(lambda: copy(dev, host), repeat))
 
 
 def disk_bandwidths(directory: str | None, nbytes: int = 32 << 20, repeat: int = 2
@@ -232,13 +236,4 @@ def disk_bandwidths(directory: str | None, nbytes: int = 32 << 20, repeat: int =
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 f.readinto(buf)
 
-        def best(fn) -> float:
-            fn()  # warm-up
-            out = math.inf
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                out = min(out, time.perf_counter() - t0)
-            return nbytes / max(out, 1e-9)
-
-        return best(write), best(read)
+        return nbytes / best_time_s(write, repeat), nbytes / best_time_s(read, repeat)

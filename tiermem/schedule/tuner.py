@@ -43,7 +43,7 @@ from typing import Any, TextIO
 import torch
 
 from tiermem.config import TIERS, parse_bytes
-from tiermem.schedule.layers import copy_bandwidths, disk_bandwidths
+from tiermem.schedule.layers import best_time_s, copy_bandwidths, disk_bandwidths
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 """Links of the cost model."""
@@ -162,24 +162,15 @@ class CostModel:
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") \
             if str(device) == "auto" else torch.device(device)
-        def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
-            fn()  # warm-up
-            best = math.inf
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            return max(best, 1e-9)
-
         d2h_bps, h2d_bps = copy_bandwidths(device, nbytes)
         h2d, d2h = h2d_bps / 1e9, d2h_bps / 1e9
         write_bps, read_bps = disk_bandwidths(nvme_dir, nbytes)
         nvme_write, nvme_read = write_bps / 1e9, read_bps / 1e9
         p, g, m, v = (torch.rand(adam_params) for _ in range(4))
         steps = itertools.count(1)
-        adam = adam_params / timed(lambda: adam_step_(
+        adam = adam_params / best_time_s(lambda: adam_step_(
             p, g, m, v, step=next(steps), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.0)) / 1e9
+            weight_decay=0.0), repeat=3) / 1e9
         return cls(h2d, d2h, nvme_read, nvme_write, adam)
 
 
