@@ -126,8 +126,21 @@ def _state_views(blob: torch.Tensor, numel: int, moments_dtype: torch.dtype):
     return blob[:numel], moments[0], moments[1]
 
 
-def _fused_op(adamw: bool):
-    return getattr(torch, "_fused_adamw_" if adamw else "_fused_adam_", None)
+def _fused_adam_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list,
+                 hp: dict) -> None:
+    """torch's fused Adam/AdamW (``hp``: a param group's hyper-parameters) on fp32 tensors, in
+    place, on the current stream; ``steps`` are the already incremented step tensors.
+
+    Raises:
+        RuntimeError: this torch has no fused Adam op (torch < 2.4).
+    """
+    fused = getattr(torch, "_fused_adamw_" if hp["adamw"] else "_fused_adam_", None)
+    if fused is None:
+        raise RuntimeError("HybridAdam needs torch._fused_adamw_ (torch >= 2.4)")
+    beta1, beta2 = hp["betas"]
+    fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hp["lr"], beta1=beta1, beta2=beta2,
+          weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False,
+          maximize=hp["maximize"], grad_scale=None, found_inf=None)
 
 
 @dataclass
@@ -905,6 +918,23 @@ class HybridAdam(torch.optim.Optimizer):
                         self._idle.notify_all()
             self._reap_lane(block=False)
 
+    def _chunk_grads(self, g: int, c: int) -> tuple[dict[int, tuple | None], list]:
+        """Chunk ``c``'s gradients once they may be read: ``({local tensor: (flat gradient,
+        event) or None}, the events a copy or step of them must wait for)`` -- the clip's, with
+        clipping, else each gradient's own. Blocks until ``step()`` has clipped (clipping)."""
+        self._compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
+        with self._lock:
+            refs = {pc.param: self._grad_refs.get((g, pc.param))
+                    for pc in self._groups[g].plan.chunks[c].pieces}
+        if self._clip_event is not None:
+            return refs, [self._clip_event]  # the clipped gradients are complete here
+        return refs, list(dict.fromkeys(ref[1] for ref in refs.values()
+                                        if ref is not None and ref[1] is not None))
+
+    def _step_hp(self, g: int) -> dict:
+        """Group ``g``'s hyper-parameters for the chunks being stepped: as of ``step()``."""
+        return self._frozen_hp[g] if self._frozen_hp is not None else self.param_groups[g]
+
     def _copy_grads(self, g: int, c: int) -> tuple[torch.Tensor, dict[int, bool], Any]:
         """Issue the D2H copy of chunk ``c``'s gradients into the group's next gradient slot
         (once per chunk and step; worker thread only).
@@ -915,27 +945,20 @@ class HybridAdam(torch.optim.Optimizer):
         done = self._copies.get((g, c))
         if done is not None:
             return done
-        self._compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
         group = self._groups[g]
         chunk: Chunk = group.plan.chunks[c]
-        with self._lock:
-            refs = {pc.param: self._grad_refs.get((g, pc.param)) for pc in chunk.pieces}
+        refs, waits = self._chunk_grads(g, c)
         slot = group.grad_next
         group.grad_next = (slot + 1) % _GRAD_SLOTS  # the slot's last chunk has been stepped
         buf = group.grad_ring[slot][:chunk.numel]
-        pairs, waits, nbytes = [], [], 0
+        pairs, nbytes = [], 0
         for pc in chunk.pieces:
-            ref = refs[pc.param]
-            if ref is None:
+            if refs[pc.param] is None:
                 continue
-            grad, ready = ref
             rel = pc.flat_offset - chunk.flat_start
-            pairs.append((buf[rel:rel + pc.numel], grad[pc.start:pc.start + pc.numel]))
-            if ready is not None and ready not in waits:
-                waits.append(ready)
+            grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
+            pairs.append((buf[rel:rel + pc.numel], grad))
             nbytes += pc.numel * buf.element_size()
-        if self._clip_event is not None:
-            waits = [self._clip_event]  # the clipped gradients are complete here
         last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
         with self._stats_lock:
             self._acc["d2h_bytes"] += nbytes
@@ -960,8 +983,7 @@ class HybridAdam(torch.optim.Optimizer):
             t_wait = time.perf_counter()
             out, slot = self._out_slot(group, chunk.numel)
             wait_s += time.perf_counter() - t_wait
-            frozen = self._frozen_hp
-            hp = frozen[g] if frozen is not None else self.param_groups[g]
+            hp = self._step_hp(g)
             beta1, beta2 = hp["betas"]
             runs = self._runs(group, chunk, has_grad)
             t0 = time.perf_counter()
@@ -1071,11 +1093,9 @@ class HybridAdam(torch.optim.Optimizer):
         fused Adam on the lane stream with the gradients where backward left them, the updated
         params cast into the model, the state D2H back into its blob. Issues and returns; the
         blob stays held until ``_reap_lane`` sees the write-back done."""
-        self._compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
         group = self._groups[g]
         chunk: Chunk = group.plan.chunks[c]
-        with self._lock:
-            refs = {pc.param: self._grad_refs.get((g, pc.param)) for pc in chunk.pieces}
+        refs, waits = self._chunk_grads(g, c)
         has_grad = {p: ref is not None for p, ref in refs.items()}
         key = group.chunk_keys[c]
         blob = self._store.get(key, "cpu", hold=True)
@@ -1091,9 +1111,7 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.cuda.stream(self._lane_stream) if cuda else _nullcontext():
                 if cuda:
                     self._lane_stream.wait_event(loaded)  # the state is on the device
-                    waits = [self._clip_event] if self._clip_event is not None else \
-                        [ref[1] for ref in refs.values() if ref is not None and ref[1] is not None]
-                    for ev in dict.fromkeys(waits):
+                    for ev in waits:
                         self._lane_stream.wait_event(ev)  # the gradients are complete
                 master, exp_avg, exp_avg_sq = _state_views(state, chunk.numel, self.moments_dtype)
                 lo = chunk.flat_start
@@ -1102,8 +1120,7 @@ class HybridAdam(torch.optim.Optimizer):
                         rel = pc.flat_offset - lo
                         src = refs[pc.param][0][pc.start:pc.start + pc.numel]
                         grads[rel:rel + pc.numel].copy_(src)  # widened to fp32
-                frozen = self._frozen_hp
-                hp = frozen[g] if frozen is not None else self.param_groups[g]
+                hp = self._step_hp(g)
                 runs = self._runs(group, chunk, has_grad)
                 if runs:
                     self._fused_runs(master, grads, exp_avg, exp_avg_sq, runs, hp)
@@ -1141,9 +1158,6 @@ class HybridAdam(torch.optim.Optimizer):
                     exp_avg_sq: torch.Tensor, runs: list[tuple[int, int, int]], hp: dict) -> None:
         """torch's fused Adam on the ``(start, numel, step)`` runs of a chunk in place (on the
         current stream); bf16 moments are widened to fp32 and rounded back, as the CPU kernel."""
-        fused = _fused_op(hp["adamw"])
-        if fused is None:
-            raise RuntimeError("HybridAdam's GPU lane needs torch._fused_adamw_ (torch >= 2.4)")
         sl = [slice(start, start + numel) for start, numel, _ in runs]
         ms = [exp_avg[k] for k in sl]
         vs = [exp_avg_sq[k] for k in sl]
@@ -1152,10 +1166,7 @@ class HybridAdam(torch.optim.Optimizer):
         v32 = [v.float() for v in vs] if wide else vs
         steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)
                  for _, _, step in runs]
-        beta1, beta2 = hp["betas"]
-        fused([master[k] for k in sl], [grads[k] for k in sl], m32, v32, [], steps, lr=hp["lr"],
-              beta1=beta1, beta2=beta2, weight_decay=hp["weight_decay"], eps=hp["eps"],
-              amsgrad=False, maximize=hp["maximize"], grad_scale=None, found_inf=None)
+        _fused_adam_([master[k] for k in sl], [grads[k] for k in sl], m32, v32, steps, hp)
         if wide:
             for m, v, a, b in zip(ms, vs, m32, v32):
                 m.copy_(a)
@@ -1358,14 +1369,8 @@ class HybridAdam(torch.optim.Optimizer):
         masters = [g.gpu_masters[k] for k in idx]
         steps = [g.gpu_steps[k] for k in idx]
         torch._foreach_add_(steps, 1)
-        beta1, beta2 = hp["betas"]
-        fused = _fused_op(hp["adamw"])
-        if fused is None:
-            raise RuntimeError("HybridAdam needs torch._fused_adamw_ (torch >= 2.4)")
-        fused(masters, grads, [g.gpu_exp_avg[k] for k in idx], [g.gpu_exp_avg_sq[k] for k in idx],
-              [], steps, lr=hp["lr"], beta1=beta1, beta2=beta2, weight_decay=hp["weight_decay"],
-              eps=hp["eps"], amsgrad=False, maximize=hp["maximize"], grad_scale=None,
-              found_inf=None)
+        _fused_adam_(masters, grads, [g.gpu_exp_avg[k] for k in idx],
+                     [g.gpu_exp_avg_sq[k] for k in idx], steps, hp)
         for k in idx:
             if g.gpu_views[k] is not g.gpu_masters[k]:
                 g.gpu_views[k].copy_(g.gpu_masters[k])
