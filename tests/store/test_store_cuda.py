@@ -78,3 +78,23 @@ def test_evict_and_spill_from_the_device_round_trip(store):
     stats = store.stats()
     assert stats["moved_bytes"]["gpu->cpu"] >= x.numel() * 2
     assert stats["moved_bytes"]["nvme->gpu"] == x.numel() * 2
+
+
+def test_reaped_reload_is_not_overwritten(store):
+    # Note [reaped reload]: a reload whose copy landed (and was reaped) before get() must still
+    # be marked as used by the consumer, or freeing it lets the next reload overwrite it while
+    # the consumer's kernels are queued
+    a = torch.randn(1 << 22)
+    b = torch.randn(1 << 22)
+    store.put("a", a, tier="cpu")
+    store.put("b", b, tier="cpu")
+    store.prefetch("a", "gpu").wait()
+    x = store.get("a")  # get() reaps the landed move first: no move is pending here
+    torch.cuda._sleep(100_000_000)  # the consumer is busy before it reads x
+    out = x * 1.0
+    del x
+    store.delete("a")  # the host frees a's buffer while `out` is still queued
+    store.prefetch("b", "gpu")  # may reuse a's memory on the H2D stream
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), a)
+    assert torch.equal(store.get("b").cpu(), b)

@@ -36,7 +36,8 @@ Note [offload rules] (referred to from code and tests):
    (gradient accumulation) keep separate keys; forwards under ``torch.no_grad()`` save nothing
    and change no state.
 5. *Synchronisation.* No device-wide synchronisation. The store orders its copies with events on
-   its own streams (see tiermem/store/transfer.py note). Double buffering adds one H2D stream that
+   its own streams (Note [side-stream buffers] and Note [reaped reload] in
+   tiermem/store/transfer.py). Double buffering adds one H2D stream that
    waits on the compute stream before it overwrites a buffer set, and the compute stream waits on
    the load's event before it reads one.
 6. *Double buffering* (``double_buffering=True``): reloads land in two persistent device buffer

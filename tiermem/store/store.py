@@ -262,8 +262,8 @@ class TierStore:
                 entry.holds += 1
             self._policy.on_access(key, entry.tier)
             out = self._view(entry)
+        consumer = self._copier.consumer_stream() if entry.tier == "gpu" else None
         if move is not None:
-            consumer = self._copier.consumer_stream() if entry.tier == "gpu" else None
             try:
                 move.future.wait_stream(consumer)
             except BaseException:
@@ -272,8 +272,11 @@ class TierStore:
                         entry.holds -= 1
                     self._settle(entry)  # reverts or keeps the key; re-raises read failures
                 raise
-            if consumer is not None and out.device.type == "cuda":
-                out.record_stream(consumer)  # allocated on the H2D stream; see transfer.py note
+        if consumer is not None and out.device.type == "cuda":
+            # every time, also when the move was already reaped: the buffer was allocated on
+            # the H2D stream, and without this its memory returns to that stream's pool while
+            # the consumer's kernels may still read it (Note [reaped reload])
+            out.record_stream(consumer)
         t1 = time.perf_counter()
         with self._lock:
             self._stall_s[from_tier] += t1 - t0

@@ -5,10 +5,24 @@ directions overlap each other and compute. Each copy records an event; a consume
 waits on that event (never on the whole device). On a machine without CUDA the "device" is the
 CPU: copies are plain synchronous ``copy_`` calls and every future is born done.
 
-Stream-safety note (referred to as "see transfer.py note" elsewhere): a tensor allocated for a
-copy on a side stream belongs to that stream in torch's caching allocator; when it is handed to
-the consumer's stream, the consumer waits on the copy event and the tensor is marked
-``record_stream(consumer)`` so its memory is not reused before the consumer is done with it.
+Note [side-stream buffers]: a tensor allocated for a copy on a side stream belongs to that
+stream in torch's caching allocator; when it is handed to the consumer's stream, the consumer
+waits on the copy event and the tensor is marked ``record_stream(consumer)`` so its memory is
+not reused before the consumer is done with it.
+
+Note [reaped reload]: the mark is needed on *every* hand-over, not only while the copy is in
+flight. The store reaps finished moves at the start of each call, so a reload whose H2D copy
+has landed is handed out with no move pending. Before the fix ``get`` marked the buffer only
+when it still had to wait for a move; a reaped reload came back unmarked, and when autograd
+freed it (on the host, while backward kernels reading it were still queued) its memory went
+straight back to the H2D stream's pool. The next reload was then copied into that memory on
+the H2D stream, which never waits for compute, overwriting data the queued kernels had yet to
+read. It showed when the host was paced by the GPU long enough for a prefetch to land before
+its ``get``: activation offload with gaps between offloaded blocks (``layers="auto"``,
+non-contiguous ``layers``), and checkpointing, where a block's recomputation separates its
+reloads. Contiguous blocks with ``prefetch_depth=1`` reached ``get`` before the copy landed
+and were marked, so they trained right. Tested by
+``tests/store/test_store_cuda.py::test_reaped_reload_is_not_overwritten``.
 """
 
 from __future__ import annotations
