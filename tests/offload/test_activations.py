@@ -2,7 +2,7 @@
 
 CPU tests compare gradients with ``torch.equal`` against the same model run without offload
 (same seeds). CUDA tests (``-m cuda``) widen timing windows with ``torch.cuda._sleep`` on the
-copy streams and measure peak device memory. See note [offload rules] in
+copy streams and measure peak device memory. See Note [offload rules] in
 tiermem/offload/activations.py for the behaviour checked here.
 """
 
@@ -151,7 +151,7 @@ def test_double_buffering_gradients_equal_and_buffers_reused(make_store):
 
 
 def test_double_buffering_falls_back_when_a_set_was_reused(make_store):
-    """A record whose set was overwritten is read from the store again (note rule 6)."""
+    """A record whose set was overwritten is read from the store again (Note [offload rules], rule 6)."""
     store = make_store()
     from tiermem.offload.activations import _DoubleBuffer, _Record
     buffers = _DoubleBuffer(store.device)

@@ -60,6 +60,17 @@ Note [offload rules] (referred to from code and tests):
    When the third forward starts, :func:`tiermem.schedule.layers.choose_layers` picks the blocks
    whose copies hide behind compute and the policy keeps them from then on (``plan``). Make
    the offloader once and enter it every step: a new one starts measuring again.
+9. *torch.compile.* The block hooks and the pack/unpack hooks are ``torch.compiler.disable``\d:
+   dynamo never traces them (a traced hook's side effects happen once, at compile time, and
+   the compiled graph would then save every tensor outside any block: nothing offloaded). A
+   compiled model therefore breaks its graph at each block boundary and runs the hooks
+   eagerly: blocks compiled one by one (``block.compile()`` or ``torch.compile(block)`` in the
+   list) give the same graphs as without offload and train bit-identically; a whole-model
+   ``torch.compile`` is split at the block boundaries, so its fusions across blocks (and only
+   those) round differently. A graph compiled *before* the hooks existed ignores them (dynamo
+   does not guard on module hooks): if a forward inside the context saves tensors but no block
+   hook runs, ``__exit__`` raises ``RuntimeError`` instead of silently offloading nothing.
+   Tested by tests/offload/test_compile.py and the CUDA parity matrix.
 """
 
 from __future__ import annotations
@@ -517,6 +528,8 @@ class ActivationOffloader:
         self._last_block = -1
         self._current: int | None = None
         self._pending: list[weakref.ref] = []
+        self._blocks_run = 0  # block pre-hooks run since entry (rule 9)
+        self._unassigned = 0  # candidates saved outside every block since entry
         # records
         self._by_storage: dict[tuple, _Record] = {}
         self._groups: dict[Hashable, list[_Record]] = {}
@@ -559,10 +572,13 @@ class ActivationOffloader:
             self._hooks.append(block.register_forward_pre_hook(self._make_enter_hook(i)))
             self._hooks.append(block.register_forward_hook(self._make_exit_hook(i),
                                                            always_call=True))
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+            torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
         self._saved_hooks.__enter__()
         self._fresh = True
         self._current = None
+        self._blocks_run = 0
+        self._unassigned = 0
         ActivationOffloader._active = self
         self._entered = True
         return self
@@ -580,6 +596,14 @@ class ActivationOffloader:
             self._pending.clear()  # tensors saved after the last block stay where they are
             self._closing = True
             self._maybe_close()
+            silent = self._unassigned and not self._blocks_run and self.policy.layers
+        if silent and exc[0] is None:  # Note [offload rules], rule 9
+            raise RuntimeError(
+                f"offload_activations: the forward saved {self._unassigned} tensors but none of "
+                f"the {len(self.blocks)} blocks' forward hooks ran, so nothing was offloaded; "
+                f"pass the modules the forward actually calls (e.g. model.blocks), and with "
+                f"torch.compile compile the blocks (block.compile()) or the model after "
+                f"entering, not a model whose hooks were traced away")
 
     def _maybe_close(self) -> None:
         """Once no key is left after exit (backward may run after the ``with``): release the
@@ -611,11 +635,13 @@ class ActivationOffloader:
     # ------------------------------------------------------------------ layer boundaries
 
     def _make_enter_hook(self, index: int):
+        @torch.compiler.disable  # Note [offload rules], rule 9: runs eagerly, never traced
         def hook(module, args):
             self._on_block_enter(index)
         return hook
 
     def _make_exit_hook(self, index: int):
+        @torch.compiler.disable  # Note [offload rules], rule 9: runs eagerly, never traced
         def hook(module, args, output):
             self._on_block_exit(index)
         return hook
@@ -632,6 +658,7 @@ class ActivationOffloader:
                     self._plan_layers()
             self._last_block = index
             self._current = index
+            self._blocks_run += 1
             pending, self._pending = self._pending, []
             if self._calibrating():
                 if self._calibration.bandwidths is None:  # before the timed blocks run
@@ -714,7 +741,8 @@ class ActivationOffloader:
         with self._lock:
             self.counters["packed"] += 1
             layer = self._current
-            if layer is None:  # outside every block: belongs to the next one (note rule 1)
+            if layer is None:  # outside every block: the next one's (Note [offload rules], rule 1)
+                self._unassigned += 1
                 handle = _Saved(self, t.detach())
                 self._pending.append(weakref.ref(handle))
                 return handle
@@ -836,7 +864,7 @@ class ActivationOffloader:
     # ------------------------------------------------------------------ release
 
     def _release(self, rec: _Record) -> None:
-        """A handle of ``rec`` died (note rule 3): delete the key when it was the last."""
+        """A handle of ``rec`` died (Note [offload rules], rule 3): delete its key if last."""
         with self._lock:
             rec.live -= 1
             if rec.live:
@@ -901,7 +929,7 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
         offload_weights: also offload parameters and buffers that autograd saves.
         double_buffering: reload into two persistent device buffer sets, alternating between
             layers, instead of fresh allocations (needs ``prefetch_depth=1``; for sequential
-            stacks of blocks, see note rule 6 in this module).
+            stacks of blocks, see Note [offload rules], rule 6).
         max_kept_bytes: with ``"auto"``: at most this many bytes of block activations stay on
             the device (more blocks are offloaded, least stall first, to meet it). Default: on
             CUDA, what stayed in the timed forward plus 80% of the device memory still unused

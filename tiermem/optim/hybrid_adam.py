@@ -449,8 +449,10 @@ class HybridAdam(torch.optim.Optimizer):
         else:  # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
             self._hooks = []
         if param_sync == "forward":
+            # never traced by torch.compile: a traced hook's waits would happen at compile time
+            # only, and a compiled forward would read params the CPU side has not written yet
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                self._before_forward)
+                torch.compiler.disable(self._before_forward))
         self._begin_step()
 
     # ------------------------------------------------------------------ modes and local tensors

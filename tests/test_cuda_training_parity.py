@@ -1,0 +1,249 @@
+"""CUDA training parity: every activation-offload mode, with torch AdamW and with HybridAdam,
+trains as the same run without activation offload (Note [training parity]).
+
+Note [training parity]: what a user would trust, on the device users run it on.
+- Model: the reference GPT's shape (d_model 2048, 16 heads, sequence 2048, vocab 32000; bf16,
+  and fp32 for the AdamW rows) with 6 blocks and micro-batch 2, so the whole matrix fits a few
+  minutes; torch's default kernels (no SDPA backend pinned: flash on an H100/H200).
+- Training: ``STEPS`` optimizer steps, a different batch every step, the weights change every
+  step (lr 3e-4), no host synchronisation inside the loop (losses are read at the end), so a
+  stale, reused or early-read buffer changes the numbers.
+- Reference: the same configuration (optimizer, checkpointing, dtype) without activation
+  offload, built from the same seed, run twice. Its run-to-run difference is the noise of the
+  default kernels (flash attention's backward accumulates with atomics). A row passes when its
+  loss at every step and its final parameters (L2 norm of the difference over all of them) are
+  within ``NOISE_MULTIPLE`` times that noise, plus a floor of ``LOSS_FLOOR`` relative for a
+  loss (deterministic steps, e.g. the first, must then match exactly up to it). Nothing of a
+  row's state is copied into its reference.
+- HybridAdam itself is checked against an independent reference (fp32 masters + torch fused
+  AdamW) in tests/optim/test_hybrid_adam_cuda.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from tiermem import StoreConfig, TierStore
+from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.offload import offload_activations
+from tiermem.optim import HybridAdam
+
+pytestmark = pytest.mark.cuda
+
+CFG = GPTConfig(n_layers=6, d_model=2048, n_heads=16, seq_len=2048, vocab=32000)
+BATCH = 2
+STEPS = 8
+HP = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+NOISE_MULTIPLE = 4.0
+LOSS_FLOOR = 1e-6
+
+# activation modes: (offload_activations kwargs, checkpointing); "store" picks the store
+ACT = {
+    "contiguous": (dict(num_layers=5), False),
+    "auto": (dict(store=None), False),  # the default: layers="auto", a private store
+    "noncontiguous": (dict(layers=[0, 2, 3]), False),
+    "checkpoint_all": (dict(layers=range(6)), True),
+    "nvme": (dict(tier="nvme", layers=[0, 2, 4]), False),
+    "double_buffering": (dict(layers=[0, 1, 3], double_buffering=True), False),
+    "prefetch_depth_2": (dict(layers=[0, 1, 3, 4], prefetch_depth=2), False),
+    "checkpoint_nvme": (dict(tier="nvme", layers=range(6)), True),
+}
+# optimizers: HybridAdam keyword arguments (None: torch.optim.AdamW(fused=True))
+OPT = {
+    "adamw": None,
+    "hybrid_f0.5": dict(offload_fraction=0.5),
+    "hybrid_f1": dict(offload_fraction=1.0),
+    "hybrid_f1_lane_bf16m": dict(offload_fraction=1.0, gpu_step_fraction=1.0,
+                                 moments_dtype=torch.bfloat16),
+    "hybrid_fwd_sync": dict(offload_fraction=0.5, param_sync="forward"),
+    "hybrid_clip": dict(offload_fraction=0.5, max_grad_norm=1.0),
+    "hybrid_split": dict(offload_fraction=0.5, state_tier="split"),
+    "hybrid_nvme": dict(offload_fraction=0.3, state_tier="nvme"),
+}
+ROWS = ([(act, opt, "bf16") for act in ACT if act != "checkpoint_nvme"
+         for opt in ("adamw", "hybrid_f0.5")]
+        + [(act, "adamw", "fp32") for act in ("contiguous", "auto", "noncontiguous",
+                                               "checkpoint_all", "double_buffering")]
+        + [("noncontiguous", opt, "bf16") for opt in OPT if opt not in ("adamw", "hybrid_f0.5")]
+        + [("checkpoint_nvme", "hybrid_nvme", "bf16"), ("auto", "hybrid_f1_lane_bf16m", "bf16")])
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass
+class Run:
+    losses: torch.Tensor  # (STEPS,) float64
+    params: torch.Tensor  # all parameters, flat, float32, on the CPU
+    offloaded: int = 0
+
+
+@pytest.fixture(scope="module")
+def spill_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("parity_spill")
+
+
+@pytest.fixture(scope="module")
+def act_store(spill_dir):
+    store = TierStore(StoreConfig(device="cuda", gpu_bytes="48GiB", cpu_bytes="24GiB",
+                                  nvme_bytes="24GiB", nvme_dir=str(spill_dir / "act"),
+                                  pool_slab_bytes="256MiB", io_backend="posix"))
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def opt_store(spill_dir):
+    # state_tier="split": about a third of the offloaded state fits the cpu tier, the rest spills
+    store = TierStore(StoreConfig(device="cuda", gpu_bytes="1GiB", cpu_bytes="2GiB",
+                                  nvme_bytes="16GiB", nvme_dir=str(spill_dir / "opt"),
+                                  pool_slab_bytes="256MiB", io_backend="posix"))
+    yield store
+    store.close()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g)
+    tgt = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g)
+    return idx.cuda(), tgt.cuda()
+
+
+def _model(dtype: torch.dtype, checkpoint: bool) -> GPT:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return GPT(CFG, checkpoint=checkpoint).to(dtype)
+
+
+def _optimizer(name: str, model: GPT, spill_dir, opt_store):
+    kw = OPT[name]
+    if kw is None:
+        return torch.optim.AdamW(model.parameters(), **HP, fused=True)
+    kw = dict(kw)
+    if kw.get("state_tier") == "split":
+        kw["store"] = opt_store
+    elif kw.get("state_tier") == "nvme":
+        kw["nvme_dir"] = str(spill_dir / "nvme_state")
+    return HybridAdam(model.parameters(), **HP, **kw)
+
+
+def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="") -> Run:
+    """Train ``STEPS`` steps; ``act`` None is the reference (no activation offload);
+    ``compile_``: "blocks" (each block compiled) or "whole" (torch.compile of the model)."""
+    model = _model(DTYPES[dtype], ckpt)
+    if compile_ == "blocks":
+        for block in model.blocks:
+            block.compile()
+    run_model = torch.compile(model) if compile_ == "whole" else model
+    optimizer = _optimizer(opt, model, spill_dir, opt_store)
+    off = contextlib.nullcontext()
+    if act is not None:
+        kw = dict(ACT[act][0])
+        store = kw.pop("store", act_store)
+        off = offload_activations(model.blocks, store=store, **kw)
+    losses = []
+    for step in range(STEPS):
+        idx, tgt = _batch(step)
+        with off:
+            _, loss = run_model(idx, tgt)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    if isinstance(optimizer, HybridAdam):
+        optimizer.synchronize()
+    torch.cuda.synchronize()  # test only: read the results
+    run = Run(torch.stack(losses).double().cpu(),
+              torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()]),
+              off.stats()["offloaded"] if act is not None else 0)
+    if isinstance(optimizer, HybridAdam):
+        optimizer.close()
+    if act is not None:
+        off.close()
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return run
+
+
+_REFERENCES: dict[tuple, tuple[Run, Run]] = {}
+
+
+def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", **fixtures
+              ) -> tuple[Run, Run]:
+    """The no-offload run of this configuration, twice (cached for the module)."""
+    key = (opt, dtype, ckpt, compile_)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = tuple(
+            _train(None, opt, dtype, ckpt, fixtures["spill_dir"], fixtures["act_store"],
+                   fixtures["opt_store"], compile_) for _ in range(2))
+    return _REFERENCES[key]
+
+
+def assert_parity(got: Run, ref: tuple[Run, Run], label: str) -> None:
+    """Loss at every step and final parameters within NOISE_MULTIPLE x the reference's noise."""
+    a, b = ref
+    noise = torch.cummax((a.losses - b.losses).abs(), 0).values  # noise so far, per step
+    tol = NOISE_MULTIPLE * noise + LOSS_FLOOR * a.losses.abs()
+    diff = (got.losses - a.losses).abs()
+    param_noise = (a.params - b.params).norm().item()
+    param_diff = (got.params - a.params).norm().item()
+    print(f"{label}: loss diff per step {[f'{d:.2e}' for d in diff.tolist()]}, tol "
+          f"{[f'{t:.2e}' for t in tol.tolist()]}; params |diff| {param_diff:.3e} vs noise "
+          f"{param_noise:.3e}; final loss {got.losses[-1]:.5f} (reference {a.losses[-1]:.5f}, "
+          f"{b.losses[-1]:.5f}); offloaded {got.offloaded}")
+    assert torch.isfinite(got.losses).all(), f"{label}: non-finite loss {got.losses.tolist()}"
+    bad = [s for s in range(STEPS) if diff[s] > tol[s]]
+    assert not bad, (f"{label}: loss differs from the run without offload at steps {bad}: "
+                     f"{got.losses.tolist()} vs {a.losses.tolist()} (noise {noise.tolist()})")
+    assert param_diff <= NOISE_MULTIPLE * param_noise + 1e-30, (
+        f"{label}: final params differ by {param_diff:.3e} (L2), noise {param_noise:.3e}")
+
+
+@pytest.mark.parametrize("act,opt,dtype", ROWS, ids=["-".join(r) for r in ROWS])
+def test_training_parity(act, opt, dtype, spill_dir, act_store, opt_store):
+    fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
+    ref = reference(opt, dtype, ACT[act][1], **fixtures)
+    got = _train(act, opt, dtype, ACT[act][1], **fixtures)
+    assert got.offloaded > 0, f"{act}: nothing was offloaded"
+    assert_parity(got, ref, f"{act}/{opt}/{dtype}")
+
+
+def test_reference_moves_and_is_not_trivially_equal(spill_dir, act_store, opt_store):
+    """The matrix can fail: training moves the weights and the loss, and a run with one wrong
+    gradient step (a stale batch) is far outside the tolerance."""
+    fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
+    a, b = reference("adamw", "bf16", False, **fixtures)
+    assert (a.losses[0] - a.losses[-1]).item() > 0.1, a.losses.tolist()
+    stale = Run(a.losses.clone(), a.params.clone())
+    stale.losses[4:] += 1e-3 * a.losses[4:].abs()  # a perturbation far smaller than the bug's
+    with pytest.raises(AssertionError):
+        assert_parity(stale, (a, b), "stale")
+
+
+@pytest.mark.parametrize("opt", ["adamw", "hybrid_fwd_sync"])
+def test_compiled_blocks_train_as_without_offload(opt, spill_dir, act_store, opt_store):
+    """Note [offload rules], rule 9 on CUDA with inductor: blocks compiled one by one."""
+    torch._dynamo.reset()
+    fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
+    ref = reference(opt, "bf16", False, compile_="blocks", **fixtures)
+    got = _train("noncontiguous", opt, "bf16", False, compile_="blocks", **fixtures)
+    assert got.offloaded > 0
+    assert_parity(got, ref, f"compiled blocks/{opt}")
+
+
+def test_whole_model_compile_offloads_and_differs_only_by_fusion(spill_dir, act_store,
+                                                                 opt_store):
+    """A whole-model compile is split at the block hooks (rule 9): the fusions across block
+    boundaries round differently, so the bound is bf16 rounding (1e-2 relative on the loss),
+    not the noise; a wrong or stale tensor moves the loss far more."""
+    torch._dynamo.reset()
+    fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
+    a, _ = reference("adamw", "bf16", False, compile_="whole", **fixtures)
+    torch._dynamo.reset()  # a graph compiled without the hooks would ignore them
+    got = _train("noncontiguous", "adamw", "bf16", False, compile_="whole", **fixtures)
+    assert got.offloaded > 0
+    rel = ((got.losses - a.losses).abs() / a.losses.abs()).max().item()
+    print(f"whole-model compile: max relative loss difference {rel:.2e}")
+    assert rel < 1e-2, (got.losses.tolist(), a.losses.tolist())
