@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-import torch.nn.attention
 from torch import nn
 
 from models import TinyGPT, make_batch
@@ -568,6 +567,14 @@ def _cuda_store(tmp_path, **kw):
     return TierStore(StoreConfig(nvme_dir=str(tmp_path), device="cuda", **kw))
 
 
+def _assert_within_noise(ref, ref2, got, multiple: float = 4.0) -> None:
+    """Each gradient within ``multiple`` x the reference's run-to-run difference (Note
+    [training parity] in tests/test_cuda_training_parity.py): exact where that is zero."""
+    for i, (a, b, g) in enumerate(zip(ref, ref2, got)):
+        noise, diff = (a - b).abs().max(), (g - a).abs().max()
+        assert diff <= multiple * noise, f"gradient {i}: max diff {diff} > {multiple} x {noise}"
+
+
 def _sleepy_streams(store: TierStore, off: ActivationOffloader, cycles: int = 2_000_000) -> None:
     """Queue a long GPU sleep on the copy streams before every copy (widens missing-wait races)."""
     copier = store._copier
@@ -610,16 +617,14 @@ def test_cuda_gradients_equal_with_sleepy_streams(tmp_path, monkeypatch, dtype, 
     make = lambda: TinyGPT(vocab=512, d_model=256, n_heads=8, n_layers=6, seq_len=256,  # noqa: E731
                            checkpoint_blocks=setup == "checkpoint").to(dtype)
 
-    def steps(model):
-        # the math SDPA backend has a deterministic backward (flash/efficient accumulate with
-        # atomics), so both runs are bit-identical
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            for seeds in ((21, 22), (23,)):
-                losses = [model(*make_batch(s, batch=8, seq_len=256, vocab=512,
-                                            device="cuda"))[1] for s in seeds]
-                sum(losses).backward()
+    def steps(model):  # torch's default SDPA backend, as users run it
+        for seeds in ((21, 22), (23,)):
+            losses = [model(*make_batch(s, batch=8, seq_len=256, vocab=512,
+                                        device="cuda"))[1] for s in seeds]
+            sum(losses).backward()
 
     ref, _ = _run(make, steps, device="cuda")
+    ref2, _ = _run(make, steps, device="cuda")  # the default kernels' run-to-run noise
     store = _cuda_store(tmp_path)
     kw = dict(tier="nvme" if setup == "nvme" else "cpu",
               double_buffering=setup == "double_buffering",
@@ -635,7 +640,7 @@ def test_cuda_gradients_equal_with_sleepy_streams(tmp_path, monkeypatch, dtype, 
     _no_device_sync(monkeypatch)
     model, off = _run(make, steps, device="cuda", offload=offload)
     monkeypatch.undo()
-    _assert_equal_grads(_grads(ref), _grads(model))
+    _assert_within_noise(_grads(ref), _grads(ref2), _grads(model))
     assert off.stats()["offloaded"] > 0
     torch.cuda.current_stream().synchronize()  # test only: let reaped moves settle
     _assert_clean(store, off)
@@ -761,16 +766,16 @@ def test_cuda_auto_layers_time_blocks_with_events_and_keep_gradients(tmp_path):
                            seq_len=1024).to(torch.bfloat16)
     batches = [make_batch(s, batch=8, seq_len=1024, vocab=1024, device="cuda") for s in range(4)]
 
-    def steps(model):
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            for idx, targets in batches:
-                model(idx, targets)[1].backward()
+    def steps(model):  # torch's default SDPA backend
+        for idx, targets in batches:
+            model(idx, targets)[1].backward()
 
     ref, _ = _run(make, steps, device="cuda")
+    ref2, _ = _run(make, steps, device="cuda")  # the default kernels' run-to-run noise
     store = _cuda_store(tmp_path, gpu_bytes="40GiB", cpu_bytes="48GiB", nvme_bytes=0)
     model, off = _run(make, steps, device="cuda",
                       offload=lambda m: offload_activations(m.blocks, store=store))
-    _assert_equal_grads(_grads(ref), _grads(model))
+    _assert_within_noise(_grads(ref), _grads(ref2), _grads(model))
     plan = off.plan
     print("auto plan:", {k: v for k, v in plan.items()})
     assert all(ms > 0 for ms in plan["fwd_ms"]) and all(n > 0 for n in plan["nbytes"])
