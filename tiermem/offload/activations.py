@@ -60,8 +60,8 @@ Note [offload rules] (referred to from code and tests):
    When the third forward starts, :func:`tiermem.schedule.layers.choose_layers` picks the blocks
    whose copies hide behind compute and the policy keeps them from then on (``plan``). Make
    the offloader once and enter it every step: a new one starts measuring again.
-9. *torch.compile.* The block hooks and the pack/unpack hooks are ``torch.compiler.disable``\d:
-   dynamo never traces them (a traced hook's side effects happen once, at compile time, and
+9. *torch.compile.* The block hooks and the pack/unpack hooks are wrapped in
+   ``torch.compiler.disable``: dynamo never traces them (a traced hook's side effects happen once, at compile time, and
    the compiled graph would then save every tensor outside any block: nothing offloaded). A
    compiled model therefore breaks its graph at each block boundary and runs the hooks
    eagerly: blocks compiled one by one (``block.compile()`` or ``torch.compile(block)`` in the
