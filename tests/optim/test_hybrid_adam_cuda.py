@@ -10,8 +10,8 @@ Tolerance: HybridAdam's CPU kernel may round a master one ulp away from torch's 
 the runs drift apart by chaos, not error. The bound is measured, not guessed: a second
 reference run whose masters (and bf16 moments) are pushed one ulp in a random direction after
 *every* step (the kernel's worst case on every element) gives the drift such differences can
-cause; HybridAdam must stay within ``NOISE_MULTIPLE`` times it at every step's loss and in the
-final params. A parameter written back stale or never (one missed update is ~lr per element)
+cause; HybridAdam must stay within ``NOISE_MULTIPLE`` times it at every step's loss, the loss
+of one more batch after the last step, and the final params (L2 over all of them). A parameter written back stale or never (one missed update is ~lr per element)
 is orders of magnitude outside it.
 """
 
@@ -102,6 +102,8 @@ def _train(model: torch.nn.Module, opt) -> tuple[torch.Tensor, torch.Tensor]:
         losses.append(loss.detach())
     if isinstance(opt, HybridAdam):
         opt.synchronize()
+    with torch.no_grad():  # the final params, seen through the loss of one more batch
+        losses.append(model(*_batch(STEPS))[1])
     torch.cuda.synchronize()  # test only: read the results
     params = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     return torch.stack(losses).double().cpu(), params.cpu()
@@ -123,7 +125,7 @@ def _check(kw: dict, tmp_path, store: TierStore | None = None) -> None:
                                      for p in _model().parameters()])).norm().item()
     print(f"{kw}: loss diff {diff.max():.2e} (ulp-jitter noise {noise.max():.2e}); params "
           f"|diff| {pdiff:.3e} (noise {pnoise:.3e}, training moved them {moved:.3e})")
-    assert moved > 100 * max(pnoise, 1e-12), "the reference must move far beyond the noise"
+    assert moved > 20 * max(pnoise, 1e-12), "the reference must move far beyond the noise"
     assert (diff <= NOISE_MULTIPLE * noise + 1e-6 * ref_loss.abs()).all(), (
         f"loss {loss.tolist()} vs reference {ref_loss.tolist()} (noise {noise.tolist()})")
     assert pdiff <= NOISE_MULTIPLE * pnoise + 1e-12, (pdiff, pnoise)
