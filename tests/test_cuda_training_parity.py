@@ -11,11 +11,11 @@ Note [training parity]: what a user would trust, on the device users run it on.
   sees the final parameters through the loss.
 - Reference: the same configuration (optimizer, checkpointing, dtype) without activation
   offload, built from the same seed, run twice. Its run-to-run difference is the noise of the
-  default kernels (flash attention's backward accumulates with atomics). A row passes when its
-  loss at every step and its final parameters (L2 norm of the difference over all of them) are
-  within ``NOISE_MULTIPLE`` times that noise, plus a floor of ``LOSS_FLOOR`` relative for a
-  loss (deterministic steps, e.g. the first, must then match exactly up to it). Nothing of a
-  row's state is copied into its reference.
+  default kernels (flash attention's backward accumulates with atomics), run three times
+  (two under-sampled it: see ``assert_parity``). A row passes when its loss at every step, its
+  first-step gradients and its final parameters (L2 norms over all of them) are within
+  ``NOISE_MULTIPLE`` times that noise, plus a floor of ``LOSS_FLOOR`` relative for a loss.
+  Nothing of a row's state is copied into its reference.
 - HybridAdam itself is checked against an independent reference (fp32 masters + torch fused
   AdamW) in tests/optim/test_hybrid_adam_cuda.py.
 """
@@ -191,17 +191,32 @@ def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", **fixtures
     return _REFERENCES[key]
 
 
-def assert_parity(got: Run, ref: tuple[Run, ...], label: str) -> None:
-    """Loss at every step and final parameters within NOISE_MULTIPLE x the references' noise
-    (the largest difference between two reference runs), measured from the first of them."""
+def _first_grad_noise(a: Run, key: tuple) -> float:
+    """The largest first-step gradient difference (L2) between ``a`` and any reference run of
+    the same dtype, checkpointing and compilation: the first step comes before any optimizer,
+    so every optimizer's references sample the same kernels' noise (pooled: it is discrete)."""
+    pool = [r for k, runs in _REFERENCES.items() if k[1:] == key[1:] for r in runs]
+    return max((a.grads0 - r.grads0).norm().item() for r in pool if r is not a)
+
+
+def assert_parity(got: Run, ref: tuple[Run, ...], label: str, key: tuple | None = None) -> None:
+    """Loss at every step, first-step gradients and final parameters within NOISE_MULTIPLE x
+    the references' noise, measured from the first reference run.
+
+    The loss bound is the largest difference between reference runs at *any* step, not per
+    step: on the H200 bf16 runs' noise is discrete (the default kernels land on one of a few
+    results, e.g. first-step gradients 2.5e-8 or 2.9e-4 apart in L2) and Adam's first update
+    (lr x sign of the gradient) amplifies it, so three runs agreeing exactly at step 1 said
+    nothing about a fourth; a per-step envelope then failed correct rows at 4-9e-5 while the
+    bugs of Note [reaped reload] showed 5e-4 to 1e-2."""
     a, others = ref[0], ref[1:]
-    noise = torch.stack([(a.losses - b.losses).abs() for b in others]).max(0).values
-    noise = torch.cummax(noise, 0).values  # noise so far, per step
+    noise = torch.stack([(a.losses - b.losses).abs() for b in others]).max().item()
     tol = NOISE_MULTIPLE * noise + LOSS_FLOOR * a.losses.abs()
     diff = (got.losses - a.losses).abs()
     param_noise = max((a.params - b.params).norm().item() for b in others)
     param_diff = (got.params - a.params).norm().item()
-    grad_noise = max((a.grads0 - b.grads0).norm().item() for b in others)
+    grad_noise = (_first_grad_noise(a, key) if key is not None
+                  else max((a.grads0 - b.grads0).norm().item() for b in others))
     grad_diff = (got.grads0 - a.grads0).norm().item()
     print(f"{label}: loss diff per step {[f'{d:.2e}' for d in diff.tolist()]}, tol "
           f"{[f'{t:.2e}' for t in tol.tolist()]}; params |diff| {param_diff:.3e} vs noise "
@@ -210,7 +225,7 @@ def assert_parity(got: Run, ref: tuple[Run, ...], label: str) -> None:
     assert torch.isfinite(got.losses).all(), f"{label}: non-finite loss {got.losses.tolist()}"
     bad = [s for s in range(len(diff)) if diff[s] > tol[s]]
     assert not bad, (f"{label}: loss differs from the run without offload at steps {bad}: "
-                     f"{got.losses.tolist()} vs {a.losses.tolist()} (noise {noise.tolist()})")
+                     f"{got.losses.tolist()} vs {a.losses.tolist()} (noise {noise:.3e})")
     assert grad_diff <= NOISE_MULTIPLE * grad_noise, (
         f"{label}: first-step gradients differ by {grad_diff:.3e} (L2), noise {grad_noise:.3e}")
     assert param_diff <= NOISE_MULTIPLE * param_noise + 1e-30, (
@@ -223,7 +238,7 @@ def test_training_parity(act, opt, dtype, spill_dir, act_store, opt_store):
     ref = reference(opt, dtype, ACT[act][1], **fixtures)
     got = _train(act, opt, dtype, ACT[act][1], **fixtures)
     assert got.offloaded > 0, f"{act}: nothing was offloaded"
-    assert_parity(got, ref, f"{act}/{opt}/{dtype}")
+    assert_parity(got, ref, f"{act}/{opt}/{dtype}", key=(opt, dtype, ACT[act][1], ""))
 
 
 def test_reference_moves_and_is_not_trivially_equal(spill_dir, act_store, opt_store):
@@ -251,7 +266,7 @@ def test_compiled_blocks_train_as_without_offload(opt, spill_dir, act_store, opt
     ref = reference(opt, "bf16", False, compile_="blocks", **fixtures)
     got = _train("noncontiguous", opt, "bf16", False, compile_="blocks", **fixtures)
     assert got.offloaded > 0
-    assert_parity(got, ref, f"compiled blocks/{opt}")
+    assert_parity(got, ref, f"compiled blocks/{opt}", key=(opt, "bf16", False, "blocks"))
 
 
 def test_whole_model_compile_offloads_and_differs_only_by_fusion(spill_dir, act_store,

@@ -157,7 +157,7 @@ def test_bf16_moments_match_a_bf16_moment_reference(kw, tmp_path):
 
 def test_split_state_tier_matches(tmp_path):
     (tmp_path / "split").mkdir()
-    store = TierStore(StoreConfig(device="cuda", gpu_bytes="1GiB", cpu_bytes="24MiB",
+    store = TierStore(StoreConfig(device="cuda", gpu_bytes="1GiB", cpu_bytes="128MiB",
                                   nvme_bytes="1GiB", nvme_dir=str(tmp_path / "split"),
                                   pool_slab_bytes="8MiB", io_backend="posix"))
     try:
