@@ -2,16 +2,20 @@
 
 Writing (:func:`atomic_save`, used by :func:`save_checkpoint` and :func:`save_store`):
 
-1. a temporary file ``.<name>.tiermem-tmp-<pid>-<random>`` is created in the target's directory
-   with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (never follows or reuses a planted file);
+1. a private temporary directory ``.<name>.tiermem-tmp-<pid>-<random>`` (0700) is made in the
+   target's directory, holding a marker file (pid, process start time, random id; see
+   :mod:`tiermem._leftovers`), and in it the file ``data`` is created with ``O_CREAT | O_EXCL |
+   O_NOFOLLOW`` and mode 0600 (``mkdir`` never follows or reuses a planted name);
 2. ``torch.save`` writes the payload into it while a SHA-256 of the bytes is computed on the
    fly; a 48-byte trailer (magic, payload length, digest) is appended;
-3. the file is flushed and ``fsync``-ed, then ``os.replace``-d onto the target (atomic on POSIX);
+3. the file is flushed and ``fsync``-ed, then ``os.replace``-d onto the target (atomic on POSIX:
+   same filesystem), and the temporary directory (now holding only the marker) is removed;
 4. the directory is ``fsync``-ed so the rename itself is durable.
 
 A process killed at any point before step 3 leaves the previous checkpoint untouched (plus a
-temporary file, which :func:`load_checkpoint` never looks at and :func:`cleanup_temp_files`
-removes once its writer is dead); killed after step 3, the new checkpoint is complete.
+temporary directory, which :func:`load_checkpoint` never looks at and :func:`cleanup_temp_files`
+removes once its writer is dead, if its marker shows tiermem made it and it holds nothing else);
+killed after step 3, the new checkpoint is complete.
 
 Reading (:func:`load_checkpoint`, :func:`load_store`) checks the trailer and the digest before
 unpickling anything, so a truncated or bit-flipped file raises :class:`CheckpointCorruption`
@@ -32,21 +36,22 @@ import hashlib
 import os
 import pickle
 import re
-import secrets
-import stat
 import time
 from typing import Any, Hashable
 
 import torch
 
-from tiermem._leftovers import stale_entries
+from tiermem._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
 from tiermem.config import TIERS
 
 FORMAT_VERSION = 1
 _MAGIC = b"TMCKPT\x00\x01"
 _TRAILER_BYTES = len(_MAGIC) + 8 + 32
 _TMP_TAG = ".tiermem-tmp-"
-_TMP_RE = re.compile(r"\.(?P<name>.+)\.tiermem-tmp-(?P<pid>\d+)-[0-9a-f]+")
+_TMP_RE = re.compile(r"\.(?P<name>.+)\.tiermem-tmp-(?P<pid>\d+)-(?P<id>[0-9a-f]+)")
+_TMP_KIND = "checkpoint-tmp"
+_TMP_DATA = "data"
+"""The file a save writes inside its temporary directory (then renamed onto the target)."""
 _KIND_CHECKPOINT = "tiermem.checkpoint"
 _KIND_STORE = "tiermem.store"
 _READ_CHUNK = 8 << 20
@@ -101,11 +106,6 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _tmp_name(path: str) -> str:
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
-
-
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
     try:
@@ -120,12 +120,13 @@ def _fsync_dir(directory: str) -> None:
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     """Write ``torch.save(obj)`` (plus an integrity trailer) to ``path`` atomically and durably.
 
-    See the module docstring for the steps. On any error the temporary file is removed and
+    See the module docstring for the steps. On any error the temporary directory is removed and
     ``path`` is left as it was.
 
     Raises:
         FileNotFoundError: the directory of ``path`` does not exist.
         IsADirectoryError: ``path`` is a directory.
+        FileExistsError: something already has the temporary directory's name (planted).
         OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); the message names
             the file.
     """
@@ -136,7 +137,16 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", directory)
     cleanup_temp_files(directory)
-    tmp = _tmp_name(path)
+    tmp_dir = make_owned_dir(directory, f".{os.path.basename(path)}{_TMP_TAG}", _TMP_KIND)
+    try:
+        _write_and_replace(obj, os.path.join(tmp_dir, _TMP_DATA), path)
+    finally:
+        remove_owned_dir(tmp_dir, (_TMP_DATA,))
+    _fsync_dir(directory)
+
+
+def _write_and_replace(obj: Any, tmp: str, path: str) -> None:
+    """Steps 1 (the file) to 3 of :func:`atomic_save`; on error the file ``tmp`` is removed."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -160,7 +170,6 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
             raise OSError(exc.errno, f"{exc.strerror or exc} (writing checkpoint {path})",
                           path) from exc
         raise
-    _fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,23 +252,22 @@ def _load_verified(path: str | os.PathLike, kind: str, verify: bool = True) -> d
 
 
 def cleanup_temp_files(directory: str | os.PathLike) -> list[str]:
-    """Remove temporary files of interrupted saves in ``directory``.
+    """Remove the temporary directories of interrupted saves in ``directory``.
 
-    A file ``.<name>.tiermem-tmp-<pid>-<hex>`` is removed when it is a regular file (not a
-    symlink) owned by this user and its writer is gone: the pid is dead, or it now belongs to
-    a process that started after the file was last modified. Temporary files of live writers
-    (this process included) are left alone. Called by every save for its directory.
+    A directory ``.<name>.tiermem-tmp-<pid>-<id>`` is removed only when a save made it (a real
+    directory of this user whose marker agrees with its name, holding nothing but the marker
+    and ``data``, see :mod:`tiermem._leftovers`) and its writer is gone: the pid is dead, or it
+    now belongs to a process with another start time. Those of live writers (this process
+    included), look-alike names without a marker (a user's ``.notes.tiermem-tmp-1-ab``) and
+    directories holding anything else are left alone. Called by every save for its directory.
 
     Returns:
         The paths removed.
     """
     removed: list[str] = []
-    for path in stale_entries(directory, _TMP_RE, stat.S_ISREG):
-        try:
-            os.unlink(path)
+    for path in stale_dirs(directory, _TMP_RE, _TMP_KIND, (_TMP_DATA,)):
+        if remove_owned_dir(path, (_TMP_DATA,)):
             removed.append(path)
-        except OSError:
-            pass
     return removed
 
 

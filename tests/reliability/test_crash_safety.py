@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from _server import get_server
 from models import TinyGPT, make_batch
+from tiermem._leftovers import Owner, write_marker
 from tiermem.checkpoint import cleanup_temp_files, load_checkpoint, save_checkpoint
 from tiermem.optim import HybridAdam
 
@@ -149,25 +151,51 @@ def test_resume_from_step_3_matches_uninterrupted_losses_4_to_6(tmp_path, tier):
     opt2.close()
 
 
+def _temp_dir(parent, pid, token, start=None):
+    """A save's temporary directory as a writer ``pid`` leaves it when killed mid-save."""
+    path = parent / f".c.pt.tiermem-tmp-{pid}-{token}"
+    path.mkdir(mode=0o700)
+    write_marker(str(path), Owner("checkpoint-tmp", pid, start, token))
+    (path / "data").write_bytes(b"partial")
+    return path
+
+
 def test_cleanup_removes_temp_files_of_dead_writers_only(tmp_path):
     save_checkpoint(tmp_path / "c.pt", extra={"step": 1})
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead_pid = int(dead.stdout)
-    stale = tmp_path / f".c.pt.tiermem-tmp-{dead_pid}-0badf00d"
-    mine = tmp_path / f".c.pt.tiermem-tmp-{os.getpid()}-00c0ffee"   # a save in flight here
-    reused = tmp_path / f".c.pt.tiermem-tmp-{os.getppid()}-deadbeef"  # pid started after it
+    stale = _temp_dir(tmp_path, dead_pid, "0badf00d")
+    mine = _temp_dir(tmp_path, os.getpid(), "00c0ffee")              # a save in flight here
+    reused = _temp_dir(tmp_path, os.getppid(), "deadbeef", start=1.0)  # pid of another process now
     other = tmp_path / "c.pt.tiermem-tmp-notes.txt"                  # not ours: kept
-    for p in (stale, mine, reused, other):
-        p.write_bytes(b"partial")
-    os.utime(reused, (0, 0))
+    other.write_bytes(b"partial")
     removed = cleanup_temp_files(tmp_path)
     assert sorted(removed) == sorted([str(stale), str(reused)])
     assert mine.exists() and other.exists()
-    # load never looks at temp files, and a save cleans the directory too
-    mine.unlink()
-    stale.write_bytes(b"partial")
+    # load never looks at temporary directories, and a save cleans the directory too
+    shutil.rmtree(mine)
+    stale = _temp_dir(tmp_path, dead_pid, "0badf00d")
     assert load_checkpoint(tmp_path / "c.pt")["extra"] == {"step": 1}
     save_checkpoint(tmp_path / "c.pt", extra={"step": 2})
     assert not stale.exists()
     assert sorted(os.listdir(tmp_path)) == ["c.pt", "c.pt.tiermem-tmp-notes.txt"]
+
+
+def test_cleanup_never_deletes_a_users_look_alike_files(tmp_path):
+    """Issue 16.6: names matching the pattern without a marker that agrees with them, or
+    holding anything a save does not write, are the user's."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    notes = tmp_path / f".notes.tiermem-tmp-{dead_pid}-ab"          # a user's file
+    notes.write_text("precious")
+    folder = tmp_path / f".c.pt.tiermem-tmp-{dead_pid}-cd"          # a user's directory
+    folder.mkdir()
+    (folder / "data").write_text("precious")
+    crowded = _temp_dir(tmp_path, dead_pid, "ef")                    # ours, plus a user's file
+    (crowded / "keep.txt").write_text("precious")
+    assert cleanup_temp_files(tmp_path) == []
+    save_checkpoint(tmp_path / "c.pt", extra={"step": 1})
+    assert notes.read_text() == (folder / "data").read_text() == "precious"
+    assert (crowded / "keep.txt").read_text() == "precious"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import tiermem.checkpoint as ck
+import tiermem._leftovers as leftovers
 import tiermem.store.nvme as nvme
 from _faults import rand, small_store
 from tiermem.checkpoint import (CheckpointCorruption, UnsafeCheckpointError, atomic_save,
@@ -33,7 +33,8 @@ def test_spill_dir_is_private_and_file_0600_even_with_umask_0(tmp_path):
         spill_dir = store._spill.dir_path
         assert os.path.dirname(spill_dir) == str(tmp_path)  # under the configured base
         assert _mode(spill_dir) == 0o700 and _mode(store._spill.path) == 0o600
-        assert os.listdir(spill_dir) == ["spill.bin"]
+        assert sorted(os.listdir(spill_dir)) == [".tiermem-owner", "spill.bin"]
+        assert _mode(os.path.join(spill_dir, ".tiermem-owner")) == 0o600
         save_checkpoint(tmp_path / "c.pt", extra=1)
         assert _mode(tmp_path / "c.pt") == 0o600
     finally:
@@ -48,7 +49,7 @@ def test_planted_symlink_instead_of_the_spill_dir_is_refused(tmp_path, monkeypat
     victim.mkdir()
     base = tmp_path / "base"
     base.mkdir()
-    monkeypatch.setattr(nvme.secrets, "token_hex", lambda n: "abad1dea")  # a predicted name
+    monkeypatch.setattr(leftovers.secrets, "token_hex", lambda n: "abad1dea")  # a predicted name
     os.symlink(victim, base / f"tiermem-{os.getpid()}-abad1dea")
     with pytest.raises(ValueError, match="nvme_dir=.* is not writable: cannot create .* exists"):
         small_store(base)
@@ -76,7 +77,7 @@ def test_planted_symlink_at_checkpoint_temp_name_is_refused(tmp_path, monkeypatc
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     save_checkpoint(tmp_path / "c.pt", extra={"step": 1})
-    monkeypatch.setattr(ck.secrets, "token_hex", lambda n: "0badcafe")
+    monkeypatch.setattr(leftovers.secrets, "token_hex", lambda n: "0badcafe")
     os.symlink(victim, tmp_path / f".c.pt.tiermem-tmp-{os.getpid()}-0badcafe")
     with pytest.raises(FileExistsError):
         save_checkpoint(tmp_path / "c.pt", extra={"step": 2})

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tiermem.store.nvme as nvme
+from tiermem._leftovers import Owner, write_marker
 from tiermem.store.io import make_backend
 from tiermem.store.io.kvikio_backend import kvikio_usable
 from tiermem.store.io.posix import PosixBackend
@@ -208,14 +209,21 @@ def test_dir_removed_at_interpreter_exit(tmp_path):
     assert d.startswith(str(tmp_path)) and not os.path.exists(d)
 
 
+def _leftover(parent, pid, token, files=("spill.bin",), start=None):
+    """A spill directory as a process ``pid`` would have left it: marker and spill file."""
+    path = parent / f"tiermem-{pid}-{token}"
+    path.mkdir(mode=0o700)
+    write_marker(str(path), Owner("spill", pid, start, token))
+    for name in files:
+        (path / name).write_bytes(b"x" * 100)
+    return path
+
+
 def test_stale_dirs_of_dead_processes_are_removed(tmp_path, posix):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    dead = tmp_path / f"tiermem-{proc.pid}-deadbeef"
-    dead.mkdir(mode=0o700)
-    (dead / "spill.bin").write_bytes(b"x" * 100)
-    alive = tmp_path / f"tiermem-{os.getppid()}-0123abcd"     # our parent is alive
-    alive.mkdir()
+    dead = _leftover(tmp_path, proc.pid, "deadbeef")
+    alive = _leftover(tmp_path, os.getppid(), "0123abcd")        # our parent is alive
     target = tmp_path / "not-ours"
     target.mkdir()
     (target / "keep").write_bytes(b"k")
@@ -232,6 +240,34 @@ def test_stale_dirs_of_dead_processes_are_removed(tmp_path, posix):
         assert cleanup_stale(tmp_path / "missing") == []
     finally:
         sp.close()
+
+
+def test_stale_cleanup_keeps_what_tiermem_did_not_make(tmp_path):
+    """Issue 16.6: a name matching the pattern is not enough; marker, name and contents must
+    all agree, and a pid reused by a process with another start time counts as dead."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    user = tmp_path / "tiermem-20240612-1a"                     # a user's dir: no marker
+    user.mkdir()
+    (user / "results.csv").write_text("precious")
+    extra = _leftover(tmp_path, proc.pid, "00aa", files=("spill.bin", "notes.txt"))
+    forged = _leftover(tmp_path, proc.pid, "00bb")
+    os.rename(forged, tmp_path / f"tiermem-{proc.pid}-00cc")      # marker id != name's id
+    reused = _leftover(tmp_path, os.getppid(), "00dd", start=1.0)  # pid now another process's
+    removed = cleanup_stale(tmp_path)
+    assert removed == [str(reused)]
+    assert (user / "results.csv").read_text() == "precious"
+    assert (extra / "notes.txt").exists() and (tmp_path / f"tiermem-{proc.pid}-00cc").exists()
+
+
+def test_close_never_removes_a_file_tiermem_did_not_write(tmp_path, posix):
+    sp = _space(tmp_path, posix)
+    user_file = os.path.join(sp.dir_path, "mine.txt")
+    with open(user_file, "w") as f:
+        f.write("keep")
+    sp.close()
+    assert open(user_file).read() == "keep"
+    assert sorted(os.listdir(sp.dir_path)) == ["mine.txt"]  # marker and spill file gone
 
 
 # ---------------------------------------------------------------------------------------------

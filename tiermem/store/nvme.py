@@ -9,9 +9,19 @@ ENOSPC before any byte is written. Each write is split into ``chunk_bytes`` piec
 parallel to an :class:`~tiermem.store.io.base.IOBackend`, each with its own checksum (CRC-32C
 from ``tiermem._native`` when built, else zlib's CRC-32) verified on read.
 
-The directory is removed by :meth:`SpillSpace.close`, by a ``weakref.finalize`` when the space
-is garbage-collected, and at interpreter exit (the finalizer is registered with atexit);
-directories of dead processes are removed by :func:`cleanup_stale` when a new space is made.
+The directory is made by :func:`tiermem._leftovers.make_owned_dir`, with a marker file (kind,
+pid, process start time, random id) that cleanup checks before it removes anything. It is
+removed by :meth:`SpillSpace.close`, by a ``weakref.finalize`` when the space is
+garbage-collected, and at interpreter exit (the finalizer is registered with atexit), which
+also shuts down a backend the space owns; directories of dead processes are removed by
+:func:`cleanup_stale` when a new space is made. Removal unlinks only the marker and the spill
+file, so a directory holding anything else stays.
+
+Note [fork]: only the process that made a space removes its directory or shuts its backend
+down. A child forked while a space is alive inherits the object (and a copy of its descriptors)
+but not the backend's threads: in the child, :meth:`SpillSpace.close` and the finalizer only
+close the child's copies of the descriptors, so a child that exits, closes or drops it leaves
+the parent's files alone; ``write``/``read`` in the child raise ``ValueError``.
 
 Note [spill buffer lifetime]: ``write``/``read`` return futures; the caller's buffer must stay
 alive and must not be modified (write) or used (read) until the future is done. Buffers that are
@@ -31,12 +41,10 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import mmap
 import os
 import re
-import secrets
-import shutil
-import stat
 import threading
 import weakref
 import zlib
@@ -46,7 +54,7 @@ from typing import Callable, Hashable, Literal
 
 import torch
 
-from .._leftovers import stale_entries
+from .._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
 from .extents import ExtentAllocator, round_up
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
@@ -54,9 +62,12 @@ from .io.posix import ShortReadError, host_view
 ALIGN_BYTES = 4096
 """Alignment of extent offsets, sizes and O_DIRECT buffers (bytes)."""
 
+logger = logging.getLogger("tiermem")
+
 SPILL_DIR_PREFIX = "tiermem-"
-_SPILL_DIR_RE = re.compile(r"tiermem-(\d+)-[0-9a-f]+")
+_SPILL_DIR_RE = re.compile(r"tiermem-(?P<pid>\d+)-(?P<id>[0-9a-f]+)")
 SPILL_FILE_NAME = "spill.bin"
+_SPILL_KIND = "spill"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,37 +170,49 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 
 
 def cleanup_stale(base_dir: str | os.PathLike) -> list[str]:
-    """Remove spill directories ``tiermem-<pid>-*`` under ``base_dir`` left by dead processes.
+    """Remove spill directories ``tiermem-<pid>-<id>`` under ``base_dir`` left by dead processes.
 
-    A directory is removed only when it is a real directory (not a symlink), belongs to this
-    user, and its pid is dead or reused (:func:`tiermem._leftovers.owner_alive`). Live
-    processes, other users' directories and anything unreadable are left alone. A base directory
-    shared between PID namespaces (containers) may see a live process as dead: give each
-    container its own ``nvme_dir``.
+    A directory is removed only when tiermem made it (a real directory of this user whose
+    marker agrees with its name, holding nothing but the marker and the spill file, see
+    :mod:`tiermem._leftovers`) and its writer is gone (dead pid, or a pid reused by a process
+    with another start time). Live processes' directories, other users' directories, look-alike
+    names without a marker and anything unreadable are left alone. A base directory shared
+    between PID namespaces (containers) may see a live process as dead: give each container its
+    own ``nvme_dir``.
 
     Returns:
         The paths removed.
     """
     removed: list[str] = []
-    for path in stale_entries(base_dir, _SPILL_DIR_RE, stat.S_ISDIR):
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
+    for path in stale_dirs(base_dir, _SPILL_DIR_RE, _SPILL_KIND, (SPILL_FILE_NAME,)):
+        if remove_owned_dir(path, (SPILL_FILE_NAME,)):
             removed.append(path)
     return removed
 
 
-def _remove_spill(backend: IOBackend, handle: object, fd: int, dir_path: str) -> None:
-    """Close the spill file's handles and remove its directory (finalizer; best effort)."""
+def _remove_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, owner_pid: int,
+                  owns_backend: bool) -> None:
+    """Finalizer: shut down an owned backend (pending I/O first), close the spill file's
+    handles and remove the directory; in a forked child only close the child's descriptors
+    (Note [fork]). Best effort."""
+    mine = os.getpid() == owner_pid
+    if mine and owns_backend:
+        try:
+            backend.shutdown()
+        except Exception as exc:  # noqa: BLE001  (teardown: the directory must go regardless)
+            logger.warning("tiermem: shutting down the %s I/O backend failed: %s",
+                           getattr(backend, "name", "?"), exc)
     try:
         if handle is not None:
             backend.close_file(handle)
-    except Exception:  # noqa: BLE001  (teardown: the directory must go regardless)
+    except Exception:  # noqa: BLE001  (see above)
         pass
     try:
         os.close(fd)
     except OSError:
         pass
-    shutil.rmtree(dir_path, ignore_errors=True)
+    if mine:
+        remove_owned_dir(dir_path, (SPILL_FILE_NAME,))
 
 
 def _is_retryable(exc: BaseException, kind: str) -> bool:
@@ -315,11 +338,13 @@ class SpillSpace:
             self._o_direct = self._choose_o_direct(o_direct)
             handle = backend.open(self._path, create=False, o_direct=self._o_direct)
         except BaseException:
-            _remove_spill(backend, handle, self._fd, self._dir_path)
+            _remove_spill(backend, handle, self._fd, self._dir_path, os.getpid(), owns_backend)
             raise
         self._handle = handle
+        self._pid = os.getpid()  # Note [fork]
+        # shuts an owned backend down too: a space dropped without close() leaks no threads
         self._finalizer = weakref.finalize(self, _remove_spill, backend, handle, self._fd,
-                                           self._dir_path)
+                                           self._dir_path, self._pid, owns_backend)
         self._finalizer.atexit = True  # also at interpreter exit (the default; stated on purpose)
 
     # -- construction helpers ---------------------------------------------------------------
@@ -330,26 +355,12 @@ class SpillSpace:
         if not os.path.isdir(base):
             raise ValueError(f"StoreConfig.nvme_dir={base!r} is not writable: it does not exist "
                              f"or is not a directory; {fix}")
-        path = os.path.join(base, f"{SPILL_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            os.mkdir(path, 0o700)
+            return make_owned_dir(base, SPILL_DIR_PREFIX, _SPILL_KIND)
         except OSError as exc:
-            raise ValueError(f"StoreConfig.nvme_dir={base!r} is not writable: cannot create "
-                             f"{path}: {exc.strerror or exc}; {fix}") from exc
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                raise ValueError(f"StoreConfig.nvme_dir={base!r}: {path} is not a directory "
-                                 f"owned by this user after mkdir (race?); {fix}")
-            if stat.S_IMODE(st.st_mode) != 0o700:  # the umask may have dropped bits
-                os.chmod(path, 0o700, follow_symlinks=False)
-                if stat.S_IMODE(os.lstat(path).st_mode) != 0o700:
-                    raise ValueError(f"StoreConfig.nvme_dir={base!r}: cannot make {path} "
-                                     f"private (mode 0700); {fix}")
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        return path
+            where = f" {exc.filename}" if exc.filename else ""
+            raise ValueError(f"StoreConfig.nvme_dir={base!r} is not writable: cannot create a "
+                             f"private directory{where}: {exc.strerror or exc}; {fix}") from exc
 
     def _choose_o_direct(self, want: bool | str) -> bool:
         if want is False:
@@ -566,19 +577,21 @@ class SpillSpace:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        """Wait for pending I/O, close the file, remove it and the private directory.
+        """Wait for pending I/O, close the file, remove it and the private directory (and shut
+        an owned backend down).
 
-        Idempotent. Extents and futures of this space are invalid afterwards.
+        Idempotent. Extents and futures of this space are invalid afterwards. In a child forked
+        from the process that made the space it only closes the child's descriptors (Note
+        [fork]).
         """
         with self._lock:  # see __init__
             if self._closed:
                 return
             self._closed = True
             pending = [op.future for op in self._ops]
-        wait(pending)  # chunk I/O still uses the descriptor; closing it first would hit a reused fd
+        if os.getpid() == self._pid:
+            wait(pending)  # chunk I/O still uses the descriptor; closing it first would hit a reused fd
         self._finalizer()
-        if self._owns_backend:
-            self._backend.shutdown()
 
     def __enter__(self) -> "SpillSpace":
         return self
@@ -595,6 +608,10 @@ class SpillSpace:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"SpillSpace {self._dir_path} is closed; create a new one")
+        if os.getpid() != self._pid:
+            raise ValueError(f"SpillSpace {self._dir_path} belongs to process {self._pid}; this "
+                             f"is a child forked from it (pid {os.getpid()}), where it cannot do "
+                             f"I/O; create a new space in the child")
 
     def _new_op(self, kind: str, key: Hashable, offset: int, nbytes: int, alloc_bytes: int,
                 buf: torch.Tensor, buf_nbytes: int) -> _Op:

@@ -20,7 +20,15 @@ import aiofiles
 import torch
 
 from .base import IOBackend
-from .posix import ShortReadError, host_view, open_flags, os_error
+from .posix import (ShortReadError, _note_thread, host_view, open_flags, os_error,
+                    shutdown_off_thread)
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop, idents: set) -> None:
+    """The loop thread: holds the loop, not the backend, so a dropped backend can be collected
+    (its finalizer then stops the loop)."""
+    _note_thread(idents)
+    loop.run_forever()
 
 
 class AioHandle:
@@ -55,10 +63,12 @@ class AiofilesBackend(IOBackend):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"StoreConfig.io_threads={threads!r} must be an int >= 1")
         self.threads = threads
+        self._idents: set[int] = set()  # the loop's and the executor's threads (see shutdown)
         self._executor = ThreadPoolExecutor(max_workers=threads,
-                                            thread_name_prefix="tiermem-aiofiles-io")
+                                            thread_name_prefix="tiermem-aiofiles-io",
+                                            initializer=_note_thread, initargs=(self._idents,))
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
+        self._thread = threading.Thread(target=_run_loop, args=(self._loop, self._idents),
                                         name="tiermem-aiofiles-loop", daemon=True)
         self._thread.start()
         # Guards _pending and _shut: requests are submitted from any thread.
@@ -157,11 +167,19 @@ class AiofilesBackend(IOBackend):
             os.close(fd)
 
     def shutdown(self) -> None:
-        """Wait for pending requests, stop the event loop and the executor. Idempotent."""
+        """Wait for pending requests, stop the event loop and the executor. Idempotent.
+
+        Called on one of the backend's own threads (a finalizer run by an I/O callback) it
+        returns at once and a helper thread does this (a thread cannot join itself).
+        """
         with self._lock:  # see _submit
             if self._shut:
                 return
             self._shut = True
+        shutdown_off_thread(self._idents, self._stop)
+
+    def _stop(self) -> None:
+        with self._lock:  # see _submit
             pending = list(self._pending)
         wait(pending)  # requests still use the loop and executor: let them finish first
         self._loop.call_soon_threadsafe(self._loop.stop)

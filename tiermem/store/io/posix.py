@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -58,6 +59,21 @@ def os_error(exc: OSError, action: str, nbytes: int, offset: int, path: str) -> 
     path)`` for ``exc``."""
     reason = exc.strerror or str(exc)
     return OSError(exc.errno, f"{reason} ({action} {nbytes} bytes at offset {offset})", path)
+
+
+def _note_thread(idents: set) -> None:
+    """Thread-pool initializer: remember the worker's ident (see :func:`shutdown_off_thread`)."""
+    idents.add(threading.get_ident())
+
+
+def shutdown_off_thread(idents: set, stop) -> None:
+    """Run ``stop()`` (which joins the backend's threads) here, or, when called on one of those
+    threads (``idents``; e.g. a finalizer triggered by an I/O callback dropping the last
+    reference to a store), on a short-lived helper thread: a thread cannot join itself."""
+    if threading.get_ident() not in idents:
+        stop()
+        return
+    threading.Thread(target=stop, name="tiermem-io-shutdown", daemon=True).start()
 
 
 class PosixHandle:
@@ -159,7 +175,9 @@ class PosixBackend(IOBackend):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"StoreConfig.io_threads={threads!r} must be an int >= 1")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiermem-posix-io")
+        self._idents: set[int] = set()  # the pool's threads (see shutdown)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiermem-posix-io",
+                                        initializer=_note_thread, initargs=(self._idents,))
         self._shut = False
 
     def open(self, path: str, *, create: bool, o_direct: bool) -> PosixHandle:
@@ -212,6 +230,10 @@ class PosixBackend(IOBackend):
             os.close(fd)
 
     def shutdown(self) -> None:
-        """Wait for pending requests, then stop the threads. Idempotent."""
+        """Wait for pending requests, then stop the threads. Idempotent.
+
+        Called on one of the backend's own threads it returns at once and a helper thread
+        does this (:func:`shutdown_off_thread`).
+        """
         self._shut = True
-        self._pool.shutdown(wait=True)
+        shutdown_off_thread(self._idents, self._pool.shutdown)
