@@ -14,11 +14,17 @@ they compare within a run:
   inputs of every block;
 - with ``--nvme-dir``: the same two tiermem setups to NVMe.
 
-A step is forward + backward with the loss (no optimizer); ``ms/step`` is the mean of
-``--steps`` timed steps after ``--warmup`` steps; ``peak GiB`` is
-``torch.cuda.max_memory_allocated`` over the timed steps (parameters and gradients included,
-2^30 bytes); ``moved MiB`` the bytes (2^20) one step puts into the store. One store (pinned pool)
-serves every tiermem row, so pinned allocation is paid in warm-up, as in training.
+Every setup trains the same model from the same initial weights on the same batches (a new
+batch every step) for ``--warmup`` + ``--steps`` steps: forward + backward is timed, then an
+AdamW step (not timed) changes the weights, so a stale or wrong reload changes the losses.
+``ms/step`` is the median over ``--repeats`` runs of each run's median timed step, with the
+spread (min-max of those run medians); ``peak GiB`` is ``torch.cuda.max_memory_allocated``
+over the timed steps of the last run (parameters and gradients included, 2^30 bytes);
+``moved MiB`` the bytes (2^20) one step puts into the store; ``parity`` compares the setup's
+losses (every step, and one more batch after the last) with the ``no offload`` run's, within
+4x the noise of ``no offload`` run twice (:mod:`tiermem.bench.parity`). One store (pinned
+pool) serves every tiermem row, so pinned allocation is paid in warm-up, as in training.
+Without CUDA the defaults are a CPU-sized model (4 blocks of width 128).
 
 Usage::
 
@@ -33,6 +39,7 @@ import argparse
 import contextlib
 import gc
 import itertools
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -41,30 +48,43 @@ from typing import Callable
 import torch
 
 from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.bench.parity import noise_of, verdict
 from tiermem.config import StoreConfig, parse_bytes
 from tiermem.offload import default_store_config, offload_activations
 from tiermem.store import TierStore
 
 
+_AGAIN = "no offload (again: its noise)"
+_LR = 1e-3  # AdamW between the timed steps: the weights change every step
+
+
 @dataclass
 class Row:
-    """One setup's result."""
+    """One setup's result (times in ms, bytes in bytes)."""
 
     setup: str
     ms_per_step: float
     peak_bytes: int | None
     moved_bytes: int | None
+    spread_ms: tuple[float, float] = (0.0, 0.0)
+    parity: str = ""
+    losses: list[float] | None = None  # the first run's, each step and one batch after
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="tiermem bench activations", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=24, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=2048, help="model width")
-    p.add_argument("--heads", type=int, default=16, help="attention heads")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
-    p.add_argument("--batch", type=int, default=8, help="micro-batch (sequences)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    big = torch.cuda.is_available()  # the reference GPT on a GPU; a CPU-sized model otherwise
+    p = argparse.ArgumentParser(prog="tiermem bench activations",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--layers", type=int, default=24 if big else 4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=2048 if big else 128, help="model width")
+    p.add_argument("--heads", type=int, default=16 if big else 4, help="attention heads")
+    p.add_argument("--seq", type=int, default=2048 if big else 128, help="sequence length (tokens)")
+    p.add_argument("--batch", type=int, default=8 if big else 2, help="micro-batch (sequences)")
+    p.add_argument("--vocab", type=int, default=32000 if big else 512, help="vocabulary size")
     p.add_argument("--steps", type=int, default=5, help="timed steps per setup")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every setup; ms/step is the median of the runs' medians")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setup (2: layers='auto' has chosen before timing)")
     p.add_argument("--num-layers", default=None,
@@ -77,7 +97,8 @@ def _parse_args(argv):
     p.add_argument("--cpu-bytes", default=None, help="host budget (default: half of MemAvailable)")
     p.add_argument("--only", default=None, help="comma-separated substrings: run matching setups")
     args = p.parse_args(argv)
-    for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "prefetch_depth"):
+    for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "repeats",
+                 "prefetch_depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.warmup < 0:
@@ -91,6 +112,7 @@ def _setups(args, store: TierStore, nvme_store: TierStore | None) -> list[tuple[
     cuda = torch.cuda.is_available()
     rows: list[tuple[str, bool, Callable]] = [
         ("no offload", False, contextlib.nullcontext),
+        (_AGAIN, False, contextlib.nullcontext),  # the baseline's run-to-run noise
         ("checkpoint every block", True, contextlib.nullcontext),
         (f"save_on_cpu(pin_memory={cuda})", False,
          lambda m: torch.autograd.graph.save_on_cpu(pin_memory=cuda)),
@@ -123,7 +145,7 @@ def _setups(args, store: TierStore, nvme_store: TierStore | None) -> list[tuple[
                                                    prefetch_depth=args.prefetch_depth)))
     if args.only:
         keys = [s.strip() for s in args.only.split(",") if s.strip()]
-        rows = [r for r in rows if r[0] == "no offload" or any(k in r[0] for k in keys)]
+        rows = [r for r in rows if r[0].startswith("no offload") or any(k in r[0] for k in keys)]
     return rows
 
 
@@ -141,18 +163,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # benchmark timing only: the step must have finished
 
 
+def _batches(args, vocab: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A different batch for every step, plus one after the last (the same for every setup);
+    the target of a token is a fixed function of it, so the loss can fall."""
+    out = []
+    for step in range(args.warmup + args.steps + 1):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        out.append((idx.to(device), ((idx * 7 + 3) % vocab).to(device)))
+    return out
+
+
+def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tuple:
+    """One run of a setup from ``init``: (timed step seconds, losses, moved bytes, context)."""
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=0.1)
+    ctx = make_ctx(model)  # entered once per step (double-buffer sets persist)
+    times, losses, moved = [], [], None
+    for step, (idx, targets) in enumerate(batches[:-1]):
+        if step == args.warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        before = ctx.stats()["put_bytes"] if hasattr(ctx, "stats") else 0
+        _sync(device)
+        t0 = time.perf_counter()
+        with ctx:
+            _, loss = model(idx, targets)
+            loss.backward()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if hasattr(ctx, "stats"):
+            moved = ctx.stats()["put_bytes"] - before  # counters are cumulative
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    with torch.no_grad():  # the final weights, seen through one more batch
+        losses.append(model(*batches[-1])[1])
+    return times[args.warmup:], [float(x) for x in losses], moved, ctx
+
+
 def run(args, log=print) -> list[Row]:
-    """Run every setup and return its row."""
+    """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                     seq_len=args.seq, vocab=args.vocab)
     torch.manual_seed(0)
-    model = GPT(cfg).to(device=device, dtype=dtype)
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len), generator=g).to(device)
-    targets = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len), generator=g).to(device)
+    with torch.device(device):
+        model = GPT(cfg).to(dtype=dtype)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = _batches(args, cfg.vocab, device)
     log(f"model: {cfg.num_params() / 1e9:.3f}B params, {dtype}, device {device}")
     base = default_store_config()
     if args.cpu_bytes is not None:
@@ -163,35 +223,31 @@ def run(args, log=print) -> list[Row]:
         nvme_store = TierStore(StoreConfig(gpu_bytes=base.gpu_bytes, cpu_bytes=base.cpu_bytes,
                                            nvme_bytes=args.nvme_bytes, nvme_dir=args.nvme_dir,
                                            pool_slab_bytes=base.pool_slab_bytes))
-    rows = []
+    rows: list[Row] = []
+    baseline: list[list[float]] = []  # the "no offload" runs' losses
+    noise = 0.0
     try:
         for name, ckpt, make_ctx in _setups(args, store, nvme_store):
             model.checkpoint = ckpt
-            moved = None
-            times = []
-            ctx = make_ctx(model)  # entered once per step (double-buffer sets persist)
-            for step in range(args.warmup + args.steps):
-                if step == args.warmup and device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                model.zero_grad(set_to_none=True)
-                before = ctx.stats()["put_bytes"] if hasattr(ctx, "stats") else 0
-                _sync(device)
-                t0 = time.perf_counter()
-                with ctx:
-                    _, loss = model(idx, targets)
-                    loss.backward()
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-                if hasattr(ctx, "stats"):
-                    moved = ctx.stats()["put_bytes"] - before  # counters are cumulative
-            ms = 1000 * sum(times[args.warmup:]) / args.steps
+            medians, runs = [], []
+            for _ in range(args.repeats):
+                times, losses, moved, ctx = _train(model, init, make_ctx, batches, args, device)
+                medians.append(1e3 * statistics.median(times))
+                runs.append(losses)
+            if name == "no offload":
+                baseline, parity = runs, "baseline"
+            else:
+                if name == _AGAIN:  # the baseline's noise: every run against the first
+                    noise = max(noise_of(baseline[0], r) for r in baseline[1:] + runs)
+                verdicts = [verdict(r, baseline[0], noise) for r in runs]
+                parity = next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
             plan = getattr(ctx, "plan", None)
             if plan is not None:  # layers="auto": say what it chose
                 name = f"{name} ({len(plan['layers'])} blocks: {_spans(plan['layers'])})"
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            rows.append(Row(name, ms, peak, moved))
-            log(f"  {name}: {ms:.1f} ms/step")
-            model.zero_grad(set_to_none=True)
+            rows.append(Row(name, statistics.median(medians), peak, moved,
+                            (min(medians), max(medians)), parity, runs[0]))
+            log(f"  {name}: {rows[-1].ms_per_step:.1f} ms/step, {parity}")
             gc.collect()
     finally:
         store.close()
@@ -201,20 +257,25 @@ def run(args, log=print) -> list[Row]:
 
 
 def format_table(rows: list[Row]) -> str:
-    """The rows as a fixed-width table (x = ms/step relative to ``no offload``)."""
+    """The rows as a fixed-width table (x = ms/step relative to ``no offload``; spread = the
+    runs' min-max; parity = losses against ``no offload``)."""
     ref = next((r.ms_per_step for r in rows if r.setup == "no offload"), None)
     width = max(len(r.setup) for r in rows)
-    lines = [f"{'setup':<{width}}  {'ms/step':>9}  {'x':>6}  {'peak GiB':>8}  {'moved MiB':>9}"]
+    lines = [f"{'setup':<{width}}  {'ms/step':>9}  {'spread':>13}  {'x':>6}  {'peak GiB':>8}  "
+             f"{'moved MiB':>9}  parity"]
     for r in rows:
         x = f"{r.ms_per_step / ref:.2f}x" if ref else "-"
         peak = f"{r.peak_bytes / 2**30:.2f}" if r.peak_bytes is not None else "-"
         moved = f"{r.moved_bytes / 2**20:.2f}" if r.moved_bytes is not None else "-"
-        lines.append(f"{r.setup:<{width}}  {r.ms_per_step:>9.1f}  {x:>6}  {peak:>8}  {moved:>9}")
+        spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
+        lines.append(f"{r.setup:<{width}}  {r.ms_per_step:>9.1f}  {spread:>13}  {x:>6}  "
+                     f"{peak:>8}  {moved:>9}  {r.parity}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print the table; returns the exit code (0 ok, 2 bad input)."""
+    """Run the benchmark and print the table; returns the exit code (0 ok, 1 a setup's losses
+    differ from the baseline's, 2 bad input)."""
     try:
         args = _parse_args(argv)
     except ValueError as exc:
@@ -222,13 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"tiermem bench activations: layers={args.layers} d_model={args.d_model} "
           f"heads={args.heads} seq={args.seq} batch={args.batch} vocab={args.vocab} "
-          f"steps={args.steps} (mean ms/step after {args.warmup} warm-up)", flush=True)
+          f"steps={args.steps} repeats={args.repeats} (median ms/step after {args.warmup} "
+          f"warm-up)", flush=True)
     try:
         rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
+    wrong = [r.setup for r in rows if r.parity.startswith("WRONG")]
+    if wrong:
+        print(f"error: these setups did not train as without offload: {', '.join(wrong)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,53 @@
+"""The parity column of the benchmarks: does a setup's training equal the baseline's?
+
+Every timing row of ``tiermem bench activations`` and ``tiermem bench optim`` is printed with
+a verdict on its losses, so a fast but wrong setup cannot be reported as fast. The baseline
+runs twice in the same process; the largest difference between those two runs at any step is
+the noise of the default kernels (bf16 noise on CUDA is discrete and Adam's first update
+amplifies it, see Note [training parity] in tests/test_cuda_training_parity.py). A setup
+equals the baseline when each of its losses is within ``NOISE_MULTIPLE`` x that noise (plus
+``LOSS_FLOOR`` relative) of the first baseline run's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+NOISE_MULTIPLE = 4.0
+LOSS_FLOOR = 1e-6
+
+
+def noise_of(first: Sequence[float], second: Sequence[float]) -> float:
+    """The largest difference between two baseline runs' losses at any step.
+
+    Raises:
+        ValueError: the runs have different lengths.
+    """
+    if len(first) != len(second):
+        raise ValueError(f"noise_of: runs of {len(first)} and {len(second)} losses")
+    return max((abs(a - b) for a, b in zip(first, second)), default=0.0)
+
+
+def verdict(losses: Sequence[float], baseline: Sequence[float], noise: float,
+            trade: str | None = None) -> str:
+    """``"exact"``, ``"equal (d=...)"`` (within the noise bound) or ``"WRONG (d=...)"``.
+
+    ``d`` is the largest loss difference from the baseline at any step. ``trade`` names a
+    documented precision trade (e.g. ``"bf16 moments"``): such a setup is reported as
+    ``"differs: <trade> (d=...)"`` instead of wrong when it is outside the noise bound.
+
+    Raises:
+        ValueError: the runs have different lengths.
+    """
+    if len(losses) != len(baseline):
+        raise ValueError(f"verdict: {len(losses)} losses against {len(baseline)}")
+    diffs = [abs(a - b) for a, b in zip(losses, baseline)]
+    worst = max(diffs, default=0.0)
+    if worst == 0.0:
+        return "exact"
+    ok = all(d <= NOISE_MULTIPLE * noise + LOSS_FLOOR * abs(b) for d, b in zip(diffs, baseline))
+    if ok:
+        return f"equal (d={worst:.1e})"
+    if trade:
+        return f"differs: {trade} (d={worst:.1e})"
+    return f"WRONG (d={worst:.1e})"
