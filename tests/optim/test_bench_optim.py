@@ -1,37 +1,55 @@
-"""``tiermem bench optim`` (one process): the setup grammar and a tiny run on the CPU."""
+"""``tiermem bench optim`` on the CPU: one table, a parity verdict on every row, exit codes."""
 
 import pytest
 import torch
 
-from tiermem.bench.optim import main, parse_setup
+from tiermem.bench import optim
+
+ARGS = ["--steps", "2", "--accum", "1", "--layers", "1", "--d-model", "32", "--heads", "4",
+        "--seq", "16", "--vocab", "64", "--batch", "2"]
 
 
-def test_setup_grammar():
-    assert parse_setup("0.5") == {"fraction": 0.5, "tier": "cpu", "fwd": False, "bf16": False,
-                                  "chunk": None, "gpu": 0.0}
-    assert parse_setup("1.0:nvme+fwd+bf16+chunk=16M+gpu=0.4") == {
-        "fraction": 1.0, "tier": "nvme", "fwd": True, "bf16": True, "chunk": 16 << 20,
-        "gpu": 0.4}
-    assert parse_setup("1+chunk=64K")["chunk"] == 64 << 10
-    assert parse_setup("1+chunk=5000")["chunk"] == 5000
-
-
-@pytest.mark.parametrize("bad", ["1.5", "x", "0.5:disk", "0.5+slow", "0.5+chunk=M", "1+gpu=2"])
-def test_bad_setup_names_the_value_and_the_grammar(bad):
-    with pytest.raises(ValueError, match=r"--setups: .*F\[:tier\]\[\+fwd\]"):
-        parse_setup(bad)
-
-
-def test_cpu_run_prints_each_setup_with_worker_time(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("the CPU-sized defaults apply without CUDA")
-    assert main(["--setups", "gpu,1.0+chunk=4K,0.5+bf16+gpu=0.5", "--steps", "1",
-                 "--accum", "1"]) == 0
+def test_one_table_with_a_parity_verdict_per_row(capsys):
+    assert optim.main(ARGS + ["--setups", "gpu,0.5,1.0+bf16", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
-    table = out[out.rindex("setup"):].splitlines()
-    assert "worker ms" in table[0]
-    labels = [line[:37].strip() for line in table[1:]]
-    assert labels == ["GPU-only fused AdamW", "HybridAdam f=1 cpu c4096",
-                      "HybridAdam f=0.5 cpu bf16m gpu=0.5"]
-    for line in table[2:]:
-        assert float(line.split()[-2]) > 0  # the worker stepped chunks
+    assert out.count("tokens/step") == 1  # the table once (progress goes to stderr)
+    rows = [line for line in out.splitlines() if "HybridAdam" in line or "AdamW" in line]
+    assert len(rows) == 4, out
+    assert "baseline" in rows[0] and "again (noise)" in rows[1]
+    assert all(("exact" in r or "equal" in r) for r in rows[1:]), out
+    assert "nan" not in out
+
+
+def test_a_wrong_optimizer_is_reported_and_fails(capsys, monkeypatch):
+    real = optim._make_opt
+
+    def make(name, model, *args):
+        opt = real(name, model, *args)
+        if name != "0.5":
+            return opt
+        step = opt.step
+
+        def wrong_step(*a, **k):  # drops one parameter's gradient: trains wrongly
+            next(model.parameters()).grad = None
+            return step(*a, **k)
+        opt.step = wrong_step
+        return opt
+
+    monkeypatch.setattr(optim, "_make_opt", make)
+    assert optim.main(ARGS + ["--setups", "gpu,0.5"]) == 1
+    captured = capsys.readouterr()
+    assert "WRONG" in next(r for r in captured.out.splitlines() if "f=0.5" in r)
+    assert "did not train as the baseline" in captured.err
+
+
+def test_bad_setup_exits_2(capsys):
+    assert optim.main(ARGS + ["--setups", "gpu,1.5"]) == 2
+    assert "'1.5' is not gpu, naive" in capsys.readouterr().err
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
 from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.bench.parity import noise_of, verdict
 from tiermem.optim import HybridAdam
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -41,7 +43,10 @@ class _GpuMasters:
     def __init__(self, params):
         self.params = list(params)
         self.masters = [p.detach().float() for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, **HP, fused=True)
+        # fused on CUDA (what GPU users run); torch's default elsewhere (fused on a 2-core CPU
+        # measured 160x slower than foreach for small tensors)
+        self.opt = torch.optim.AdamW(self.masters, **HP,
+                                     fused=True if self.masters[0].is_cuda else None)
 
     def step(self):
         for m, p in zip(self.masters, self.params):
@@ -71,7 +76,7 @@ class _NaiveOffload:
         self.out = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in self.params]
         for m, g in zip(self.masters, self.grads):
             m.grad = g
-        self.opt = torch.optim.AdamW(self.masters, **HP, fused=True)
+        self.opt = torch.optim.AdamW(self.masters, **HP, fused=True if pin else None)
 
     def step(self):
         for g, p in zip(self.grads, self.params):
@@ -143,9 +148,10 @@ def _make_opt(name: str, model: torch.nn.Module, nvme_dir: str, accum: int, cpu_
                       gpu_step_fraction=s["gpu"], **extra)
 
 
-def _label(name: str) -> str:
+def _label(name: str, device: torch.device) -> str:
     if name in ("gpu", "naive"):
-        return {"gpu": "GPU-only fused AdamW", "naive": "naive full offload"}[name]
+        base = "GPU-only fused AdamW" if device.type == "cuda" else "CPU-only AdamW"
+        return {"gpu": base, "naive": "naive full offload"}[name]
     s = parse_setup(name)
     chunk = s["chunk"]
     size = "" if chunk is None else (f" c{chunk >> 20}M" if chunk % (1 << 20) == 0 else f" c{chunk}")
@@ -154,80 +160,142 @@ def _label(name: str) -> str:
             f"{' bf16m' if s['bf16'] else ''}{size}{lane}")
 
 
+_AGAIN = "gpu again"  # the baseline run twice: its run-to-run noise
+
+
+def _batches(cfg: GPTConfig, batch: int, count: int, device: torch.device) -> list:
+    """A different micro-batch for every forward (the same for every setup); the target of a
+    token is a fixed function of it, so the loss can fall."""
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(i)
+        idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=g)
+        out.append((idx.to(device), ((idx * 7 + 3) % cfg.vocab).to(device)))
+    return out
+
+
+def _run_setup(name, cfg, batch, accum, n_steps, nvme_dir, cpu_threads, device, dtype) -> dict:
+    """Train one setup ``n_steps`` + 1 steps (the first warms up); times and losses."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg).to(dtype=dtype)
+    opt = _make_opt("gpu" if name == _AGAIN else name, model, nvme_dir, accum, cpu_threads)
+    batches = _batches(cfg, batch, (n_steps + 1) * accum + 1, device)
+    cuda = device.type == "cuda"
+    times, losses, adam_ms, stall_ms, worker_ms = [], [], [], [], []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(n_steps + 1):
+        t0 = time.perf_counter()
+        total = 0.0
+        for micro in range(accum):
+            _, loss = model(*batches[step * accum + micro])
+            (loss / accum).backward()
+            total = total + loss.detach() / accum
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()  # benchmark timing only: the step must have finished
+        if step:
+            times.append(time.perf_counter() - t0)
+            if isinstance(opt, HybridAdam):  # the last completed step (with
+                stats = opt.step_stats()     # param_sync="forward": the one before)
+                adam_ms.append(1e3 * stats["cpu_adam_s"])
+                stall_ms.append(1e3 * stats["stall_s"])
+                worker_ms.append(1e3 * stats["worker_s"])
+        losses.append(total)
+    if isinstance(opt, HybridAdam):
+        opt.synchronize()
+    with torch.no_grad():  # the final weights, seen through one more batch
+        losses.append(model(*batches[-1])[1])
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    out = {"ms": 1e3 * statistics.median(times), "losses": [float(x) for x in losses],
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "adam_ms": med(adam_ms), "stall_ms": med(stall_ms), "worker_ms": med(worker_ms)}
+    opt.close()
+    del model, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _aligned(losses: list[float], base: list[float]) -> tuple[list[float], list[float]]:
+    """Comparable losses: all of them, or for a setup with fewer steps (NVMe) its steps only
+    (its after-the-last-step loss comes after fewer updates than the baseline's)."""
+    if len(losses) == len(base):
+        return losses, base
+    k = min(len(losses), len(base)) - 1
+    return losses[:k], base[:k]
+
+
 def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps: int,
-        nvme_dir: str, cpu_threads: int | None = None, nvme_steps: int = 2) -> list[dict]:
-    """Time each setup; return rows with ``ms``, ``x`` and ``peak_gib``.
+        nvme_dir: str, cpu_threads: int | None = None, nvme_steps: int = 2, repeats: int = 1,
+        log=print) -> list[dict]:
+    """Time each setup ``repeats`` times; return rows with ``ms`` (median of the runs'
+    medians), ``spread`` (their min, max), ``x``, ``peak_gib``, ``loss`` and ``parity`` (the
+    setup's losses against the first ``gpu`` run's, within 4x the noise of ``gpu`` run twice;
+    bf16 moments are a documented trade, :mod:`tiermem.bench.parity`).
 
     Raises:
         ValueError: an unknown setup name.
     """
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for accum in accums:
-        base_ms = None
-        for name in setups:
-            torch.manual_seed(0)
-            model = GPT(cfg).to(device=device, dtype=dtype)
-            opt = _make_opt(name, model, nvme_dir, accum, cpu_threads)
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
-            n_steps = nvme_steps if name.endswith("nvme") else steps
-            times, losses, adam_ms, stall_ms, worker_ms = [], [], [], [], []
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            for step in range(n_steps + 1):  # the first step warms up
-                t0 = time.perf_counter()
-                for _ in range(accum):
-                    _, loss = model(idx, idx)
-                    (loss / accum).backward()
-                opt.step()
-                opt.zero_grad()
-                if cuda:
-                    torch.cuda.synchronize()
-                if step:
-                    times.append(time.perf_counter() - t0)
-                    if isinstance(opt, HybridAdam):  # the last completed step (with
-                        stats = opt.step_stats()     # param_sync="forward": the one before)
-                        adam_ms.append(1e3 * stats["cpu_adam_s"])
-                        stall_ms.append(1e3 * stats["stall_s"])
-                        worker_ms.append(1e3 * stats["worker_s"])
-                losses.append(loss.item())
-            ms = 1e3 * statistics.median(times)
+        base_ms, base, noise = None, None, 0.0
+        for name in setups[:1] + [_AGAIN] + setups[1:]:
+            n_steps = nvme_steps if ":nvme" in name else steps
+            runs = [_run_setup(name, cfg, batch, accum, n_steps, nvme_dir, cpu_threads, device,
+                               dtype) for _ in range(repeats)]
+            medians = [r["ms"] for r in runs]
+            ms = statistics.median(medians)
+            trade = "bf16 moments" if name not in ("gpu", "naive", _AGAIN) and \
+                parse_setup(name)["bf16"] else None
             if name == "gpu":
-                base_ms = ms
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-            rows.append({"setup": _label(name), "tokens": batch * cfg.seq_len * accum,
-                         "ms": ms, "x": ms / base_ms if base_ms else float("nan"),
-                         "peak_gib": peak, "loss": losses[-1],
-                         "adam_ms": statistics.median(adam_ms) if adam_ms else float("nan"),
-                         "stall_ms": statistics.median(stall_ms) if stall_ms else float("nan"),
-                         "worker_ms": statistics.median(worker_ms) if worker_ms else float("nan")})
-            print(format_table(rows[-1:], header=False), flush=True)
-            opt.close()
-            del model, opt
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+                base_ms, base, parity = ms, [r["losses"] for r in runs], "baseline"
+            else:
+                if name == _AGAIN:
+                    noise = max(noise_of(base[0], r["losses"]) for r in runs)
+                    noise = max([noise] + [noise_of(base[0], b) for b in base[1:]])
+                verdicts = [verdict(*_aligned(r["losses"], base[0]), noise, trade) for r in runs]
+                parity = next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
+            last = runs[-1]
+            label = _label("gpu", device) + " again (noise)" if name == _AGAIN \
+                else _label(name, device)
+            rows.append({"setup": label, "tokens": batch * cfg.seq_len * accum,
+                         "ms": ms, "spread": (min(medians), max(medians)),
+                         "x": ms / base_ms if base_ms else float("nan"),
+                         "peak_gib": last["peak_gib"], "loss": last["losses"][-1],
+                         "adam_ms": last["adam_ms"], "stall_ms": last["stall_ms"],
+                         "worker_ms": last["worker_ms"], "parity": parity})
+            log(f"  {label} at {rows[-1]['tokens']} tokens/step: {ms:.1f} ms/step, {parity}")
     return rows
 
 
 def format_table(rows: list[dict], header: bool = True) -> str:
-    """Render rows as a fixed-width table."""
-    lines = [f"{'setup':<37}{'tokens/step':>12}{'ms/step':>10}{'x':>8}{'peak GiB':>10}"
-             f"{'loss':>9}{'cpu adam ms':>12}{'worker ms':>10}{'stall ms':>9}"] if header else []
+    """Render rows as a fixed-width table (times in ms, peak in GiB; ``-`` where not measured)."""
+    def num(value, fmt):
+        return "-" if value is None or value != value else format(value, fmt)
+
+    lines = [f"{'setup':<37}{'tokens/step':>12}{'ms/step':>10}{'spread':>15}{'x':>8}"
+             f"{'peak GiB':>10}{'loss':>9}{'cpu adam ms':>12}{'worker ms':>10}{'stall ms':>9}"
+             f"  parity"] if header else []
     for r in rows:
-        lines.append(f"{r['setup']:<37}{r['tokens']:>12}{r['ms']:>10.1f}{r['x']:>7.2f}x"
-                     f"{r['peak_gib']:>10.1f}{r['loss']:>9.4f}{r.get('adam_ms', float('nan')):>12.1f}"
-                     f"{r.get('worker_ms', float('nan')):>10.1f}"
-                     f"{r.get('stall_ms', float('nan')):>9.1f}")
+        spread = f"{r['spread'][0]:.0f}-{r['spread'][1]:.0f}" if "spread" in r else "-"
+        lines.append(f"{r['setup']:<37}{r['tokens']:>12}{r['ms']:>10.1f}{spread:>15}"
+                     f"{num(r['x'], '.2f'):>7}x{num(r['peak_gib'], '.1f'):>10}"
+                     f"{r['loss']:>9.4f}{num(r.get('adam_ms'), '.1f'):>12}"
+                     f"{num(r.get('worker_ms'), '.1f'):>10}{num(r.get('stall_ms'), '.1f'):>9}"
+                     f"  {r.get('parity', '')}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``tiermem bench optim`` (see ``--help``); returns the exit code."""
+    """``tiermem bench optim`` (see ``--help``); returns the exit code (0 ok, 1 a setup's
+    losses differ from the baseline's, 2 bad input)."""
     big = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="tiermem bench optim", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24 if big else 2)
@@ -244,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                              "fsdp:F[:T] or dp:F[:T] (default gpu,0.5,1.0)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setup")
     parser.add_argument("--nvme-steps", type=int, default=2, help="timed steps of NVMe setups")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every setup; ms/step is the median of the runs' medians")
     parser.add_argument("--nvme-dir", default=None, help="spill directory (default: a temp dir)")
     parser.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU Adam")
     parser.add_argument("--world", type=int, default=1,
@@ -259,9 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                     seq_len=args.seq, vocab=args.vocab)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    for s in setups:
-        if s not in ("gpu", "naive"):
-            parse_setup(s)
+    try:
+        for s in setups:
+            if s not in ("gpu", "naive"):
+                parse_setup(s)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if "gpu" in setups:
         setups.remove("gpu")
     setups.insert(0, "gpu")
@@ -270,8 +344,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.seq} tokens, on {torch.cuda.get_device_name() if big else 'CPU'}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
         rows = run(cfg, args.batch, accums, setups, args.steps, tmp, args.cpu_threads,
-                   args.nvme_steps)
+                   args.nvme_steps, args.repeats,
+                   log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(rows))
+    wrong = [r["setup"] for r in rows if r["parity"].startswith("WRONG")]
+    if wrong:
+        print(f"error: these setups did not train as the baseline: {', '.join(wrong)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
