@@ -1,6 +1,6 @@
 """``tiermem bench optim``: training-step time and peak GPU memory of optimizer placements.
 
-Side by side in one run, on the reference GPT (bf16 params; DESIGN.md), for each tokens-per-step
+Side by side in one run, on the reference GPT (bf16 params; docs/benchmarks.md), for each tokens-per-step
 setting (micro-batches accumulated per optimizer step):
 - ``gpu``: fp32 masters and torch fused AdamW on the GPU (what users do without offload);
 - ``naive``: grads D2H after backward, torch fused AdamW on pinned fp32 masters, cast, H2D
