@@ -19,7 +19,8 @@ batch every step) for ``--warmup`` + ``--steps`` steps: forward + backward is ti
 AdamW step (not timed) changes the weights, so a stale or wrong reload changes the losses.
 ``ms/step`` is the median over ``--repeats`` runs of each run's median timed step, with the
 spread (min-max of those run medians); ``peak GiB`` is ``torch.cuda.max_memory_allocated``
-over the timed steps of the last run (parameters and gradients included, 2^30 bytes);
+over the timed forward+backward windows of the last run, less the optimizer's state (the same
+in every row): parameters, gradients and activations, 2^30 bytes;
 ``moved MiB`` the bytes (2^20) one step puts into the store; ``parity`` compares the setup's
 losses (every step, and one more batch after the last) with the ``no offload`` run's, within
 4x the noise of ``no offload`` run twice (:mod:`tiermem.bench.parity`). One store (pinned
@@ -175,22 +176,27 @@ def _batches(args, vocab: int, device: torch.device) -> list[tuple[torch.Tensor,
 
 
 def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tuple:
-    """One run of a setup from ``init``: (timed step seconds, losses, moved bytes, context)."""
+    """One run of a setup from ``init``: (timed step seconds, losses, moved bytes, context,
+    peak device bytes of the timed fwd+bwd windows without the optimizer's state)."""
     model.load_state_dict(init)
     opt = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=0.1)
     ctx = make_ctx(model)  # entered once per step (double-buffer sets persist)
-    times, losses, moved = [], [], None
+    times, losses, moved, peak = [], [], None, None
     for step, (idx, targets) in enumerate(batches[:-1]):
-        if step == args.warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         before = ctx.stats()["put_bytes"] if hasattr(ctx, "stats") else 0
         _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # the fwd+bwd window only
         t0 = time.perf_counter()
         with ctx:
             _, loss = model(idx, targets)
             loss.backward()
         _sync(device)
         times.append(time.perf_counter() - t0)
+        if device.type == "cuda" and step >= args.warmup:  # the optimizer's state excluded
+            state = sum(t.nbytes for st in opt.state.values() for t in st.values()
+                        if torch.is_tensor(t) and t.device == device)
+            peak = max(peak or 0, torch.cuda.max_memory_allocated(device) - state)
         if hasattr(ctx, "stats"):
             moved = ctx.stats()["put_bytes"] - before  # counters are cumulative
         opt.step()
@@ -198,7 +204,7 @@ def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tupl
         losses.append(loss.detach())
     with torch.no_grad():  # the final weights, seen through one more batch
         losses.append(model(*batches[-1])[1])
-    return times[args.warmup:], [float(x) for x in losses], moved, ctx
+    return times[args.warmup:], [float(x) for x in losses], moved, ctx, peak
 
 
 def run(args, log=print) -> list[Row]:
@@ -231,7 +237,8 @@ def run(args, log=print) -> list[Row]:
             model.checkpoint = ckpt
             medians, runs = [], []
             for _ in range(args.repeats):
-                times, losses, moved, ctx = _train(model, init, make_ctx, batches, args, device)
+                times, losses, moved, ctx, peak = _train(model, init, make_ctx, batches, args,
+                                                         device)
                 medians.append(1e3 * statistics.median(times))
                 runs.append(losses)
             if name == "no offload":
@@ -244,7 +251,6 @@ def run(args, log=print) -> list[Row]:
             plan = getattr(ctx, "plan", None)
             if plan is not None:  # layers="auto": say what it chose
                 name = f"{name} ({len(plan['layers'])} blocks: {_spans(plan['layers'])})"
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             rows.append(Row(name, statistics.median(medians), peak, moved,
                             (min(medians), max(medians)), parity, runs[0]))
             log(f"  {name}: {rows[-1].ms_per_step:.1f} ms/step, {parity}")
