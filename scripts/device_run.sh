@@ -4,8 +4,8 @@
 # Each stage is stable: the same name reproduces the same rows of docs/benchmarks.md.
 #
 #   stage              machine          what
-#   cuda_tests         nvidia-h200      pytest -m cuda, everything but tests/distributed
-#   parity             nvidia-h200      the CUDA training-parity matrix alone
+#   cuda_tests         nvidia-h200      pytest -m cuda but the parity matrix and tests/distributed
+#   parity             nvidia-h200      the CUDA training-parity matrix (~9 min: its own call)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
@@ -38,7 +38,8 @@ for stage in "$@"; do
     cuda_tests) run cuda_tests 420 "${PYTEST[@]}" tests --ignore=tests/distributed ;;
     parity) run parity 300 "${PYTEST[@]}" tests/test_cuda_training_parity.py ;;
     bench_activations) run bench_activations 420 tiermem bench activations "${GPT[@]}" \
-      --batch 8 --steps 3 --warmup 2 --repeats 3 ;;
+      --batch 8 --steps 3 --warmup 2 --repeats 3 \
+      --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
     bench_optim) run bench_optim 540 tiermem bench optim --steps 3 --accum 1,4 --repeats 3 \
       --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 ;;
     bench_basics)
