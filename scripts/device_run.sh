@@ -35,8 +35,9 @@ run() {  # run NAME SECONDS CMD...: one stage, its own log, bounded in time
 
 for stage in "$@"; do
   case $stage in
-    cuda_tests) run cuda_tests 420 "${PYTEST[@]}" tests --ignore=tests/distributed ;;
-    parity) run parity 300 "${PYTEST[@]}" tests/test_cuda_training_parity.py ;;
+    cuda_tests) run cuda_tests 300 "${PYTEST[@]}" tests --ignore=tests/distributed \
+      --ignore=tests/test_cuda_training_parity.py ;;
+    parity) run parity 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py ;;
     bench_activations) run bench_activations 420 tiermem bench activations "${GPT[@]}" \
       --batch 8 --steps 3 --warmup 2 --repeats 3 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
