@@ -1278,7 +1278,12 @@ class HybridAdam(torch.optim.Optimizer):
         """Global forward pre-hook (param_sync="forward"): wait for this module's params."""
         if not self._pending:
             return
-        chunks = [item for p in module._parameters.values() if p is not None
+        # a compiled module runs its submodules inside one graph, without their hooks: wait
+        # here for every parameter under it (the whole model for torch.compile(model))
+        compiled = isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(
+            module, "_compiled_call_impl", None) is not None
+        params = module.parameters() if compiled else module._parameters.values()
+        chunks = [item for p in params if p is not None
                   for item in self._chunks_of.get(id(p), ())]
         if not chunks:
             return
