@@ -8,6 +8,7 @@ tiermem/offload/activations.py for the behaviour checked here.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -316,7 +317,7 @@ def test_graph_dropped_without_backward_deletes_its_keys(make_store):
     _assert_clean(store, off)
 
 
-def test_backward_after_the_with_block_and_private_store_closes(tmp_path):
+def test_backward_after_the_with_block_and_one_private_store_for_every_step(tmp_path):
     ref, _ = _run(TinyGPT, _train_step())
     torch.manual_seed(0)
     model = TinyGPT()
@@ -324,13 +325,27 @@ def test_backward_after_the_with_block_and_private_store_closes(tmp_path):
     with off:
         _, loss = model(*make_batch(1))
     store = off.store
-    assert len(store) > 0 and not store._closed  # kept open for the coming backward
+    assert len(store) > 0
     loss.backward()
-    assert store._closed and off.live_keys == 0
+    assert off.live_keys == 0 and len(store) == 0
     _assert_equal_grads(_grads(ref), _grads(model))
-    with off:  # can be entered again: a fresh private store
+    for step in range(3):  # entered again: the same private store (pinned blocks reused)
+        with off:
+            model(*make_batch(step))[1].backward()
+    assert off.store is store and not store._closed
+    off.close()
+    assert store._closed
+
+
+def test_a_dropped_offloader_closes_its_private_store():
+    model = TinyGPT()
+    off = offload_activations(model.blocks)
+    with off:
         model(*make_batch(1))[1].backward()
-    assert off.store is not store and off.store._closed
+    store = off.store
+    del off
+    gc.collect()
+    assert store._closed
 
 
 # ---------------------------------------------------------------------------------- loops

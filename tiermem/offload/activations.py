@@ -562,6 +562,9 @@ class ActivationOffloader:
                                "blocks (layers=[...] picks which are offloaded)")
         if self._own_store and (self._store is None or self._store._closed):
             self._store = TierStore(default_store_config())
+            # one private store for the offloader's life: pinned memory is allocated once, not
+            # every step; closed by close() or when the offloader is dropped
+            weakref.finalize(self, self._store.close)
         if self.double_buffering and (self._buffers is None or
                                       self._buffers.device != self._store.device):
             self._buffers = _DoubleBuffer(self._store.device)
@@ -607,14 +610,13 @@ class ActivationOffloader:
 
     def _maybe_close(self) -> None:
         """Once no key is left after exit (backward may run after the ``with``): release the
-        double buffer's store holds and close a private store (with it, the buffer sets; with
-        a caller's store they persist across steps until :meth:`close`)."""
+        double buffer's store holds. The buffer sets and a private store persist across steps
+        (its pinned blocks are reused, as a caller's are) until :meth:`close` or until the
+        offloader is garbage-collected."""
         if not (self._closing and self._records == 0):
             return
         if self._buffers is not None:
-            self._buffers.close(self._store, keep_buffers=not self._own_store)
-        if self._own_store and self._store is not None:
-            self._store.close()
+            self._buffers.close(self._store, keep_buffers=True)
 
     def close(self) -> None:
         """Free the double-buffer sets and close a private store (waits for nothing else).
@@ -909,9 +911,10 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
     Args:
         blocks: the model's layer modules in execution order (a list, ``nn.ModuleList`` or
             ``nn.Sequential``, e.g. ``model.transformer.h``).
-        store: the :class:`~tiermem.TierStore` to use; None makes a private one (see
-            :func:`default_store_config`), closed when the context has exited and its last key
-            is gone.
+        store: the :class:`~tiermem.TierStore` to use; None makes a private one on first
+            entry (see :func:`default_store_config`), kept for the offloader's life so its
+            pinned blocks serve every step, and closed by :meth:`ActivationOffloader.close` or
+            when the offloader is garbage-collected.
         tier: ``"cpu"`` (pinned host memory) or ``"nvme"`` (spill files; needs a store with an
             nvme budget).
         num_layers: offload the first ``num_layers`` blocks, in ``[0, len(blocks))`` (Megatron's
