@@ -1,7 +1,7 @@
 """Build of tiermem's native core: one plain C shared library loaded with ctypes.
 
 It includes no Python or torch headers and links against neither, so one build serves every
-torch version (2.4+) and the library is called on raw pointers. A machine without a C compiler
+torch version (2.6+) and the library is called on raw pointers. A machine without a C compiler
 still installs tiermem: the build is skipped with a warning and tiermem falls back to torch
 (``tiermem.optim.cpu_adam`` says so at run time).
 """

@@ -22,8 +22,11 @@ device-tier footprint and process RSS (CPU). The loop itself is :func:`tiermem.d
 (one function, ~80 lines: store, HybridAdam, ``with offloader: loss = model(...)``, backward,
 step); copy it into your own trainer.
 
+A ``store.nvme_dir`` that does not exist is created (mode 0700) when the run uses the nvme tier.
+
 Exit code: 0 the run finished (and matched the baseline within ``train.tolerance``), 1 the
-losses differ by more than the tolerance, 2 bad config.
+losses differ by more than the tolerance, 2 bad config (one line on stderr naming the field or
+file and the fix).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import sys
 
 import yaml
 
+from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir
 from tiermem.demo import RunConfig, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,17 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, train, compare; return the exit code (0 ok, 1 mismatch, 2 usage)."""
     args = build_parser().parse_args(argv)
+    path = None
     try:
         path = preset_path(args.preset) if args.preset else (args.config or DEFAULT_CONFIG)
         cfg = RunConfig.load(path, args.overrides)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError) as exc:
         print(f"train_gpt: error: {exc}", file=sys.stderr)
+        return 2
+    except CONFIG_ERRORS as exc:  # a directory, a missing or unreadable file, broken YAML
+        message = str(exc) if path is None else config_error(
+            "--preset" if args.preset else "--config", path, exc)
+        print(f"train_gpt: error: {message}", file=sys.stderr)
         return 2
     if args.print_config:
         print(yaml.safe_dump(cfg.to_tree(), sort_keys=False), end="")
         return 0
     print(f"config: {path}" + (f" + {' '.join(args.overrides)}" if args.overrides else ""))
     try:
+        if cfg.store.nvme_bytes and cfg.store.nvme_dir is not None:
+            make_private_dir(cfg.store.nvme_dir, "store.nvme_dir", log=print)
         _, _, cmp = run(cfg)
     except ValueError as exc:  # a combination only the library can judge (e.g. budgets)
         print(f"train_gpt: error: {exc}", file=sys.stderr)

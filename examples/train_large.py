@@ -13,12 +13,16 @@ NVMe read/write bytes and the stall (``step()`` waiting for the CPU side).
 
 Activations: every block is checkpointed, so only block inputs stay (seq·d_model·2 bytes a
 block, 0.02 GB at 13B); offloading them (``tiermem.offload``) would save under 1 GB here.
+
+Exit code: 0 trained (or, with ``--dry-run``, the plan fits), 1 the plan does not fit, 2 bad
+usage: a config that cannot be read or lacks a field, or a CUDA preset on a machine without
+CUDA (one line on stderr; ``--dry-run`` still plans there, ``--tiny`` trains a tiny model on
+the CPU). A missing spill directory is created with mode 0700.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import sys
 import tempfile
@@ -30,6 +34,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore  # noqa: E402
+from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
 from tiermem.bench._gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.config import parse_bytes  # noqa: E402
 from tiermem.models import materialize_  # noqa: E402
@@ -44,7 +49,16 @@ TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
 
 
 def load(path: str, tiny: bool) -> dict:
+    """Read the preset and check it has the sections the run needs.
+
+    Raises:
+        OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
+        ValueError: it is not a mapping, or lacks a section or field (named in the message).
+    """
     cfg = yaml.safe_load(Path(path).read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config={path!r} must hold a YAML mapping of sections (model, train, "
+                         f"optimizer, budgets, store), got {type(cfg).__name__}")
     if tiny:
         for section, values in TINY.items():
             cfg.setdefault(section, {}).update(values)
@@ -99,8 +113,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="override train.steps")
     ap.add_argument("--nvme-dir", default=None, help="spill directory (default: config/tmp)")
     args = ap.parse_args(argv)
-    cfg = load(args.config, args.tiny)
-    pl = make_plan(cfg)
+    try:
+        cfg = load(args.config, args.tiny)
+        pl = make_plan(cfg)
+    except CONFIG_ERRORS as exc:
+        print(f"train_large: error: {config_error('--config', args.config, exc)}",
+              file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"train_large: error: --config={args.config!r} lacks {exc.args[0]!r} (sections: "
+              f"model, train, optimizer, budgets, store); fix: add it (see "
+              f"examples/configs/large/)", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as exc:
+        print(f"train_large: error: {exc}", file=sys.stderr)
+        return 2
+    device_name = str(cfg["train"].get("device", "cuda"))
+    if not args.dry_run and device_name.startswith("cuda") and not torch.cuda.is_available():
+        print(f"train_large: error: train.device={device_name!r} in {args.config} but CUDA is "
+              f"not available here; fix: run on a CUDA machine, or --dry-run to only plan, or "
+              f"--tiny for a CPU smoke run", file=sys.stderr)
+        return 2
     print(pl.table(), flush=True)
     if not pl.fits:
         print("train_large: this configuration does not fit the given budgets:\n  "
@@ -110,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print("train_large: the plan fits (dry run, nothing trained)")
         return 0
     m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
-    device = torch.device(t.get("device", "cuda"))
+    device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     accum = int(t.get("grad_accumulation_steps", 1))
     steps = args.steps or int(t.get("steps", 5))
@@ -125,8 +158,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     s = cfg.get("store", {})
     nvme_dir = args.nvme_dir or s.get("nvme_dir") or tempfile.mkdtemp(prefix="tiermem-large-")
-    os.makedirs(nvme_dir, exist_ok=True)
     nvme_bytes = parse_bytes(s.get("nvme_bytes", 0), "store.nvme_bytes")
+    if nvme_bytes:
+        try:
+            make_private_dir(nvme_dir, "--nvme-dir" if args.nvme_dir else "store.nvme_dir",
+                             log=print)
+        except ValueError as exc:
+            print(f"train_large: error: {exc}", file=sys.stderr)
+            return 2
     store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=s["cpu_bytes"], nvme_bytes=nvme_bytes,
                                   nvme_dir=nvme_dir if nvme_bytes else None, device=str(device),
                                   pool_slab_bytes=s.get("pool_slab_bytes", "256MiB")))

@@ -13,6 +13,7 @@ pass ``torch.get_num_threads()`` explicitly (:func:`num_threads`) rather than re
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import zlib
@@ -50,6 +51,9 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _loaded = False
+_zlib_noted = False
+
+logger = logging.getLogger("tiermem")
 
 
 def _candidates() -> list[Path]:
@@ -117,6 +121,11 @@ def _load() -> ctypes.CDLL | None:
                 f"_tiermem_native*.so not found in {Path(__file__).parent} (the native build was "
                 "skipped at install time; rerun `pip install --no-build-isolation -e .` with a C "
                 "compiler to build it)")
+            logger.warning("native core unavailable: %s. The CPU Adam step falls back to torch's "
+                           "fused kernel and spill checksums to zlib's CRC-32", _error)
+        else:
+            logger.info("native core loaded: %s (Adam kernel %s)", _lib._name,
+                        ISA_NAMES.get(_lib.tm_adam_isa(), "?"))
         _loaded = True
         return _lib
 
@@ -232,6 +241,15 @@ def checksum_algorithm() -> str:
     return "crc32c" if available() else "crc32"
 
 
+def _note_zlib_fallback() -> None:
+    """Log once (WARNING, ``tiermem`` logger) that checksums are zlib's CRC-32, not CRC-32C."""
+    global _zlib_noted
+    if not _zlib_noted:
+        _zlib_noted = True
+        logger.warning("checksums fall back from CRC-32C to zlib's CRC-32: the native library is "
+                       "unavailable (%s)", _error or "not loaded")
+
+
 def crc32c(buf: Any, crc: int = 0) -> int:
     """CRC-32C (Castagnoli) of a contiguous CPU buffer, chainable.
 
@@ -257,6 +275,7 @@ def crc32c(buf: Any, crc: int = 0) -> int:
     addr, nbytes, keep = _buffer_address(buf)
     native = _load()
     if native is None:
+        _note_zlib_fallback()
         if nbytes == 0:
             return int(crc)
         return zlib.crc32((ctypes.c_char * nbytes).from_address(addr), int(crc)) & 0xFFFFFFFF

@@ -1,7 +1,8 @@
 """The ``tiermem`` command: demo, plan, bench, tune.
 
 Every sub-command has ``--help``, prints errors as one clear line on stderr and returns an exit
-code: 0 success, 1 the work failed (e.g. a plan that does not fit), 2 bad usage.
+code: 0 success, 1 the work failed (e.g. a plan that does not fit), 2 bad usage. The ``tiermem``
+logger's records (backend choices, fallbacks, warnings) go to stderr as ``tiermem: ...`` lines.
 """
 
 from __future__ import annotations
@@ -10,12 +11,24 @@ import argparse
 import importlib
 import sys
 
+from tiermem._files import CONFIG_ERRORS
+from tiermem._log import configure_cli_logging
+
 BENCHES = {
     "transfer": "tiermem.bench.transfer",
     "io": "tiermem.bench.io",
     "adam": "tiermem.bench.adam",
     "optim": "tiermem.bench.optim",
     "activations": "tiermem.bench.activations",
+}
+BENCH_HELP = {
+    "transfer": "TierStore H2D / D2H copies against raw pinned copy_ (needs CUDA for real "
+                "numbers)",
+    "io": "NVMe spill write/read against raw O_DIRECT (and kvikio when usable) in --dir",
+    "adam": "the native CPU Adam kernel against torch's fused CPU AdamW",
+    "optim": "training-step time and peak memory of optimizer placements (HybridAdam "
+             "fractions vs GPU AdamW)",
+    "activations": "training-step time and peak memory of activation offload settings",
 }
 COMMANDS = {
     "demo": ("tiermem.demo", "train a small GPT with offloading and compare with no offload"),
@@ -37,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    configure_cli_logging()
     if args.command == "bench":
         if args.which is None:
-            print("usage: tiermem bench {" + ",".join(sorted(BENCHES)) + "} [--help]",
-                  file=sys.stderr)
-            return 2
+            asked = any(a in ("-h", "--help") for a in rest)
+            print(bench_help(), file=sys.stdout if asked else sys.stderr)
+            return 0 if asked else 2
         module_name = BENCHES[args.which]
     else:
         module_name = COMMANDS[args.command][0]
@@ -54,9 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         raise
     try:
         return int(module.main(rest) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"tiermem {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, *CONFIG_ERRORS) as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError,
+                                                             IsADirectoryError,
+                                                             NotADirectoryError)):
+            raise  # a failing disk or device is not bad usage: the traceback says where
+        print(f"tiermem {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+
+
+def bench_help() -> str:
+    """The help of ``tiermem bench``: usage and one line per benchmark."""
+    width = max(map(len, BENCHES))
+    return ("usage: tiermem bench {" + ",".join(sorted(BENCHES)) + "} [options]\n\n"
+            "Benchmarks (each has --help with its options and defaults):\n"
+            + "\n".join(f"  {name.ljust(width)}  {BENCH_HELP[name]}" for name in BENCHES))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ The data moves as extents of ``--extent-bytes`` (a tensor each), all submitted a
 Buffered writes are timed up to ``fdatasync``; the page cache is dropped
 (``POSIX_FADV_DONTNEED``) between write and read (O_DIRECT bypasses it anyway). Every read is
 checked against what was written, outside the timed region. GB/s are 10^9 bytes per second;
-each number is the best of ``--repeat`` runs.
+each number is the median of ``--repeat`` runs (default 3) in this one process, printed with
+the spread (slowest - fastest) of those runs. A missing ``--dir`` is created (mode 0700).
 
 Usage::
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem._files import make_private_dir
 from tiermem.config import parse_bytes
 from tiermem.store.extents import round_up
 from tiermem.store.io import make_backend
@@ -51,6 +54,10 @@ class Row:
     write_gbps: float | None = None
     read_gbps: float | None = None
     note: str = ""
+    write_spread: tuple[float, float] | None = None
+    """(slowest, fastest) write GB/s of the repeated runs (None: one run or none)."""
+    read_spread: tuple[float, float] | None = None
+    """(slowest, fastest) read GB/s of the repeated runs."""
 
 
 def _drop_cache(path: str) -> None:
@@ -77,9 +84,13 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _best(values: list[float | None]) -> float | None:
+def _median_spread(values: list[float | None]
+                   ) -> tuple[float | None, tuple[float, float] | None]:
+    """Median and (min, max) of the measured values (None entries are not measured)."""
     got = [v for v in values if v is not None]
-    return max(got) if got else None
+    if not got:
+        return None, None
+    return statistics.median(got), ((min(got), max(got)) if len(got) > 1 else None)
 
 
 def bench_raw(workdir: str, src: torch.Tensor, dst: torch.Tensor, block_bytes: int) -> Row:
@@ -186,21 +197,26 @@ def bench_spill(workdir: str, src: torch.Tensor, dst: torch.Tensor, backend_name
 
 
 def format_table(rows: list[Row]) -> str:
-    """Return the rows as an aligned text table with "% of raw" (write/read) per row."""
+    """Return the rows as an aligned text table: median GB/s with the spread of the repeated
+    runs in brackets, and "% of raw" (write/read, medians) per row."""
     raw = rows[0] if rows and rows[0].what.startswith("raw") else None
 
-    def num(v):
-        return "-" if v is None else f"{v:.2f}"
+    def num(v, spread=None):
+        if v is None:
+            return "-"
+        return f"{v:.2f}" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
     def pct(v, ref):
         return "-" if v is None or not ref else f"{100 * v / ref:.0f}"
 
-    header = ("what", "threads", "write GB/s", "read GB/s", "% of raw (w/r)", "note")
+    header = ("what", "threads", "write GB/s (spread)", "read GB/s (spread)", "% of raw (w/r)",
+              "note")
     lines = [header]
     for r in rows:
         rel = (f"{pct(r.write_gbps, raw and raw.write_gbps)}/"
                f"{pct(r.read_gbps, raw and raw.read_gbps)}")
-        lines.append((r.what, str(r.threads), num(r.write_gbps), num(r.read_gbps), rel, r.note))
+        lines.append((r.what, str(r.threads), num(r.write_gbps, r.write_spread),
+                      num(r.read_gbps, r.read_spread), rel, r.note))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for j, line in enumerate(lines):
@@ -213,14 +229,16 @@ def format_table(rows: list[Row]) -> str:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tiermem bench io", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", required=True, help="directory on the disk to measure")
+    p.add_argument("--dir", required=True,
+                   help="directory on the disk to measure (created, mode 0700, if missing)")
     p.add_argument("--nbytes", default="256MiB", help="bytes moved per row (default 256MiB)")
     p.add_argument("--extent-bytes", default="64MiB", help="bytes per spilled extent (64MiB)")
     p.add_argument("--chunk-bytes", default="8MiB", help="SpillSpace I/O chunk size (8MiB)")
     p.add_argument("--block-bytes", default="64MiB", help="raw row's bytes per syscall (64MiB)")
     p.add_argument("--threads", default="1,2,4", help="thread counts of the posix/kvikio rows")
     p.add_argument("--aiofiles-threads", default="2", help="thread counts of the aiofiles rows")
-    p.add_argument("--repeat", type=int, default=1, help="runs per row; the best is shown")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs per row; the median and the spread are shown (default 3)")
     return p.parse_args(argv)
 
 
@@ -243,10 +261,14 @@ def run(args: argparse.Namespace, log=print) -> list[Row]:
     aio_threads = [int(t) for t in str(args.aiofiles_threads).split(",") if t.strip()]
     if not threads or min(threads + aio_threads) < 1:
         raise ValueError(f"--threads={args.threads!r} must list ints >= 1, e.g. 1,2,4")
-    if not os.path.isdir(args.dir) or not os.access(args.dir, os.W_OK):
-        raise ValueError(f"--dir={args.dir!r} is not a writable directory; fix: mkdir it or "
-                         f"pick a directory on the disk to measure")
-    repeat = max(1, args.repeat)
+    if args.repeat < 1:
+        raise ValueError(f"--repeat={args.repeat} must be >= 1 (3 or more for a median and a "
+                         f"spread)")
+    make_private_dir(args.dir, "--dir", log)
+    if not os.access(args.dir, os.W_OK):
+        raise ValueError(f"--dir={args.dir!r} is not writable; fix: pick a directory you can "
+                         f"write on the disk to measure")
+    repeat = args.repeat
 
     # Pattern data (1 MiB random, tiled): incompressible enough, cheap to make.
     src = aligned_empty(nbytes)
@@ -289,8 +311,8 @@ def run(args: argparse.Namespace, log=print) -> list[Row]:
                     break
             if results:
                 row = results[0]
-                row.write_gbps = _best([r.write_gbps for r in results])
-                row.read_gbps = _best([r.read_gbps for r in results])
+                row.write_gbps, row.write_spread = _median_spread([r.write_gbps for r in results])
+                row.read_gbps, row.read_spread = _median_spread([r.read_gbps for r in results])
                 row.note = "; ".join(x for x in (row.note, note) if x)
             else:
                 row = Row(what, t, note=note)
@@ -306,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the process exit code (0 ok, 2 bad input)."""
     args = _parse_args(argv)
     print(f"tiermem bench io: dir={args.dir} nbytes={args.nbytes} extent={args.extent_bytes} "
-          f"chunk={args.chunk_bytes} repeat={args.repeat} (GB/s = 1e9 B/s, best of repeat)",
-          flush=True)
+          f"chunk={args.chunk_bytes} repeat={args.repeat} (GB/s = 1e9 B/s, median of the "
+          f"repeats, spread in brackets)", flush=True)
     try:
         rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as exc:

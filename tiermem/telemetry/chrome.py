@@ -4,9 +4,13 @@ Layout (JSON object format, ``{"traceEvents": [...], "displayTimeUnit": "ms"}``;
 microseconds from the recorder's start):
 
 * process 1 "tiermem transfers": one thread (track) per stream (H2D, D2H, NVMe read, NVMe
-  write, ...) holding an ``"X"`` (complete) event per move, named ``src->dst``, with the key,
-  bytes and the achieved GB/s in ``args``; a ``"stalls in get"`` track with an ``"X"`` event per
-  blocked ``get``; step boundaries as global ``"i"`` (instant) events.
+  write, ...) holding an ``"X"`` (complete) event per move, named ``src->dst``, with the key and
+  bytes in ``args``. An event spans issue to *observed* completion on the host clock (see
+  :class:`~tiermem.telemetry.recorder.Transfer`): the copy may have queued behind others and
+  may have ended before the store noticed, so no rate is given (bytes over that span is not
+  the link's bandwidth); ``otherData["transfer_spans"]`` says so in the file. A ``"stalls in
+  get"`` track has an ``"X"`` event per blocked ``get``; step boundaries are global ``"i"``
+  (instant) events.
 * process 2 "tiermem memory": a ``"C"`` (counter) event per memory sample and tier, named
   ``"<tier> used bytes"``, plus the budgets in the metadata.
 
@@ -30,6 +34,9 @@ from tiermem.config import TIERS
 
 TRANSFER_PID = 1
 MEMORY_PID = 2
+TRANSFER_SPANS = ("transfer events span issue to completion as observed by the store on the "
+                  "host clock, not the copy itself; bytes / duration is not a link rate")
+"""What a transfer event's duration is, written into every trace's ``otherData``."""
 
 
 def _us(t_s: float, start_s: float) -> float:
@@ -77,11 +84,10 @@ def build_chrome_trace(recorder: Any, *, label: str | None = None, index: int = 
             lanes.append(0.0)
         lanes[lane] = end
         name = tr.stream if lane == 0 else f"{tr.stream} #{lane + 1}"
-        dur = end - ts
+        dur = end - ts  # issue -> observed completion, not the copy's own duration
         events.append({"ph": "X", "name": tr.direction, "cat": "transfer", "pid": transfer_pid,
                        "tid": track(name), "ts": ts, "dur": dur,
-                       "args": {"key": repr(tr.key), "bytes": tr.nbytes, "ok": tr.ok,
-                                "GB/s": round(tr.nbytes / dur / 1e3, 3) if dur > 0 else None}})
+                       "args": {"key": repr(tr.key), "bytes": tr.nbytes, "ok": tr.ok}})
     for st in stalls:
         ts = _us(st.start_s, t0)
         events.append({"ph": "X", "name": f"get from {st.tier}", "cat": "stall",
@@ -100,7 +106,8 @@ def build_chrome_trace(recorder: Any, *, label: str | None = None, index: int = 
                            "args": {"bytes": int(used.get(tier, 0))}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"budget_bytes": dict(recorder.budgets),
-                          "dropped": recorder.dropped}}
+                          "dropped": recorder.dropped,
+                          "transfer_spans": TRANSFER_SPANS}}
 
 
 def merge_chrome_traces(recorders: Mapping[str, Any]) -> dict:

@@ -2,7 +2,8 @@
 
 One panel per tier with a budget (used bytes as a step line, the budget dashed, stalls in
 ``get`` shaded), and a bottom panel with one lane per stream (H2D, D2H, NVMe read/write) where
-each move is a bar from its start to its end. Step boundaries are vertical dotted lines.
+each move is a bar from its issue to its completion as observed by the store (host clock; the
+copy itself may have been shorter, see :class:`~tiermem.telemetry.recorder.Transfer`). Step boundaries are vertical dotted lines.
 :func:`plot_compare` draws several recordings side by side (one column each, same time and byte
 scales), e.g. the same step under two eviction policies. Uses matplotlib's Agg canvas directly
 (no GUI, no change to the global backend).
@@ -84,7 +85,8 @@ def _draw(axes: Any, recorder: Any, tiers: list[str], streams: list[str],
         lane.broken_barh(bars, (i - 0.4, 0.8), color=_COLORS.get(stream, "tab:gray"))
     lane.set_yticks(range(len(streams)), streams)
     lane.set_ylim(-0.6, len(streams) - 0.4)
-    lane.set_xlabel("time [s]")
+    lane.set_xlabel("time [s]; transfer bars: issue -> completion observed by the store (host "
+                    "clock), not the copy's own duration")
     for ax in axes:
         for t in steps:
             ax.axvline(t - t0, color="tab:gray", linestyle=":", linewidth=0.8)

@@ -10,11 +10,15 @@ What is recorded:
   the store makes (move start, move completion, put, delete); consecutive equal samples are kept
   once.
 * transfers: one record per store move (a copy, a spill write or read, or a chain like
-  nvme -> cpu -> gpu), with its source and destination tier, key, bytes and start/end times. The
-  end is when the store applied the finished move (it reaps finished moves at its next
-  operation, or waits for one it needs), so it can be late by the time between operations;
-  ``src`` is ``"put"`` for a ``put``'s own copy. The stream names are those of the links:
-  ``cpu->gpu`` is H2D, ``gpu->cpu`` D2H, ``cpu->nvme`` a spill write, ``nvme->*`` a read.
+  nvme -> cpu -> gpu), with its source and destination tier, key, bytes and two host-clock
+  times: when the store *issued* the move and when it *observed* the move complete (it reaps
+  finished moves at its next operation, or waits for one it needs). That span is an
+  issue-to-observed-completion time, not the copy's duration: the copy may have waited behind
+  other work on its stream and may have finished long before the store looked, so bytes divided
+  by the span is not a link rate (to time copies, use CUDA events, as
+  :func:`tiermem.schedule.layers.copy_bandwidths` does). ``src`` is ``"put"`` for a ``put``'s
+  own copy. The stream names are those of the links: ``cpu->gpu`` is H2D, ``gpu->cpu`` D2H,
+  ``cpu->nvme`` a spill write, ``nvme->*`` a read.
 * stalls: each ``get`` that moved its key or waited for a move: key, the tier it came from, and
   the seconds the caller was blocked.
 * steps: ``TierStore.mark_step()`` times.
@@ -38,15 +42,17 @@ STREAMS = {"cpu->gpu": "H2D", "put->gpu": "H2D", "gpu->cpu": "D2H", "put->cpu": 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One store move.
+    """One store move, timed on the host from issue to observed completion.
 
     Attributes:
         src: source tier (``"put"``: a put's own copy).
         dst: destination tier.
         key: the store key (its ``repr`` in exports).
         nbytes: bytes moved.
-        start_s: ``perf_counter`` seconds when the move was issued.
-        end_s: ``perf_counter`` seconds when the store applied its completion.
+        start_s: ``perf_counter`` seconds when the store issued the move.
+        end_s: ``perf_counter`` seconds when the store observed it complete (applied its
+            completion at its next operation or while waiting for it); the copy itself may
+            have ended earlier.
         ok: False if the move failed (the key stayed where it was).
     """
 
@@ -62,6 +68,12 @@ class Transfer:
     def direction(self) -> str:
         """``"src->dst"``."""
         return f"{self.src}->{self.dst}"
+
+    @property
+    def issue_to_observed_s(self) -> float:
+        """Seconds from issue to observed completion (see the class docstring): an upper bound
+        on the copy's own duration, so ``nbytes / issue_to_observed_s`` is no link rate."""
+        return max(0.0, self.end_s - self.start_s)
 
     @property
     def stream(self) -> str:

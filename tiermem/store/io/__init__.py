@@ -1,15 +1,23 @@
 """NVMe I/O backends behind one interface (:class:`~tiermem.store.io.base.IOBackend`).
 
 - ``"posix"``: :class:`~tiermem.store.io.posix.PosixBackend`, a thread pool doing
-  ``os.pwritev``/``os.preadv`` (the default on machines without a CUDA driver).
+  ``os.pwritev``/``os.preadv``.
 - ``"kvikio"``: :class:`~tiermem.store.io.kvikio_backend.KvikioBackend`, kvikio's ``CuFile``
-  (GPUDirect Storage or its POSIX compat mode); needs kvikio and ``libcuda.so.1``.
+  on the pinned host buffers the spill path hands every backend, i.e. kvikio's own POSIX reads
+  and writes on its thread pool (never GPUDirect Storage: no device buffer reaches it); needs
+  kvikio and ``libcuda.so.1``.
 - ``"aiofiles"``: :class:`~tiermem.store.io.aio.AiofilesBackend`, aiofiles on a private
   asyncio loop.
-- ``"auto"``: kvikio when :func:`kvikio_usable`, else posix.
+- ``"auto"``: posix. kvikio only when asked for by name: on the H200 machine the POSIX pool
+  measured at least as fast at 4 threads (docs/benchmarks_archive.md, "NVMe spill"), and no
+  measurement shows kvikio ahead on this path.
+
+The choice is logged (INFO) on the ``tiermem`` logger.
 """
 
 from __future__ import annotations
+
+import logging
 
 from .base import IOBackend
 from .kvikio_backend import kvikio_usable
@@ -18,9 +26,14 @@ from .posix import PosixBackend, ShortReadError
 BACKENDS = ("auto", "posix", "kvikio", "aiofiles")
 """Valid values of ``StoreConfig.io_backend``."""
 
+AUTO_BACKEND = "posix"
+"""What ``"auto"`` resolves to (see the module docstring for the measurement behind it)."""
+
+logger = logging.getLogger("tiermem")
+
 
 def resolve_backend_name(name: str) -> str:
-    """Return the concrete backend ``name`` stands for (``"auto"`` -> ``"kvikio"``/``"posix"``).
+    """Return the concrete backend ``name`` stands for (``"auto"`` -> ``"posix"``).
 
     Raises:
         ValueError: unknown name (lists the choices), or ``"kvikio"`` when it is not usable
@@ -30,12 +43,12 @@ def resolve_backend_name(name: str) -> str:
         raise ValueError(f"StoreConfig.io_backend={name!r} is not one of "
                          f"{', '.join(map(repr, BACKENDS))}")
     if name == "auto":
-        return "kvikio" if kvikio_usable()[0] else "posix"
+        return AUTO_BACKEND
     if name == "kvikio":
         ok, reason = kvikio_usable()
         if not ok:
             raise ValueError(f"StoreConfig.io_backend='kvikio' is not usable here: {reason}; "
-                             f"fix: set io_backend='posix' (or 'auto', which falls back to it)")
+                             f"fix: set io_backend='posix' (or 'auto', which is posix)")
     return name
 
 
@@ -48,7 +61,13 @@ def make_backend(name: str, threads: int) -> IOBackend:
         ValueError: unknown ``name``; ``"kvikio"`` not usable here (the message says why and
             suggests ``io_backend='posix'``); ``threads`` < 1.
     """
-    name = resolve_backend_name(name)
+    resolved = resolve_backend_name(name)
+    if name == "auto":
+        logger.info("NVMe I/O backend: %s (io_backend='auto'; kvikio only when named: it "
+                    "measured no faster on pinned host buffers)", resolved)
+    else:
+        logger.info("NVMe I/O backend: %s (io_backend=%r)", resolved, name)
+    name = resolved
     if name == "posix":
         return PosixBackend(threads)
     if name == "aiofiles":
@@ -60,5 +79,5 @@ def make_backend(name: str, threads: int) -> IOBackend:
     return KvikioBackend(threads)
 
 
-__all__ = ["BACKENDS", "IOBackend", "PosixBackend", "ShortReadError", "kvikio_usable",
-           "make_backend", "resolve_backend_name"]
+__all__ = ["AUTO_BACKEND", "BACKENDS", "IOBackend", "PosixBackend", "ShortReadError",
+           "kvikio_usable", "make_backend", "resolve_backend_name"]

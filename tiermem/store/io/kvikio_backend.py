@@ -1,9 +1,15 @@
-"""I/O backend on kvikio's ``CuFile`` (GPUDirect Storage, or kvikio's POSIX compat mode).
+"""I/O backend on kvikio's ``CuFile``, reading and writing pinned host buffers.
+
+What it does: the spill path (:class:`~tiermem.store.nvme.SpillSpace`) hands every backend
+pinned *host* buffers, so kvikio serves them with its own POSIX ``pread``/``pwrite`` on its
+thread pool. GPUDirect Storage (device memory straight to the file) is never used: no device
+buffer reaches this backend. ``io_backend="auto"`` does not pick it (see
+:mod:`tiermem.store.io`); name it (``io_backend="kvikio"``) to use it.
 
 kvikio is imported lazily: importing this module never needs it. kvikio imports on machines
 without a GPU, but every read and write then fails because it needs the CUDA driver library
-``libcuda.so.1`` even in compat mode (DESIGN.md, "Facts found so far"); :func:`kvikio_usable`
-checks both. kvikio takes numpy views of host tensors (``t.numpy()``), not torch tensors.
+``libcuda.so.1`` even for host buffers; :func:`kvikio_usable` checks both. kvikio takes numpy
+views of host tensors (``t.numpy()``), not torch tensors.
 
 ``CuFile.pread``/``pwrite`` split a request into ``task_size`` pieces on kvikio's own global
 thread pool and return an ``IOFuture``; this backend sets that pool to ``threads`` threads and
@@ -34,7 +40,7 @@ def kvikio_usable() -> tuple[bool, str]:
     ``(False, reason)``. Cached: the answer does not change within a process.
     """
     if importlib.util.find_spec("kvikio") is None:
-        return False, "kvikio is not installed (pip install 'tiermem[gds]', i.e. kvikio-cu13)"
+        return False, "kvikio is not installed (pip install 'tiermem[kvikio]', i.e. kvikio-cu13)"
     try:
         importlib.import_module("kvikio")
     except Exception as exc:  # a broken install raises anything (ImportError, OSError, ...)
@@ -43,7 +49,7 @@ def kvikio_usable() -> tuple[bool, str]:
         ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         return False, (f"no CUDA driver: libcuda.so.1 does not load ({exc}); kvikio needs it "
-                       f"even in its POSIX compat mode")
+                       f"even for host buffers")
     return True, ""
 
 
@@ -70,7 +76,8 @@ class KvikioHandle:
 
 
 class KvikioBackend(IOBackend):
-    """Reads and writes through ``kvikio.CuFile`` (GDS when available, else POSIX compat mode).
+    """Reads and writes pinned host buffers through ``kvikio.CuFile`` (kvikio's POSIX I/O on
+    its own thread pool; no GPUDirect Storage: only host buffers are passed).
 
     Args:
         threads: size of kvikio's (process-global) thread pool; set at construction.
