@@ -71,6 +71,13 @@ Note [offload rules] (referred to from code and tests):
    does not guard on module hooks): if a forward inside the context saves tensors but no block
    hook runs, ``__exit__`` raises ``RuntimeError`` instead of silently offloading nothing.
    Tested by tests/offload/test_compile.py and the CUDA parity matrix.
+10. *Tensor-level offload* (:mod:`tiermem.offload.tensors`). Inside an ``offload_tensors()``
+   region every candidate tensor autograd saves is offloaded, whatever block it is in; one
+   region entry is one group, prefetched in backward like a block (regions and blocks share
+   one forward order). A tensor marked with ``mark_for_offload(t)`` (attribute
+   ``activation_offloading``, as Megatron-Core marks them) is offloaded even inside a block
+   the policy keeps. Entered while another offloader is active, a region opens on that one
+   (its store, its prefetch); alone it installs its own hooks. Rules 1-9 apply unchanged.
 """
 
 from __future__ import annotations
@@ -100,6 +107,32 @@ _HOST_FRACTION = 0.5  # share of MemAvailable a private store may pin for its cp
 _CALIBRATION_FORWARD = 2  # layers="auto" times this forward (the first one warms up)
 _BWD_PER_FWD = 2.0  # backward compute of a block, in forwards (its two matmuls per forward one)
 _ROOM_FRACTION = 0.8  # share of the device memory left unused that auto may fill with activations
+
+
+MARK = "activation_offloading"
+"""The tensor attribute :func:`tiermem.offload.mark_for_offload` sets (the name Megatron-Core
+uses, so tensors marked for it are honoured too)."""
+
+
+_MARKED: dict[int, weakref.ref] = {}  # id(storage) -> weakref: storages of marked tensors
+
+
+def mark_storage(t: torch.Tensor) -> None:
+    """Remember ``t``'s storage as marked: ops often save a view of a marked tensor (a linear
+    layer saves its input reshaped to 2-D), a new tensor object without the attribute."""
+    storage = t.untyped_storage()
+    key = id(storage)
+    _MARKED[key] = weakref.ref(storage, lambda _, key=key: _MARKED.pop(key, None))
+
+
+def _is_marked(t: torch.Tensor) -> bool:
+    if getattr(t, MARK, False):
+        return True
+    if not _MARKED or t.layout != torch.strided:
+        return False
+    storage = t.untyped_storage()
+    ref = _MARKED.get(id(storage))
+    return ref is not None and ref() is storage
 
 
 def _in_backward() -> bool:
@@ -295,10 +328,12 @@ class _Saved:
     """What the pack hook returns: a saved tensor, offloaded (``record``) or kept (``tensor``)."""
 
     __slots__ = ("owner", "tensor", "record", "group", "dtype", "size", "stride", "offset",
-                 "version", "__weakref__")
+                 "version", "marked", "__weakref__")
 
-    def __init__(self, owner: "ActivationOffloader", tensor: torch.Tensor) -> None:
+    def __init__(self, owner: "ActivationOffloader", tensor: torch.Tensor,
+                 marked: bool = False) -> None:
         self.owner = owner
+        self.marked = marked  # mark_for_offload: offloaded even in a kept block (rule 10)
         self.tensor: torch.Tensor | None = tensor
         self.record: _Record | None = None
         self.group: Hashable = None
@@ -440,6 +475,7 @@ class ActivationOffloader:
 
     _active: ClassVar["ActivationOffloader | None"] = None
     _uids = itertools.count()
+    _regions_only: ClassVar[bool] = False  # tiermem.offload.tensors.TensorOffloader: no blocks
 
     def __init__(self, blocks: Sequence[nn.Module], *, store: TierStore | None = None,
                  tier: str = "cpu", num_layers: int | None = None,
@@ -455,7 +491,7 @@ class ActivationOffloader:
         except TypeError:
             raise TypeError(f"{where}: blocks must be a list or nn.ModuleList of the layer "
                             f"modules, got {type(blocks).__name__}") from None
-        if not blocks:
+        if not blocks and not self._regions_only:
             raise ValueError(f"{where}: blocks is empty; pass the model's layer modules")
         for i, b in enumerate(blocks):
             if not isinstance(b, nn.Module):
@@ -528,6 +564,8 @@ class ActivationOffloader:
         self._last_block = -1
         self._current: int | None = None
         self._pending: list[weakref.ref] = []
+        self._regions: list[Hashable] = []  # open regions' groups, innermost last (rule 10)
+        self._region_seq = itertools.count()
         self._blocks_run = 0  # block pre-hooks run since entry (rule 9)
         self._unassigned = 0  # candidates saved outside every block since entry
         # records
@@ -670,12 +708,13 @@ class ActivationOffloader:
                     handle = ref()
                     if handle is not None and handle.tensor is not None:
                         self._calibration.saved(index, handle.tensor)
-            if self.policy.offloads_layer(index):
-                for ref in pending:
-                    handle = ref()
-                    if handle is not None and handle.tensor is not None \
-                            and handle.tensor._version == handle.version:
-                        self._offload(handle, index)
+            layer_offloaded = self.policy.offloads_layer(index)
+            for ref in pending:
+                handle = ref()
+                if handle is not None and handle.tensor is not None \
+                        and handle.tensor._version == handle.version \
+                        and (layer_offloaded or handle.marked):
+                    self._offload(handle, (self._fwd, index))
 
     def _on_block_exit(self, index: int) -> None:
         if not torch.is_grad_enabled() or _in_backward():
@@ -742,25 +781,46 @@ class ActivationOffloader:
             return t.detach()
         with self._lock:
             self.counters["packed"] += 1
+            if self._regions:  # Note [offload rules], rule 10: a region offloads everything
+                handle = _Saved(self, t.detach())
+                self._offload(handle, self._regions[-1])
+                return handle
+            marked = _is_marked(t)
             layer = self._current
             if layer is None:  # outside every block: the next one's (Note [offload rules], rule 1)
                 self._unassigned += 1
-                handle = _Saved(self, t.detach())
+                handle = _Saved(self, t.detach(), marked)
                 self._pending.append(weakref.ref(handle))
                 return handle
             if self._calibrating():
                 self._calibration.saved(layer, t)
-            if not self.policy.offloads_layer(layer):
+            if not (marked or self.policy.offloads_layer(layer)):
                 self.counters["kept"] += 1
                 return t.detach()
             handle = _Saved(self, t.detach())
-            self._offload(handle, layer)
+            self._offload(handle, (self._fwd, layer))
             return handle
 
-    def _offload(self, handle: _Saved, layer: int) -> None:
-        """Move ``handle``'s storage into the store (or share an existing key); keep no ref."""
+    # ------------------------------------------------------------------ regions (rule 10)
+
+    def _open_region(self) -> None:
+        """Start a region: tensors saved until :meth:`_close_region` go to the store as one
+        group, whatever block they are in (no forward state changes under ``no_grad`` or in
+        backward, e.g. checkpoint recomputation, which saves nothing here)."""
+        with self._lock:
+            if self._fresh and torch.is_grad_enabled() and not _in_backward():
+                self._fwd += 1  # the first region or block of a forward starts it (rule 4)
+                self._fresh = False
+            self._regions.append((self._fwd, ("region", next(self._region_seq))))
+
+    def _close_region(self) -> None:
+        with self._lock:
+            self._regions.pop()
+
+    def _offload(self, handle: _Saved, group: Hashable) -> None:
+        """Move ``handle``'s storage into the store as part of ``group`` (or share an existing
+        key); keep no reference to the device tensor."""
         t = handle.tensor
-        group = (self._fwd, layer)
         storage = t.untyped_storage()
         dkey = (storage.data_ptr(), t._version)
         rec = self._by_storage.get(dkey)
