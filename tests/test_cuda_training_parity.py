@@ -30,7 +30,7 @@ import torch
 
 from tiermem import StoreConfig, TierStore
 from tiermem.bench._gpt import GPT, GPTConfig
-from tiermem.offload import offload_activations
+from tiermem.offload import offload_activations, offload_tensors
 from tiermem.optim import HybridAdam
 
 pytestmark = pytest.mark.cuda
@@ -53,6 +53,9 @@ ACT = {
     "double_buffering": (dict(layers=[0, 1, 3], double_buffering=True), False),
     "prefetch_depth_2": (dict(layers=[0, 1, 3, 4], prefetch_depth=2), False),
     "checkpoint_nvme": (dict(tier="nvme", layers=range(6)), True),
+    # tensor-level offload (Note [offload rules], rule 10): every block kept, each MLP's input
+    # projection run in an offload_tensors() region
+    "regions": (dict(layers=[]), False),
 }
 # optimizers: HybridAdam keyword arguments (None: torch.optim.AdamW(fused=True))
 OPT = {
@@ -66,12 +69,13 @@ OPT = {
     "hybrid_split": dict(offload_fraction=0.5, state_tier="split"),
     "hybrid_nvme": dict(offload_fraction=0.3, state_tier="nvme"),
 }
-ROWS = ([(act, opt, "bf16") for act in ACT if act != "checkpoint_nvme"
+ROWS = ([(act, opt, "bf16") for act in ACT if act not in ("checkpoint_nvme", "regions")
          for opt in ("adamw", "hybrid_f0.5")]
         + [(act, "adamw", "fp32") for act in ("contiguous", "auto", "noncontiguous",
                                                "checkpoint_all", "double_buffering")]
         + [("noncontiguous", opt, "bf16") for opt in OPT if opt not in ("adamw", "hybrid_f0.5")]
-        + [("checkpoint_nvme", "hybrid_nvme", "bf16"), ("auto", "hybrid_f1_lane_bf16m", "bf16")])
+        + [("checkpoint_nvme", "hybrid_nvme", "bf16"), ("auto", "hybrid_f1_lane_bf16m", "bf16"),
+           ("regions", "adamw", "bf16"), ("regions", "hybrid_f0.5", "bf16")])
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -144,6 +148,11 @@ def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="") 
             block.compile()
     run_model = torch.compile(model) if compile_ == "whole" else model
     optimizer = _optimizer(opt, model, spill_dir, opt_store)
+    if act == "regions":
+        region = offload_tensors()
+        for block in model.blocks:
+            block.fc.register_forward_pre_hook(lambda m, a, r=region: r.__enter__())
+            block.fc.register_forward_hook(lambda m, a, o, r=region: r.__exit__(None, None, None))
     off = contextlib.nullcontext()
     if act is not None:
         kw = dict(ACT[act][0])
