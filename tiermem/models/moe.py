@@ -73,7 +73,7 @@ class MoEConfig:
     def num_params(self) -> int:
         """Total parameter count: embeddings, untied head, norms, attention, routers, all experts."""
         d = self.d_model
-        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + d * self.n_experts \
+        block = 4 * d + 3 * d * d + (d * d + d) + d * self.n_experts \
             + self.n_experts * self.expert_params()
         return self.vocab * d * 2 + self.seq_len * d + self.n_layers * block + 2 * d
 
@@ -108,9 +108,10 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (tokens, d_model)
-        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, top_k)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        # softmax over the top_k logits = the router's softmax renormalised over the chosen
+        # experts, but the others' logits get an exactly zero gradient (not rounding noise)
+        logits, chosen = self.router(x).topk(self.top_k, dim=-1)  # (tokens, top_k)
+        weights = F.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype)
         flat = chosen.flatten()
         counts = torch.bincount(flat, minlength=len(self.experts))
         self.tokens_per_expert = counts.detach()
@@ -132,7 +133,9 @@ class MoEBlock(nn.Module):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        # no QKV bias: the key bias's gradient is zero in exact arithmetic (softmax is
+        # shift-invariant), so Adam would turn its rounding noise into full-size updates
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.moe = MoELayer(cfg)
@@ -185,5 +188,5 @@ class MoE(nn.Module):
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
