@@ -10,7 +10,9 @@ a first backward in which they are missing, and with their block's activations o
 from __future__ import annotations
 
 import contextlib
-import copy
+import importlib.util
+import pathlib
+import re
 
 import pytest
 import torch
@@ -242,3 +244,19 @@ def test_trace_placement_with_an_expert_missing_from_the_recorded_backward(tmp_p
     assert on_gpu and on_gpu.isdisjoint(missing)
     opt.close()
 
+
+
+def test_example_trains_with_offload_like_without(capsys):
+    """examples/train_moe.py: HybridAdam + activation offload vs torch AdamW without offload,
+    the same losses (exit 0), with experts left without tokens in some step."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
+    spec = importlib.util.spec_from_file_location("train_moe_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--steps", "3", "--layers", "2", "--d-model", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "matches the run without offload" in out
+    idle = [int(n) for n in re.findall(r"experts without tokens: (\d+)", out)]
+    assert len(idle) == 3 and max(idle) > 0
+    assert module.main(["--steps", "2", "--layers", "2", "--d-model", "32",
+                        "--tolerance", "-1"]) == 1  # a difference over the tolerance fails
