@@ -4,7 +4,8 @@ Like DeepSpeed's ``estimate_zero*_model_states_mem_needs``, but for all three ti
 activations: given a model (size or shape), the batch and the machine's capacities, it places
 every part of the training state with tiermem's actual layout and says whether the run fits.
 ``plan(...)`` is the Python API, ``main(argv)`` the command (exit code 0 fits, 1 does not fit,
-2 bad usage).
+2 bad usage). Inputs take any byte unit (``141GB``, ``128GiB``); every size the plan prints is in
+GiB (2^30 bytes), so a 128GiB host shows as 128.0 GiB and a 141 GB H200 as 131.3 GiB.
 
 Memory model (bytes; N parameters, L blocks, width d, heads h, vocabulary V, sequence s,
 micro-batch b, parameter dtype size p (bf16: 2, fp32: 4), activation dtype size a = p, offloaded
@@ -40,8 +41,10 @@ GPU reserve                 CUDA context, cuBLAS workspace, allocator fragmentat
 host reserve                OS, Python, torch, page cache: ``host_reserve_bytes`` (8 GiB)
 ==========================  ==============================================================
 
-Checked against DESIGN.md's measurement of the reference 1.34B GPT (micro-batch 8, bf16, all on
-the GPU): the model gives 51.5 GiB without the reserve, the H200 measured a 52.5 GiB peak.
+Checked against the reference 1.34B GPT (micro-batch 8 x 2048 tokens, bf16, fp32 masters and
+fused AdamW all on the GPU): the model gives 51.5 GiB without the reserve; the H200 measured a
+48.6 GiB peak (``docs/results/bench_optim.log``, the GPU-only row at 16384 tokens/step; one run,
+docs/benchmarks_archive.md), so the plan errs on the safe side by 6 %.
 
 Automatic placement (``offload_fraction=None``, ``state_tier="auto"``, ``offload_layers=None``):
 keep activations on the GPU if possible, and find the smallest offload fraction (in steps of
@@ -98,7 +101,7 @@ class ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
-    "1b": ModelShape(24, 2048, 16, micro_batch=8),   # DESIGN.md's reference GPT, 1.34B
+    "1b": ModelShape(24, 2048, 16, micro_batch=8),   # the reference GPT, 1.34B (docs/benchmarks.md)
     "7b": ModelShape(32, 4096, 32),                  # 6.71B
     "13b": ModelShape(40, 5120, 40),                 # 12.92B
     "30b": ModelShape(60, 6656, 52),                 # 32.34B
@@ -152,15 +155,15 @@ class Plan:
 
     def table(self) -> str:
         """The human-readable plan: a table of parts per tier, totals, verdict and notes."""
-        def gb(n: int) -> str:
-            return f"{n / GB:,.1f} GB" if n else "-"
+        def gb(n: int) -> str:  # one unit everywhere in the output: GiB (2^30 bytes)
+            return f"{n / GiB:,.1f} GiB" if n else "-"
         rows = [("part", "GPU", "host RAM", "NVMe", "")]
         rows += [(i.name, gb(i.gpu), gb(i.host), gb(i.nvme), i.note) for i in self.items]
         rows.append(("total", gb(self.used["gpu"]), gb(self.used["host"]), gb(self.used["nvme"]), ""))
         rows.append(("capacity", gb(self.capacity["gpu"]), gb(self.capacity["host"]),
                      gb(self.capacity["nvme"]), ""))
         free = {t: self.capacity[t] - self.used[t] for t in self.capacity}
-        rows.append(("free", *(f"{free[t] / GB:,.1f} GB" for t in ("gpu", "host", "nvme")), ""))
+        rows.append(("free", *(f"{free[t] / GiB:,.1f} GiB" for t in ("gpu", "host", "nvme")), ""))
         width = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = []
         for n, r in enumerate(rows):
@@ -365,7 +368,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         on_gpu_blocks = n_layers - k
         window = min(k, prefetch_depth + 1)
         act = Item("activations", gpu=on_gpu_blocks * kept_per_block + window * kept_per_block,
-                   note=f"{kept_per_block / GB:.2f} GB/block"
+                   note=f"{kept_per_block / GiB:.2f} GiB/block"
                         f"{' (checkpointed)' if checkpoint else ''} x {on_gpu_blocks} blocks"
                         + (f" + {window} reloading" if k else ""))
         if checkpoint:
@@ -384,8 +387,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             state_item.nvme = state - state_item.host
             state_item.note += f"; {state_item.host / max(state, 1):.0%} in RAM, rest on NVMe"
         used = {t: sum(getattr(i, t) for i in items) for t in ("gpu", "host", "nvme")}
-        reasons = [f"{t} needs {used[t] / GB:,.1f} GB, has {cap[t] / GB:,.1f} GB "
-                   f"(over by {(used[t] - cap[t]) / GB:,.1f} GB)"
+        reasons = [f"{t} needs {used[t] / GiB:,.1f} GiB, has {cap[t] / GiB:,.1f} GiB "
+                   f"(over by {(used[t] - cap[t]) / GiB:,.1f} GiB)"
                    for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
         return Plan(n, not reasons, f, tier, k, checkpoint, items, dict(cap), used, reasons,
                     inputs=inputs)
@@ -454,7 +457,7 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, state_pp: int, p:
             pl.notes.append("the GPU overflows even with all optimizer state off it: offload "
                             "activations (activations.num_layers), use checkpointing, a smaller "
                             "micro-batch or shorter sequences; parameters and gradients "
-                            f"themselves take {2 * p * n / GB:,.0f} GB")
+                            f"themselves take {2 * p * n / GiB:,.0f} GiB")
     if (over["host"] or over["nvme"]) and f > 0:
         if f == 1.0:  # could the offloaded state fit anywhere at all? (RAM + NVMe together)
             total = cap["host"] + cap["nvme"]
@@ -462,16 +465,16 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, state_pp: int, p:
             for label, per in (("fp32 moments", 12), ("bf16 moments", 8)):
                 need = n * per
                 if need > total:
-                    verdict = f"more than RAM + NVMe together ({total / GB:,.0f} GB): no " \
+                    verdict = f"more than RAM + NVMe together ({total / GiB:,.0f} GiB): no " \
                               f"placement fits"
                 elif need > both:
-                    verdict = f"RAM + NVMe hold {both / GB:,.0f} GB after the {p} B/param " \
+                    verdict = f"RAM + NVMe hold {both / GiB:,.0f} GiB after the {p} B/param " \
                               f"pinned staging and the host reserve: no placement fits"
                 else:
-                    verdict = f"RAM + NVMe hold it ({both / GB:,.0f} GB after staging) split " \
+                    verdict = f"RAM + NVMe hold it ({both / GiB:,.0f} GiB after staging) split " \
                               f"between them: optimizer.state_tier=split"
                 pl.notes.append(f"with {label} the optimizer state of all {n / 1e9:.1f}B params "
-                                f"is {need / GB:,.0f} GB ({per} B/param): {verdict}")
+                                f"is {need / GiB:,.0f} GiB ({per} B/param): {verdict}")
         elif moments_dtype == "fp32":
             pl.notes.append("the offloaded state overflows its tier: bf16 moments "
                             "(--moments-dtype bf16, optimizer.moments_dtype=bfloat16) cut it "
@@ -531,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype (default bf16)")
     p.add_argument("--moments-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="dtype of the offloaded Adam moments (default fp32)")
-    p.add_argument("--gpu", default="141GB", help="GPU capacity (default 141GB: one H200)")
+    p.add_argument("--gpu", default="141GB",
+                   help="GPU capacity (default 141GB = 131.3 GiB: one H200; output is in GiB)")
     p.add_argument("--host", default="128GiB", help="host RAM (default 128GiB)")
     p.add_argument("--nvme", default="64GiB", help="NVMe space for spill files (default 64GiB)")
     p.add_argument("--gpu-reserve", default=None,

@@ -6,6 +6,8 @@ Rows, in one run on the same buffers' sizes:
   (gpu -> cpu) of keys held in the pinned pool;
 - both directions at once: raw (two streams) and TierStore (one key up while another goes down).
 On a machine without CUDA the "device" is the CPU and the rows measure host copies.
+Each rate is the median of ``--repeats`` timed copies (after a warm-up) in this one process,
+printed with the spread (slowest - fastest) of those copies.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+def _time(fn, device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn()`` after one warm-up."""
     fn()
     _sync(device)
     times = []
@@ -35,11 +37,17 @@ def _time(fn, device: torch.device, repeats: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _rates(nbytes: int, times: list[float]) -> tuple[float, float, float]:
+    """``(median, slowest, fastest)`` bytes/s of the timed runs."""
+    return nbytes / statistics.median(times), nbytes / max(times), nbytes / min(times)
 
 
 def run(nbytes: int, repeats: int = 10) -> list[dict]:
-    """Measure and return the rows (``what``, ``GB/s``, ``% of raw``).
+    """Measure and return the rows: ``what``, ``raw GB/s`` and ``TierStore GB/s`` (medians),
+    ``raw spread`` and ``TierStore spread`` (slowest, fastest GB/s), ``% of raw`` (medians).
 
     Raises:
         ValueError: ``nbytes`` < 4096 or ``repeats`` < 1.
@@ -65,9 +73,9 @@ def run(nbytes: int, repeats: int = 10) -> list[dict]:
         raw("d2h", 1)
 
     rows = []
-    raw_h2d = nbytes / _time(lambda: raw("h2d"), device, repeats)
-    raw_d2h = nbytes / _time(lambda: raw("d2h"), device, repeats)
-    raw_bi = 2 * nbytes / _time(raw_both, device, repeats)
+    raw_h2d = _rates(nbytes, _time(lambda: raw("h2d"), device, repeats))
+    raw_d2h = _rates(nbytes, _time(lambda: raw("d2h"), device, repeats))
+    raw_bi = _rates(2 * nbytes, _time(raw_both, device, repeats))
     del dev
 
     store = TierStore(StoreConfig(gpu_bytes=4 * nbytes, cpu_bytes=4 * nbytes,
@@ -95,8 +103,8 @@ def run(nbytes: int, repeats: int = 10) -> list[dict]:
             t2 = time.perf_counter()
             h2d_s.append(t1 - t0)
             d2h_s.append(t2 - t1)
-        st_h2d = nbytes / statistics.median(h2d_s[1:])
-        st_d2h = nbytes / statistics.median(d2h_s[1:])
+        st_h2d = _rates(nbytes, h2d_s[1:])
+        st_d2h = _rates(nbytes, d2h_s[1:])
 
         def store_both():  # "a" goes up while "b" goes down, then swap roles
             up, down = ("a", "b") if store.tier_of("a") == "cpu" else ("b", "a")
@@ -105,14 +113,17 @@ def run(nbytes: int, repeats: int = 10) -> list[dict]:
             f1.wait()
             f2.wait()
 
-        st_bi = 2 * nbytes / _time(store_both, device, repeats)
+        st_bi = _rates(2 * nbytes, _time(store_both, device, repeats))
     finally:
         store.close()
     for what, raw_bps, st_bps in (("H2D (host -> device)", raw_h2d, st_h2d),
                                   ("D2H (device -> host)", raw_d2h, st_d2h),
                                   ("both directions at once", raw_bi, st_bi)):
-        rows.append({"what": what, "raw GB/s": raw_bps / 1e9, "TierStore GB/s": st_bps / 1e9,
-                     "% of raw": 100 * st_bps / raw_bps})
+        rows.append({"what": what, "raw GB/s": raw_bps[0] / 1e9,
+                     "TierStore GB/s": st_bps[0] / 1e9,
+                     "raw spread": (raw_bps[1] / 1e9, raw_bps[2] / 1e9),
+                     "TierStore spread": (st_bps[1] / 1e9, st_bps[2] / 1e9),
+                     "% of raw": 100 * st_bps[0] / raw_bps[0]})
     return rows
 
 
@@ -125,10 +136,15 @@ class _nullcontext:
 
 
 def format_table(rows: list[dict], header: str) -> str:
-    """Render rows as a fixed-width table."""
-    lines = [header, f"{'what':<26}{'raw GB/s':>10}{'TierStore GB/s':>16}{'% of raw':>10}"]
+    """Render rows as a fixed-width table: medians, the spread (slowest-fastest) in brackets."""
+    def cell(r: dict, name: str) -> str:
+        lo, hi = r[f"{name} spread"]
+        return f"{r[f'{name} GB/s']:.2f} ({lo:.2f}-{hi:.2f})"
+
+    lines = [header, f"{'what':<26}{'raw GB/s (spread)':>24}{'TierStore GB/s (spread)':>26}"
+                     f"{'% of raw':>10}"]
     for r in rows:
-        lines.append(f"{r['what']:<26}{r['raw GB/s']:>10.2f}{r['TierStore GB/s']:>16.2f}"
+        lines.append(f"{r['what']:<26}{cell(r, 'raw'):>24}{cell(r, 'TierStore'):>26}"
                      f"{r['% of raw']:>9.0f}%")
     return "\n".join(lines)
 
@@ -138,12 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiermem bench transfer", description=__doc__.splitlines()[0])
     parser.add_argument("--nbytes", default="1GiB" if torch.cuda.is_available() else "64MiB",
                         help="bytes per copy (default 1GiB on CUDA, 64MiB on CPU)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed repeats (median)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timed copies per row; median and spread are printed (default 10, "
+                             "at least 3)")
     args = parser.parse_args(argv)
+    if args.repeats < 3:
+        parser.error(f"--repeats={args.repeats} must be >= 3 (a median and a spread need three "
+                     f"timings)")
     nbytes = parse_bytes(args.nbytes, "--nbytes")
     rows = run(nbytes, args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)"
-    print(format_table(rows, f"bench transfer: {nbytes / 2**20:.0f} MiB per copy on {device}"))
+    print(format_table(rows, f"bench transfer: {nbytes / 2**20:.0f} MiB per copy on {device}; "
+                             f"median of {args.repeats} timed copies, spread in brackets"))
     return 0
 
 
