@@ -4,8 +4,9 @@ A Llama-style model is built from a config (no weights are downloaded) and train
 deterministic synthetic token stream twice from the same init: with tiermem (the saved
 activations of all decoder layers but the last go to the store's cpu tier and come back,
 prefetched, in backward; HybridAdam keeps ``--offload-fraction`` of the optimizer state in
-pinned RAM and steps it on the CPU) and without (torch fused AdamW). It prints both loss curves'
-largest difference and exits 1 if it exceeds ``--tolerance``.
+pinned RAM and steps it on the CPU) and without (torch fused AdamW). It prints the store's
+traffic per step, both loss curves side by side and their largest difference, and exits 1 if
+that exceeds ``--tolerance``.
 
     pip install -e ".[hf]"
     python examples/hf_model.py --steps 10                 # CPU: a tiny model, fp32, exact
@@ -83,9 +84,19 @@ def train(args: argparse.Namespace, device: torch.device, offload: bool) -> list
         losses.append(loss.item())
     if offload:
         opt.close()
-        print(f"  store traffic: {store.stats()['moved_bytes']}")
+        print(describe_traffic(store.stats()["moved_bytes"], args.steps, device))
         store.close()
     return losses
+
+
+def describe_traffic(moved_bytes: dict, steps: int, device: torch.device) -> str:
+    """One readable line for a store's ``moved_bytes`` (``{"cpu->gpu": n, "gpu->cpu": n, ...}``):
+    MiB per step for each direction, e.g. ``store traffic per step: gpu->cpu 2.0 MiB, cpu->gpu
+    2.0 MiB``. Without CUDA the store's "gpu" tier is host memory (a put into the cpu tier
+    copies nothing), which the line says."""
+    parts = [f"{d} {n / steps / 2**20:.1f} MiB" for d, n in sorted(moved_bytes.items())]
+    note = "" if device.type == "cuda" else " (no CUDA: the 'gpu' tier is host memory)"
+    return "  store traffic per step: " + (", ".join(parts) or "none") + note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,11 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-6)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    print(f"model: LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {args.heads} "
+          f"heads, vocab {args.vocab}; {args.steps} steps of {args.batch} x {args.seq} tokens on "
+          f"{device}")
+    print("baseline: torch.optim.AdamW(fused=True), nothing offloaded")
     base = train(args, device, offload=False)
+    print(f"tiermem: HybridAdam with {args.offload_fraction:.0%} of the optimizer state in host "
+          f"RAM (pinned with CUDA), activations of {args.layers - 1} of {args.layers} layers -> "
+          f"the store's cpu tier")
     off = train(args, device, offload=True)
     diff = max(abs(a - b) for a, b in zip(off, base))
-    print(f"loss {base[0]:.4f} -> {base[-1]:.4f}; max |difference| with offload: {diff:.3g} "
-          f"(tolerance {args.tolerance:g})")
+    print(f"{'step':>4}  {'baseline loss':>13}  {'tiermem loss':>12}")
+    for i, (b, o) in enumerate(zip(base, off), 1):
+        print(f"{i:>4}  {b:>13.6f}  {o:>12.6f}")
+    verdict = "OK" if diff <= args.tolerance else "FAILED"
+    print(f"max |loss difference|: {diff:.3g} (tolerance {args.tolerance:g}): {verdict}")
     return 0 if diff <= args.tolerance else 1
 
 
