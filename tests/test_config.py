@@ -152,3 +152,28 @@ def test_configuration_doc_lists_every_parameter():
 
 def test_activation_max_kept_bytes_parses_units():
     assert ActivationConfig(max_kept_bytes="2GiB").kwargs()["max_kept_bytes"] == 2 << 30
+
+
+def test_nvme_dir_without_nvme_bytes_warns_through_logger_and_warnings(caplog):
+    """Issue 17.5: the nvme tier is off (nvme_bytes=0) although a spill directory was given;
+    0 is the documented off switch, so it is a warning, not an error."""
+    with caplog.at_level("WARNING", logger="tiermem"):
+        with pytest.warns(UserWarning, match=r"StoreConfig.nvme_dir='/tmp/spill' is ignored "
+                                             r"because StoreConfig.nvme_bytes=0 .*set nvme_bytes"):
+            cfg = StoreConfig(nvme_dir="/tmp/spill")
+    assert cfg.nvme_bytes == 0
+    assert [r.name for r in caplog.records] == ["tiermem"]
+    assert "is ignored because StoreConfig.nvme_bytes=0" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("kw", [{}, {"nvme_bytes": "1GiB", "nvme_dir": "/tmp/spill"}])
+def test_consistent_nvme_settings_do_not_warn(kw, recwarn):
+    StoreConfig(**kw)
+    assert not [w for w in recwarn if "nvme_dir" in str(w.message)]
+
+
+@pytest.mark.parametrize("value", ["1e400", float("inf"), float("nan")])
+def test_parse_bytes_rejects_non_finite_values_naming_the_field(value):
+    with pytest.raises(ValueError, match=re.escape(f"StoreConfig.cpu_bytes={value!r} is not a "
+                                                   f"finite byte size")):
+        parse_bytes(value, "StoreConfig.cpu_bytes")

@@ -12,12 +12,17 @@ into the dataclasses below by their users.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
+
+logger = logging.getLogger("tiermem")
 
 TIERS = ("gpu", "cpu", "nvme")
 """Tier names, fastest first. Victims move down this list."""
@@ -39,11 +44,13 @@ def parse_bytes(value: int | float | str, field: str) -> int:
         field: the config field's name, used in error messages.
 
     Raises:
-        ValueError: unparsable string, unknown unit, negative or non-integral count.
+        ValueError: unparsable string, unknown unit, negative, non-integral or non-finite
+            (``inf``, ``nan``, ``"1e400"``) count.
         TypeError: value is neither a number nor a string.
     """
     if isinstance(value, bool):
         raise TypeError(f"{field} must be a byte count (int or '4GiB'), got bool {value!r}")
+    original = value
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
@@ -53,12 +60,25 @@ def parse_bytes(value: int | float | str, field: str) -> int:
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not isinstance(value, (int, float)):
         raise TypeError(f"{field} must be a byte count (int or '4GiB'), got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{field}={original!r} is not a finite byte size; write an integer "
+                         f"number of bytes or a number with a unit such as '512MiB' or '4GB'")
     if value < 0:
         raise ValueError(f"{field}={value!r} is negative; a budget is a byte count >= 0 "
                          f"(0 disables the tier)")
     if float(value) != int(value):
         raise ValueError(f"{field}={value!r} is not a whole number of bytes")
     return int(value)
+
+
+def _warn_unused_nvme_dir(nvme_dir: str) -> None:
+    """Say that ``nvme_dir`` without ``nvme_bytes`` leaves the nvme tier off (logger and
+    ``UserWarning``): 0 is the documented off switch, so it is not refused."""
+    msg = (f"StoreConfig.nvme_dir={nvme_dir!r} is ignored because StoreConfig.nvme_bytes=0 "
+           f"(the nvme tier is off); set nvme_bytes (e.g. '64GiB') to spill there, or drop "
+           f"nvme_dir")
+    logger.warning(msg)
+    warnings.warn(msg, UserWarning, stacklevel=4)
 
 
 def _check_choice(field: str, value: Any, choices: tuple) -> None:
@@ -114,6 +134,8 @@ class StoreConfig:
                 f"StoreConfig.nvme_dir to a writable directory on an SSD, or nvme_bytes=0")
         if self.nvme_dir is not None:
             self.nvme_dir = os.fspath(self.nvme_dir)
+            if self.nvme_bytes == 0:
+                _warn_unused_nvme_dir(self.nvme_dir)
         if not (self.device == "auto" or self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"StoreConfig.device={self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_choice("StoreConfig.pin_memory", self.pin_memory, (True, False, "auto"))

@@ -86,7 +86,7 @@ def small_store(tmp_path, **kw) -> TierStore:
     kw.setdefault("gpu_bytes", 64 << 10)
     kw.setdefault("cpu_bytes", 64 << 10)
     kw.setdefault("nvme_bytes", 1 << 20)
-    kw.setdefault("nvme_dir", str(tmp_path))
+    kw.setdefault("nvme_dir", str(tmp_path) if kw["nvme_bytes"] else None)
     kw.setdefault("pool_slab_bytes", 64 << 10)
     kw.setdefault("io_backend", "posix")
     kw.setdefault("io_threads", 2)

@@ -10,6 +10,10 @@ Modes:
   store_exit SPILL_BASE HOW             make a TierStore with a spilled key, print its spill dir,
                                         then exit without close (HOW=exit) or SIGKILL itself
                                         (HOW=kill).
+  fork_child SPILL_BASE                 for each backend and each way a forked child can end with
+                                        its parent's live TierStore (exit, close, drop, use it),
+                                        fork one and check the parent's spill dir and data after;
+                                        print one JSON line per child and one of results.
 """
 
 from __future__ import annotations
@@ -137,6 +141,59 @@ def store_exit(base, how):
     sys.exit(0)  # no close(): the atexit finalizer must remove the directory
 
 
+def _fork_child_ends(holder, how):
+    """In a forked child: end the way ``how`` says, through sys.exit (atexit hooks run)."""
+    from tiermem.store.store import StoreClosedError  # noqa: PLC0415
+
+    line = {"how": how, "error": None}
+    if how == "close":
+        holder[0].close()
+    elif how == "drop":
+        holder.clear()
+        import gc  # noqa: PLC0415
+
+        gc.collect()
+    elif how == "use":
+        try:
+            holder[0].get(0, "cpu")
+        except StoreClosedError as exc:
+            line["error"] = str(exc)
+    print(json.dumps(line), flush=True)
+    sys.exit(0)
+
+
+def fork_child(base):
+    from tiermem import StoreConfig, TierStore  # noqa: PLC0415
+
+    torch.set_num_threads(1)  # no OpenMP worker threads: GNU OpenMP is not fork-safe
+    results = {}
+    for backend in ("posix", "aiofiles"):
+        for how in ("exit", "close", "drop", "use"):
+            holder = [TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=1 << 20, nvme_bytes=1 << 20,
+                                            nvme_dir=base, io_backend=backend, io_threads=1,
+                                            o_direct=False))]
+            xs = {i: torch.full((1000,), float(i)) for i in range(3)}
+            for i, x in xs.items():
+                holder[0].put(i, x, tier="nvme")
+            holder[0].synchronize()
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                _fork_child_ends(holder, how)
+            _, status = os.waitpid(pid, 0)
+            store = holder[0]
+            result = dict(code=os.waitstatus_to_exitcode(status),
+                          dir_kept=os.path.isdir(store._spill.dir_path))
+            try:
+                result["data_ok"] = all(torch.equal(store.get(i, "cpu"), x) for i, x in xs.items())
+            except Exception as exc:  # noqa: BLE001  (reported to the test)
+                result["data_ok"] = f"{type(exc).__name__}: {exc}"
+            store.close()
+            result["removed_on_close"] = not os.path.exists(store._spill.dir_path)
+            results[f"{backend}-{how}"] = result
+    print(json.dumps({"results": results}), flush=True)
+
+
 def serve():
     """Fork server: import everything once, then run each command in a forked child.
 
@@ -194,5 +251,7 @@ if __name__ == "__main__":
         serve()
     elif mode == "store_exit":
         store_exit(args[0], args[1])
+    elif mode == "fork_child":
+        fork_child(args[0])
     else:
         raise SystemExit(f"unknown mode {mode}")

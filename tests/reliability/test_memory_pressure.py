@@ -57,9 +57,16 @@ def test_a_tensor_larger_than_the_host_budget_cannot_be_staged_to_nvme(tmp_path)
     # reach the nvme tier; it is refused up front, without allocating anything
     store = small_store(tmp_path, gpu_bytes=0, cpu_bytes=16 << 10, nvme_bytes=1 << 20)
     store.put("small", rand(100))
-    with pytest.raises(TierFullError, match=r"cpu tier: 40000 bytes for 'big' exceed its budget "
-                                            r"StoreConfig.cpu_bytes=16384"):
+    with pytest.raises(TierFullError, match=r"nvme tier: 40000 bytes for 'big' cannot be spilled "
+                                            r"or read back: .*staged whole through the cpu "
+                                            r"tier's pool.*StoreConfig.cpu_bytes=16384 is smaller; "
+                                            r"raise cpu_bytes to at least 40960"):
         store.put("big", rand(10000), tier="nvme")
+    with pytest.raises(TierFullError, match=r"fit in no tier: gpu tier: .*exceed its budget "
+                                            r"StoreConfig.gpu_bytes=0; cpu tier: .*exceed its "
+                                            r"budget StoreConfig.cpu_bytes=16384.*; nvme tier: .*"
+                                            r"raise cpu_bytes to at least 40960"):
+        store.put("big", rand(10000))  # any tier: each one's reason, not an empty one
     assert store._pool.reserved_bytes <= 16 << 10
     assert torch.equal(store.get("small", "cpu"), rand(100))
     store.close()

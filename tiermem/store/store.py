@@ -13,12 +13,26 @@ the store lock, either when somebody needs the key (``_settle``) or when the sto
 moves at the start of an operation. A move's completion never needs the lock, so waiting on one
 while holding the lock cannot deadlock. A failed write (disk full, I/O error) reverts the key to
 the tier it came from, which still holds its bytes: nothing is lost.
+
+Note [cascade]: making room in a tier demotes its victims one tier down, and that demotion makes
+room below the same way, so a gpu victim goes to the cpu tier while cpu victims go on to nvme.
+An nvme -> gpu promotion reserves its gpu bytes (demoting gpu victims into the cpu tier) before
+it takes its cpu staging block, so the victims never compete with the staging block for cpu
+room, and once they have landed they are cpu victims for the staging block like any other key.
+Nothing is refused while the tiers below can still take the victims; a refusal says what blocked
+it (bytes held by callers, moves in flight, the refusal of the tier below, fragmentation).
+
+Note [fork]: a store belongs to the process that made it. A child forked while it is alive
+inherits the object but not its I/O threads or device memory: every operation there raises
+:class:`StoreClosedError` saying so, and ``close()`` (or dropping the store, or the child's
+exit) only forgets the child's copy: the parent's spill files stay (see ``nvme.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -31,7 +45,7 @@ from tiermem.config import TIERS, StoreConfig
 from tiermem.store.io import make_backend
 from tiermem.store.nvme import Extent, SpillFull, SpillSpace
 from tiermem.store.policy import make_policy
-from tiermem.store.pool import HostBlock, HostPool
+from tiermem.store.pool import HostBlock, HostPool, round_up
 from tiermem.store.transfer import Copier, TransferFuture
 
 _RANK = {t: i for i, t in enumerate(TIERS)}
@@ -42,7 +56,27 @@ class TierFullError(MemoryError):
 
 
 class StoreClosedError(RuntimeError):
-    """An operation on a closed :class:`TierStore`."""
+    """An operation on a closed :class:`TierStore`, or on one made by the parent of a forked
+    process (Note [fork])."""
+
+
+def _inexact_kind(tensor: torch.Tensor) -> tuple[str, str] | None:
+    """``(kind, fix)`` when the store cannot keep ``tensor`` exactly as dense bytes with a dtype
+    and a shape (quantized, sparse, nested, conjugate or negative views), else None."""
+    if tensor.is_nested:
+        return ("nested", "store its components (tensor.unbind()) or a padded tensor "
+                          "(tensor.to_padded_tensor(0.0))")
+    if tensor.is_quantized:
+        return (f"quantized ({tensor.dtype}, {tensor.qscheme()})",
+                "store tensor.int_repr() and its scale/zero point, or tensor.dequantize()")
+    if tensor.layout != torch.strided:
+        return (f"sparse ({tensor.layout})",
+                "store tensor.to_dense(), or its indices and values as separate keys")
+    if tensor.is_conj():
+        return "conjugate view", "store tensor.resolve_conj()"
+    if tensor.is_neg():
+        return "negative view", "store tensor.resolve_neg()"
+    return None
 
 
 @dataclass(eq=False)
@@ -122,6 +156,8 @@ class TierStore:
             raise ValueError("StoreConfig.pin_memory=True needs CUDA, which is not available "
                              "here; use pin_memory='auto' or False")
         self._lock = threading.RLock()  # guards entries, budgets, the pool and the policy
+        self._pid = os.getpid()  # Note [fork]
+        self._refusal: str | None = None  # why the tier below could not take a victim
         self._entries: dict[Hashable, _Entry] = {}
         self._moves: list[_Move] = []
         self._budget = {t: config.budget(t) for t in TIERS}
@@ -175,13 +211,21 @@ class TierStore:
                 can take it (evicting there if needed).
 
         Raises:
-            TypeError: ``tensor`` is not a tensor.
+            TypeError: ``tensor`` is not a tensor, or of a kind the store cannot keep exactly
+                (quantized, sparse, nested, a conjugate or negative view), naming the key, the
+                kind and the fix.
             ValueError: unknown tier, a tensor on another device, a held key.
-            TierFullError: it fits in no allowed tier (nothing stored is lost).
-            StoreClosedError: the store is closed.
+            TierFullError: it fits in no allowed tier (nothing stored is lost); the message
+                says which budget blocked it.
+            StoreClosedError: the store is closed, or was made by the parent of this forked
+                process.
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}): tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        inexact = _inexact_kind(tensor)
+        if inexact is not None:
+            raise TypeError(f"put({key!r}): a {inexact[0]} tensor cannot be stored exactly (the "
+                            f"store keeps a dense tensor's bytes, dtype and shape); {inexact[1]}")
         self._check_tier(tier, allow_none=True)
         if tensor.device.type not in ("cpu", self.device.type) or (
                 tensor.device.type == self.device.type != "cpu" and tensor.device != self.device):
@@ -199,10 +243,11 @@ class TierStore:
             old = self._entries.get(key)
             if old is not None and old.holds:
                 raise ValueError(f"put({key!r}): the key is held by a caller; release it first")
+            errors = [] if tier is not None else list(filter(None, (
+                self._too_big(t, nbytes, key) for t in TIERS)))
             candidates = [tier] if tier is not None else [
-                t for t in TIERS if self._budget[t] >= nbytes and (t != "nvme" or self._spill)]
+                t for t in TIERS if self._too_big(t, nbytes, key) is None]
             entry = _Entry(key, nbytes, src.dtype, tuple(src.shape), tier or "gpu")
-            errors = []
             for t in candidates:
                 try:
                     self._place(entry, t, flat, owns=src.untyped_storage().nbytes() == nbytes)
@@ -370,12 +415,17 @@ class TierStore:
             ValueError: unknown tier, a tier not lower than the key's, a held key, or
                 ``"nvme"`` without an NVMe budget.
             TierFullError: no room in ``tier`` even after evicting (the key stays where it is).
+            StoreClosedError: the store is closed.
         """
         self._check_tier(tier)
         with self._lock:
             self._check_open()
             self._reap()
             entry = self._lookup(key)
+            if tier == "nvme" and self._spill is None:
+                raise ValueError(f"evict({key!r}, 'nvme'): this store has no nvme tier "
+                                 f"(StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir, or "
+                                 f"evict to 'cpu'")
             if _RANK[tier] <= _RANK[entry.tier]:
                 raise ValueError(f"evict({key!r}, {tier!r}): the key is in {entry.tier!r}; evict "
                                  f"moves down only (gpu -> cpu -> nvme); use prefetch to move up")
@@ -412,8 +462,10 @@ class TierStore:
         Raises:
             KeyError: unknown key.
             ValueError: the key is not held.
+            StoreClosedError: the store is closed.
         """
         with self._lock:
+            self._check_open()
             entry = self._lookup(key)
             if entry.holds == 0:
                 raise ValueError(f"release({key!r}): the key is not held")
@@ -447,8 +499,10 @@ class TierStore:
 
         Raises:
             KeyError: unknown key.
+            StoreClosedError: the store is closed.
         """
         with self._lock:
+            self._check_open()
             return self._lookup(key).tier
 
     def nbytes_of(self, key: Hashable) -> int:
@@ -456,8 +510,10 @@ class TierStore:
 
         Raises:
             KeyError: unknown key.
+            StoreClosedError: the store is closed.
         """
         with self._lock:
+            self._check_open()
             return self._lookup(key).nbytes
 
     def keys(self) -> list[Hashable]:
@@ -472,8 +528,14 @@ class TierStore:
         return len(self._entries)
 
     def used_bytes(self, tier: str) -> int:
-        """Return the bytes ``tier`` holds now, in-flight copies included."""
+        """Return the bytes ``tier`` holds now, in-flight copies included (0 once closed).
+
+        Raises:
+            ValueError: unknown tier.
+        """
         self._check_tier(tier)
+        if self._closed:
+            return 0
         if tier == "gpu":
             return self._gpu_used
         if tier == "cpu":
@@ -498,15 +560,33 @@ class TierStore:
             return out
 
     def synchronize(self) -> None:
-        """Wait for every in-flight move and apply its completion."""
+        """Wait for every in-flight move and apply its completion (nothing to do once closed).
+
+        Raises:
+            StoreClosedError: the store was made by the parent of this forked process.
+        """
         with self._lock:
+            if self._closed:
+                return
+            self._check_open()
             for move in list(self._moves):
                 self._finish(move, wait=True)
 
     def close(self) -> None:
-        """Wait for in-flight moves, free every tier and remove the spill files. Idempotent."""
+        """Wait for in-flight moves, free every tier and remove the spill files. Idempotent.
+
+        In a child forked from the process that made the store it only forgets the child's
+        copy (Note [fork]): nothing is waited for and the parent's spill files stay.
+        """
         with self._lock:
             if self._closed:
+                return
+            if os.getpid() != self._pid:
+                self._closed = True
+                self._entries.clear()
+                self._moves.clear()
+                if self._spill is not None:
+                    self._spill.close()  # closes the child's descriptors only
                 return
             for move in list(self._moves):
                 try:
@@ -542,6 +622,9 @@ class TierStore:
         entry.tier = tier
         if n == 0:
             return
+        too_big = self._too_big(tier, n, entry.key)
+        if too_big is not None:
+            raise TierFullError(too_big)
         if tier == "gpu":
             self._reserve_gpu(n, entry.key)
             if flat.device == self.device:
@@ -553,9 +636,12 @@ class TierStore:
             entry.device_buf = buf
             self._start(entry, None, "gpu", self._event_future(event), keep=[flat])
             return
-        if tier == "nvme" and self._spill is None:
-            raise TierFullError("the nvme tier has no budget (StoreConfig.nvme_bytes=0)")
-        block = self._alloc_block(n, entry.key)
+        try:
+            block = self._alloc_block(n, entry.key)
+        except TierFullError as exc:
+            if tier == "cpu":
+                raise
+            raise TierFullError(f"nvme tier: no cpu staging block for the spill: {exc}") from None
         event = self._copy_to_block(block, flat)
         if flat.device.type != "cpu":
             self._count("gpu", "cpu", n)
@@ -576,6 +662,25 @@ class TierStore:
             entry.block = None
             raise
 
+    def _too_big(self, tier: str, nbytes: int, key: Hashable) -> str | None:
+        """Why ``tier`` can never take ``nbytes`` for ``key`` whatever it evicts (naming the
+        budget to raise), or None when it can."""
+        if tier == "nvme" and self._spill is None:
+            return (f"nvme tier: off (StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir to "
+                    f"spill {key!r}")
+        staged = round_up(nbytes)  # pool blocks and spill extents are whole 4096-byte pages
+        need = nbytes if tier == "gpu" else staged
+        if need > self._budget[tier]:
+            return (f"{tier} tier: {nbytes} bytes for {key!r} exceed its budget "
+                    f"StoreConfig.{tier}_bytes={self._budget[tier]}"
+                    + (f" (in whole 4096-byte pages: {need})" if need != nbytes else ""))
+        if tier == "nvme" and staged > self._budget["cpu"]:
+            return (f"nvme tier: {nbytes} bytes for {key!r} cannot be spilled or read back: "
+                    f"spills and reloads are staged whole through the cpu tier's pool, whose "
+                    f"budget StoreConfig.cpu_bytes={self._budget['cpu']} is smaller; raise "
+                    f"cpu_bytes to at least {staged}, or split the tensor")
+        return None
+
     def _promote(self, entry: _Entry, tier: str) -> None:
         """Start moving a settled entry up into ``tier``."""
         entry.holds += 1  # making room below must not pick this entry as a victim
@@ -590,14 +695,16 @@ class TierStore:
             entry.tier = tier
             return
         if entry.tier == "nvme":
-            block = self._alloc_block(n, key)
             device_buf = None
+            if tier == "gpu":  # gpu room first: its victims must not compete with the staging
+                self._reserve_gpu(n, key)  # block for cpu room (Note [cascade])
+            try:
+                block = self._alloc_block(n, key)
+            except TierFullError:
+                if tier == "gpu":
+                    self._release_gpu(n)
+                raise
             if tier == "gpu":
-                try:
-                    self._reserve_gpu(n, key)
-                except TierFullError:
-                    self._pool.free(block)
-                    raise
                 device_buf = self._copier.alloc_device(n)
             extent, spill = entry.extent, self._spill
             future = TransferFuture()
@@ -693,6 +800,7 @@ class TierStore:
         def fail_write(exc, block=block):
             warnings.warn(f"tiermem: spilling {key!r} failed ({exc}); it stays in the cpu tier",
                           RuntimeWarning, stacklevel=3)
+            self._refusal = f"spilling {key!r} failed ({exc})"
             entry.tier, entry.block, entry.extent = "cpu", block, None
             self._policy.on_move(key, "nvme", "cpu")  # a victim candidate of the cpu tier again
 
@@ -716,29 +824,51 @@ class TierStore:
         self._gpu_used -= nbytes
 
     def _alloc_block(self, nbytes: int, key: Hashable, exclude: Hashable = None) -> HostBlock:
-        if self._budget["cpu"] < nbytes:
-            raise TierFullError(f"cpu tier: {nbytes} bytes for {key!r} exceed its budget "
-                                f"StoreConfig.cpu_bytes={self._budget['cpu']}")
+        too_big = self._too_big("cpu", nbytes, key)
+        if too_big is not None:
+            raise TierFullError(too_big)
+        self._refusal = None
         while True:
             block = self._pool.alloc(nbytes)
             if block is not None:
                 self._peak["cpu"] = max(self._peak["cpu"], self._pool.used_bytes)
                 return block
             if not self._free_some("cpu", key, exclude):
-                raise TierFullError(
-                    f"cpu tier: no room for {nbytes} bytes of {key!r} (budget "
-                    f"{self._budget['cpu']}, used {self._pool.used_bytes}, the rest held, in "
-                    f"flight or fragmented)")
+                raise self._no_room("cpu", nbytes, key)
 
     def _make_room(self, tier: str, nbytes: int, key: Hashable) -> None:
-        if nbytes > self._budget[tier]:
-            raise TierFullError(f"{tier} tier: {nbytes} bytes for {key!r} exceed its budget "
-                                f"StoreConfig.{tier}_bytes={self._budget[tier]}")
+        too_big = self._too_big(tier, nbytes, key)
+        if too_big is not None:
+            raise TierFullError(too_big)
+        self._refusal = None
         while self._budget[tier] - self.used_bytes(tier) < nbytes:
             if not self._free_some(tier, key, key):
-                raise TierFullError(
-                    f"{tier} tier: no room for {nbytes} bytes of {key!r} (budget "
-                    f"{self._budget[tier]}, used {self.used_bytes(tier)}, the rest held or in flight)")
+                raise self._no_room(tier, nbytes, key)
+
+    def _no_room(self, tier: str, nbytes: int, key: Hashable) -> TierFullError:
+        """The error of a tier that has no room left for ``key`` after evicting what it could,
+        saying what blocked it (Note [cascade])."""
+        held = sum(e.nbytes for e in self._entries.values()
+                   if e.tier == tier and e.holds and e.key != key)
+        moving = sum(1 for m in self._moves if tier in (m.src, m.dst) and m.entry.key != key)
+        why = []
+        if held:
+            why.append(f"{held} bytes held by callers (release them)")
+        if moving:
+            why.append(f"{moving} moves in flight")
+        if self._refusal is not None:
+            why.append(f"its victims cannot move down: {self._refusal}")
+        free = self._budget[tier] - self.used_bytes(tier)
+        if tier == "cpu" and free >= round_up(nbytes):
+            why.append(f"{free} bytes are free but not in one run (fragmented)")
+        elif tier == "cpu":
+            why.append("the rest is staging of moves in progress")
+        elif not why:
+            why.append("nothing in it can be evicted")
+        self._refusal = None
+        return TierFullError(f"{tier} tier: no room for {nbytes} bytes of {key!r} (budget "
+                             f"{self._budget[tier]}, used {self.used_bytes(tier)}; "
+                             + "; ".join(why) + ")")
 
     def _free_some(self, tier: str, key: Hashable, exclude: Hashable) -> bool:
         """Free bytes in ``tier``: finish moves out of it, else evict one victim. False: stuck.
@@ -768,8 +898,9 @@ class TierStore:
                 continue
             try:
                 self._demote(victim, lower)
-            except TierFullError:
-                return False  # the tier below is full of held or in-flight keys
+            except TierFullError as exc:
+                self._refusal = str(exc)  # the tier below is full of keys it cannot move
+                return False
             self._policy.on_move(victim_key, tier, lower)
             self._finish(victim.move, wait=True)  # its bytes leave this tier only once copied
             return victim.tier != tier  # a failed spill reverted it: no room was made
@@ -894,6 +1025,12 @@ class TierStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("this TierStore is closed; create a new one")
+        if os.getpid() != self._pid:
+            raise StoreClosedError(
+                f"this TierStore was made by process {self._pid}; this is a child forked from "
+                f"it (pid {os.getpid()}), which shares none of its I/O threads or device "
+                f"memory: create a new TierStore in the child (or start it with the 'spawn' "
+                f"method)")
 
     @staticmethod
     def _check_tier(tier: str | None, allow_none: bool = False) -> None:
