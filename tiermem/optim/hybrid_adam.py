@@ -75,15 +75,27 @@ Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the 
   the communication; ``max_grad_norm`` all-reduces the squared norm; ``state_dict()`` returns
   DTensors for ``torch.distributed.checkpoint``.
 Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
+
+Note [lifetime]: nothing long-lived refers to the optimizer strongly. The CPU worker thread
+waits for work through a weak reference (it holds the optimizer only while it steps a chunk),
+and the gradient and forward hooks call it through weak references, so dropping the last
+reference collects it even while the model lives on. Its ``weakref.finalize`` (also run by
+``close()`` and at interpreter exit) stops the worker, removes the hooks, releases held RAM
+chunks and closes a private store, which removes its spill directory and I/O threads. In a
+child forked from the process that made it, ``step()``, ``state_dict()`` and
+``load_state_dict()`` refuse (the worker thread does not exist there).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from contextlib import nullcontext as _nullcontext
 from typing import Any, Iterable
@@ -432,27 +444,32 @@ class HybridAdam(torch.optim.Optimizer):
         self._pending = False
         self._chunk_h2d: dict[tuple[int, int], Any] = {}  # stepped chunk -> its last H2D event
         self._chunks_of = self._param_chunks()
-        self._forward_hook = None
         self._queue: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="tiermem-hybrid-adam", daemon=True)
+        me = weakref.ref(self)  # Note [lifetime]: threads and hooks never keep the optimizer alive
+        self._worker = threading.Thread(target=self._work, args=(me, self._queue),
+                                        name="tiermem-hybrid-adam", daemon=True)
         self._worker.start()
+        self._hooks: list = []  # removed by close() or the finalizer
         if self._mode == "local":
-            self._hooks = [  # count backward passes always; ship early only with overlap
+            self._hooks += [  # count backward passes always; ship early only with overlap
                 g.params[i].register_post_accumulate_grad_hook(
-                    lambda p, g=g.index, i=i: self._on_grad(g, i))
+                    functools.partial(_grad_hook, me, "_on_grad", g.index, i))
                 for g in self._groups
                 for i in (range(g.n_local) if self._trace_placement else g.plan.chunks_of_param)]
         elif self._mode == "zero":  # every gradient goes into a reduce bucket
-            self._hooks = [
-                p.register_post_accumulate_grad_hook(lambda p, g=g.index, i=i: self._on_grad_dp(g, i))
+            self._hooks += [
+                p.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_hook, me, "_on_grad_dp", g.index, i))
                 for g in self._groups for i, p in enumerate(g.params)]
-        else:  # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
-            self._hooks = []
+        # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
         if param_sync == "forward":
             # never traced by torch.compile: a traced hook's waits would happen at compile time
             # only, and a compiled forward would read params the CPU side has not written yet
-            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                torch.compiler.disable(self._before_forward))
+            self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
+                torch.compiler.disable(functools.partial(_call_weak_forward, me))))
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _release, self._queue, self._worker, self._hooks,
+                                           self._ram_held, self._store, self._owns_store)
         self._begin_step()
 
     # ------------------------------------------------------------------ modes and local tensors
@@ -576,6 +593,42 @@ class HybridAdam(torch.optim.Optimizer):
             pool_slab_bytes=min(slab_bytes, cpu_bytes)))
 
     def _init_state(self) -> None:
+        """Allocate the state (GPU side, store buffers and chunks, the lane's slots); on any
+        failure (a full store or disk) undo all of it, so a later call starts afresh.
+
+        Raises:
+            TierFullError: the store has no room for a buffer or a chunk.
+        """
+        try:
+            self._alloc_state()
+        except BaseException:
+            self._undo_state()
+            raise
+
+    def _undo_state(self) -> None:
+        """Free everything a failed :meth:`_alloc_state` made: release what it holds, delete
+        this optimizer's keys from the store, forget the GPU side and the lane."""
+        held = [key for g in self._groups
+                for key, ring in ((g.grad_key, g.grad_ring), (g.out_key, g.out_ring)) if ring]
+        for key in held + list(self._ram_held):
+            try:
+                self._store.release(key)
+            except (KeyError, ValueError):  # already released (e.g. by _place_split)
+                pass
+        self._ram_held.clear()  # the same list as the finalizer's: cleared, not replaced
+        for key in self._store.keys():
+            if isinstance(key, tuple) and key[:2] == ("hybrid_adam", id(self)):
+                self._store.delete(key)
+        for g in self._groups:
+            for name in ("gpu_views", "gpu_masters", "gpu_exp_avg", "gpu_exp_avg_sq",
+                         "gpu_steps", "grad_ring", "out_ring", "out_events", "chunk_keys"):
+                getattr(g, name).clear()
+            g.grad_key = g.out_key = None
+        self._nvme_chunks.clear()
+        self._lane_chunks = set()
+        self._lane_state, self._lane_grad, self._lane_free = [], [], []
+
+    def _alloc_state(self) -> None:
         for g in self._groups:
             for piece in g.plan.gpu_pieces:
                 local = self._local(g, piece.param)
@@ -878,47 +931,62 @@ class HybridAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the CPU worker
 
-    def _work(self) -> None:
+    @staticmethod
+    def _work(ref: weakref.ref, work: queue.Queue) -> None:
+        """The CPU worker thread (Note [lifetime]): holds the optimizer only while it handles
+        an item, and waits for the next one through a weak reference, so a dropped optimizer is
+        collected and its finalizer's ``_STOP`` ends this thread."""
         nxt = None
         while True:
-            if nxt is None and self._lane_pending and self._queue.empty():
-                self._reap_lane(block=True)  # nothing else to do: wait for a lane write-back
-                continue  # and look at the queue again
-            item = nxt if nxt is not None else self._queue.get()
-            nxt = None
-            if item is _STOP:
-                while self._lane_pending:
-                    self._reap_lane(block=True)
+            opt = ref()
+            if opt is None:
                 return
-            t0 = time.perf_counter()
-            lane = item in self._lane_chunks  # done when its write-back is (see _reap_lane)
-            try:
-                if lane:
-                    self._step_chunk_gpu(*item)
-                else:
-                    copies = self._copy_grads(*item)
+            if nxt is None and opt._lane_pending and work.empty():
+                opt._reap_lane(block=True)  # nothing else to do: wait for a lane write-back
+                continue  # and look at the queue again
+            del opt
+            item = nxt if nxt is not None else work.get()
+            opt = ref()
+            if item is _STOP or opt is None:
+                while opt is not None and opt._lane_pending:
+                    opt._reap_lane(block=True)
+                return
+            nxt = opt._work_item(item)
+            del opt
+
+    def _work_item(self, item: tuple[int, int]) -> Any:
+        """Step one chunk (worker thread); return the next queue item if it took one early."""
+        nxt = None
+        t0 = time.perf_counter()
+        lane = item in self._lane_chunks  # done when its write-back is (see _reap_lane)
+        try:
+            if lane:
+                self._step_chunk_gpu(*item)
+            else:
+                copies = self._copy_grads(*item)
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                if nxt is not None and nxt is not _STOP and nxt not in self._lane_chunks:
                     try:
-                        nxt = self._queue.get_nowait()
-                    except queue.Empty:
-                        pass
-                    if nxt is not None and nxt is not _STOP and nxt not in self._lane_chunks:
-                        try:
-                            self._copy_grads(*nxt)  # its D2H runs while this chunk steps
-                        except BaseException:
-                            pass  # raised again, and reported, when that chunk is stepped
-                    self._step_chunk(*item, copies)
-            except BaseException as exc:  # surfaced by step()
-                lane = False  # nothing of it is pending: it is done (and failed) now
-                with self._lock:
-                    self._errors.append(exc)
-            finally:
-                with self._stats_lock:
-                    self._acc["worker_s"] += time.perf_counter() - t0
-                if not lane:
-                    with self._idle:
-                        self._outstanding -= 1
-                        self._idle.notify_all()
-            self._reap_lane(block=False)
+                        self._copy_grads(*nxt)  # its D2H runs while this chunk steps
+                    except BaseException:
+                        pass  # raised again, and reported, when that chunk is stepped
+                self._step_chunk(*item, copies)
+        except BaseException as exc:  # surfaced by step()
+            lane = False  # nothing of it is pending: it is done (and failed) now
+            with self._lock:
+                self._errors.append(exc)
+        finally:
+            with self._stats_lock:
+                self._acc["worker_s"] += time.perf_counter() - t0
+            if not lane:
+                with self._idle:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
+        self._reap_lane(block=False)
+        return nxt
 
     def _chunk_grads(self, g: int, c: int) -> tuple[dict[int, tuple | None], list]:
         """Chunk ``c``'s gradients once they may be read: ``({local tensor: (flat gradient,
@@ -1212,8 +1280,12 @@ class HybridAdam(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: the CPU step failed (the worker's error is chained; the message
-                names the rank under torch.distributed), or too many backward passes.
+                names the rank under torch.distributed), too many backward passes, or a child
+                forked from the process that made the optimizer.
+            TierFullError: the first step could not allocate the state (no room in the store);
+                nothing is left half-allocated, so a later step retries once there is room.
         """
+        self._check_process()
         if self._pending:
             self._finish_step()  # two steps without a forward between them
         loss = None
@@ -1221,7 +1293,11 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t_step = time.perf_counter()
-        self._ensure_state()  # Note [trace placement]: the first step plans and allocates
+        try:
+            self._ensure_state()  # Note [trace placement]: the first step plans and allocates
+        except BaseException:
+            self._begin_step()  # undone: the next backward and step start afresh
+            raise
         # chunks stepped from now on use this step's hyper-parameters, even when an LR
         # scheduler changes them before the worker is done (param_sync="forward")
         self._frozen_hp = [{k: v for k, v in hp.items() if k != "params"}
@@ -1263,6 +1339,17 @@ class HybridAdam(torch.optim.Optimizer):
             return loss
         self._finish_step()
         return loss
+
+    def _check_process(self) -> None:
+        """Refuse work in a forked child (Note [lifetime]).
+
+        Raises:
+            RuntimeError: this process is not the one that made the optimizer.
+        """
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"{self._who} was made by process {self._pid}; this is a child "
+                               f"forked from it (pid {os.getpid()}), which has none of its "
+                               f"worker threads: make a new optimizer in the child")
 
     def synchronize(self) -> None:
         """Complete the last ``step()`` (with ``param_sync="forward"`` it may still be updating
@@ -1540,7 +1627,14 @@ class HybridAdam(torch.optim.Optimizer):
         (local shard on the CPU), for ``torch.distributed.checkpoint`` (each rank saves its
         shard; loading reshards, onto another world size too). ``data_parallel``: full CPU
         tensors on every rank (collective; ``torch.save`` it on rank 0, or use DCP), loadable
-        on any world size and by a single-process optimizer."""
+        on any world size and by a single-process optimizer.
+
+        Raises:
+            RuntimeError: called in a child forked from the process that made the optimizer.
+            TierFullError: the state could not be allocated yet (first use) and the store has
+                no room; nothing is left half-allocated, so it can be retried.
+        """
+        self._check_process()
         self.synchronize()
         self._ensure_state()
         self._drain()
@@ -1563,7 +1657,9 @@ class HybridAdam(torch.optim.Optimizer):
 
         Raises:
             ValueError: the number of groups or params, or a tensor's shape, does not match.
+            RuntimeError: called in a child forked from the process that made the optimizer.
         """
+        self._check_process()
         self.synchronize()
         self._ensure_state()
         self._drain()
@@ -1664,33 +1760,53 @@ class HybridAdam(torch.optim.Optimizer):
         return {"gpu": gpu, "cpu": s["cpu"]["used_bytes"], "nvme": s["nvme"]["used_bytes"]}
 
     def close(self) -> None:
-        """Stop the worker, remove hooks, release the split tier's RAM chunks and free the
-        private store. Idempotent."""
-        if getattr(self, "_forward_hook", None) is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-        if getattr(self, "_pending", False):
+        """Complete a pending step, stop the worker, remove the hooks, release the split tier's
+        RAM chunks and close the private store. Idempotent.
+
+        Dropping the optimizer without ``close()`` does the same, except completing a pending
+        step (Note [lifetime]).
+        """
+        if getattr(self, "_pending", False) and os.getpid() == self._pid:
             try:
                 self._finish_step()
             except RuntimeError:
                 pass  # closing anyway; the failed step was reported by the hook or step()
-        if self._worker.is_alive():
-            self._queue.put(_STOP)
-            self._worker.join()
-        held, self._ram_held = getattr(self, "_ram_held", []), []
-        for key in held:
-            try:
-                self._store.release(key)
-            except Exception:  # the store was closed or the key deleted by its owner
-                pass
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._owns_store:
-            self._store.close()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
 
-    def __del__(self) -> None:
+
+def _grad_hook(ref: weakref.ref, method: str, g: int, i: int, param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook's body: ``method(g, i)`` of the optimizer if it still exists
+    (Note [lifetime])."""
+    opt = ref()
+    if opt is not None:
+        getattr(opt, method)(g, i)
+
+
+def _call_weak_forward(ref: weakref.ref, module: torch.nn.Module, args: Any) -> None:
+    """The global forward pre-hook (param_sync="forward") through a weak reference."""
+    opt = ref()
+    if opt is not None:
+        opt._before_forward(module, args)
+
+
+def _release(work: queue.Queue, worker: threading.Thread, hooks: list, ram_held: list,
+             store: TierStore, owns_store: bool) -> None:
+    """Finalizer of a HybridAdam (and the end of ``close()``): stop the worker, remove the
+    hooks, release held RAM chunks, close a private store. Runs once; holds no reference to
+    the optimizer (Note [lifetime])."""
+    work.put(_STOP)
+    if worker is not threading.current_thread():  # the worker may drop the last reference
+        worker.join()
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+    for key in ram_held:
         try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing left to free
+            store.release(key)
+        except Exception:  # noqa: BLE001  (the store was closed or the key deleted by its owner)
             pass
+    ram_held.clear()
+    if owns_store:
+        store.close()

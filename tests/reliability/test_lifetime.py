@@ -1,0 +1,84 @@
+"""Issue 16.3/16.4: a TierStore or a HybridAdam dropped without close() frees everything it
+made: spill directories, descriptors, threads and mappings."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import weakref
+
+import pytest
+import torch
+
+from models import TinyGPT, make_batch
+from tiermem import StoreConfig, TierStore
+from tiermem.optim import HybridAdam
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _usage(root) -> dict:
+    gc.collect()
+    return dict(threads=threading.active_count(), fds=_fds(), dirs=len(os.listdir(root)))
+
+
+@pytest.mark.parametrize("backend", ["aiofiles", "posix"])
+def test_a_dropped_store_frees_its_threads_descriptors_and_directory(tmp_path, backend):
+    def use_and_drop():
+        store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=1 << 20, nvme_bytes=1 << 20,
+                                      nvme_dir=str(tmp_path), io_backend=backend, io_threads=2,
+                                      o_direct=False))
+        for i in range(3):
+            store.put(i, torch.full((2000,), float(i)), tier="nvme")
+        assert torch.equal(store.get(1, "cpu"), torch.full((2000,), 1.0))
+        return weakref.ref(store)
+
+    for _ in range(10):  # warm-up: imports, and malloc's per-thread arenas (a few, reused)
+        use_and_drop()
+    before, maps = _usage(tmp_path), _maps()
+    refs = [use_and_drop() for _ in range(20)]
+    after = _usage(tmp_path)
+    assert all(r() is None for r in refs)
+    assert after == before  # no thread, descriptor or spill directory left behind
+    assert _maps() < maps + 10  # not a thread stack and guard page per dropped store
+
+
+def _train_and_drop(tmp_path, **kw):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = HybridAdam(model.parameters(), lr=1e-3, offload_fraction=0.5, state_tier="nvme",
+                     nvme_dir=str(tmp_path), chunk_numel=4096, **kw)
+    for step in range(2):
+        _, loss = model(*make_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.synchronize()  # param_sync="forward": the worker holds it until the step is done
+    return model, weakref.ref(opt)
+
+
+@pytest.mark.parametrize("param_sync", ["step", "forward"])
+def test_a_dropped_hybrid_adam_frees_its_worker_store_and_hooks(tmp_path, param_sync):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _train_and_drop(tmp_path, param_sync=param_sync)  # warm-up: imports, lazy pools
+        before = _usage(tmp_path)
+        kept = [_train_and_drop(tmp_path, param_sync=param_sync) for _ in range(4)]
+        after = _usage(tmp_path)
+        assert [ref() for _, ref in kept] == [None] * 4  # collected although the model lives
+        assert after == before  # worker threads, I/O threads, descriptors and spill dirs gone
+        model = kept[-1][0]
+        _, loss = model(*make_batch(0))  # its hooks are inert: training without it works
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        torch.set_num_threads(threads)
