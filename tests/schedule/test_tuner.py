@@ -200,3 +200,47 @@ def test_tiermem_tune_trace_beats_lru_under_pressure_with_telemetry(capsys, tmp_
                      "policy=trace prefetch_lookahead=16: tiermem memory"}
     assert any(e["ph"] == "X" and e["name"] == "gpu->cpu" for e in events)  # evictions shown
     assert (tel / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_model_measure_keeps_the_spread_of_its_probes(tmp_path):
+    m = CostModel.measure("cpu", nbytes=1 << 20, nvme_dir=str(tmp_path), adam_params=1 << 14,
+                          probes=3)
+    assert set(m.ranges) == {"h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
+                             "cpu_adam_gparams"}
+    for name, (low, high) in m.ranges.items():
+        assert 0 < low <= getattr(m, name) <= high
+    assert "(" in m.describe() and "CPU Adam" in m.describe()
+    with pytest.raises(ValueError, match="probes=0"):
+        CostModel.measure("cpu", nbytes=1 << 20, probes=0)
+
+
+def test_cost_model_prediction_range_brackets_the_prediction():
+    m = CostModel(50, 25, 2, 1, 4, ranges={"h2d_gbps": (40, 60), "nvme_read_gbps": (1, 3)})
+    links = {"h2d": 10**9, "nvme_read": 2 * 10**9}
+    fast, slow = m.predict_range_s(links, 0, compute_s=0.1)
+    assert fast < m.predict_s(links, 0, compute_s=0.1) < slow
+    assert slow == pytest.approx(0.1 + 1 / 40 + 2 / 1) and fast == pytest.approx(0.1 + 1 / 60 + 2 / 3)
+    assert CostModel(1, 1, 1, 1, 1).predict_range_s({"h2d": 10**9}) == (1.0, 1.0)  # no spread
+    with pytest.raises(ValueError, match=r"ranges\['h2d_gbps'\]"):
+        CostModel(50, 25, 2, 1, 4, ranges={"h2d_gbps": (51, 60)})
+
+
+def test_tune_reports_a_prediction_off_by_more_than_2x(caplog):
+    """Issue 17 item 7: a measured step far from the model's prediction is flagged in the table
+    and logged as a warning, with the prediction's range."""
+    out = io.StringIO()
+    model = CostModel(1, 1, 1, 1, 1)  # 1 GB/s, 1 G params/s: the steps below predict ~1 ms
+    with caplog.at_level("WARNING", logger="tiermem"):
+        results = tune(lambda s: (lambda: time.sleep(s["sleep_ms"] / 1e3)),
+                       {"sleep_ms": [0, 30]}, steps=2, warmup=0, cost_model=model,
+                       compute_s=0.001, out=out)
+    slow = next(r for r in results if r.setting["sleep_ms"] == 30)
+    assert slow.disagrees and slow.step_s > 2 * slow.predicted_s
+    assert slow.predicted_range_s == (pytest.approx(0.001), pytest.approx(0.001))
+    text = out.getvalue()
+    assert "pred range" in text and " !" in text
+    off_line = next(line for line in text.splitlines()
+                    if line.startswith("measured vs predicted off by more than 2x: "))
+    assert "sleep_ms=30 (" in off_line
+    assert any("sleep_ms=30: measured" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)

@@ -20,6 +20,13 @@ compute, H2D, D2H, NVMe and CPU Adam (perfect overlap; a lower bound). When ``co
 given, :func:`tune` takes it from the setting the model says moves least: its measured step time
 minus its predicted offload time (the compute is the same in every setting).
 
+How sure a prediction is: :meth:`CostModel.measure` probes every rate ``probes`` times (3 by
+default) and keeps the median, with the slowest and fastest probe in ``CostModel.ranges``; each
+prediction then has a range (:meth:`CostModel.predict_range_s`: every rate at its slowest probe,
+then at its fastest), printed beside it. A setting whose measured time is more than twice the
+prediction, or less than half of it, is reported (a WARNING on the ``tiermem`` logger and a line
+under the table): the model does not describe it, so the measurement is what counts.
+
 Units: bandwidths in GB/s (1e9 bytes/s), CPU Adam in G params/s (1e9 parameters/s), times in
 seconds, sizes in bytes.
 """
@@ -42,11 +49,18 @@ from typing import Any, TextIO
 
 import torch
 
+from tiermem._log import logger, progress
 from tiermem.config import TIERS, parse_bytes
 from tiermem.schedule.layers import best_time_s, copy_bandwidths, disk_bandwidths
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 """Links of the cost model."""
+
+RATES = ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "cpu_adam_gparams")
+"""The rates of :class:`CostModel`."""
+
+DISAGREE_FACTOR = 2.0
+"""Measured and predicted step times further apart than this factor are reported."""
 
 _DIRECTION_LINKS = {  # store move direction -> links it uses
     "cpu->gpu": ("h2d",), "put->gpu": ("h2d",), "gpu->cpu": ("d2h",), "put->cpu": ("d2h",),
@@ -78,9 +92,11 @@ class CostModel:
         nvme_read_gbps: spill read bandwidth, GB/s.
         nvme_write_gbps: spill write bandwidth, GB/s.
         cpu_adam_gparams: CPU Adam rate, G parameters/s.
+        ranges: per rate name (``"h2d_gbps"``, ...), the ``(slowest, fastest)`` of the probes
+            that measured it, in the same unit (empty: no spread known).
 
     Raises:
-        ValueError: a rate that is not a positive number.
+        ValueError: a rate that is not a positive number, or a range that does not hold it.
     """
 
     h2d_gbps: float
@@ -88,14 +104,20 @@ class CostModel:
     nvme_read_gbps: float
     nvme_write_gbps: float
     cpu_adam_gparams: float
+    ranges: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
-                     "cpu_adam_gparams"):
+        for name in RATES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not value > 0 or math.isinf(value):
                 raise ValueError(f"CostModel.{name}={value!r} must be a positive finite number")
+        for name, (low, high) in self.ranges.items():
+            if name not in RATES:
+                raise ValueError(f"CostModel.ranges has unknown rate {name!r}; use {RATES}")
+            if not 0 < low <= getattr(self, name) <= high:
+                raise ValueError(f"CostModel.ranges[{name!r}]=({low!r}, {high!r}) must be "
+                                 f"positive and hold {name}={getattr(self, name)!r}")
 
     def link_seconds(self, bytes_per_link: Mapping[str, int]) -> dict[str, float]:
         """Return seconds per link for ``{"h2d": bytes, "d2h": ..., "nvme_read": ...,
@@ -142,10 +164,34 @@ class CostModel:
         return max(compute_s, links["h2d"], links["d2h"], links["nvme_read"] + links["nvme_write"],
                    adam)
 
+    def predict_range_s(self, bytes_per_link: Mapping[str, int], adam_params: int = 0,
+                        compute_s: float = 0.0, overlap: bool = False) -> tuple[float, float]:
+        """``(fastest, slowest)`` predicted seconds: :meth:`predict_s` with every rate at the
+        fastest, then at the slowest of its probes (``ranges``; a rate without a range counts
+        as exact). Same arguments and errors as :meth:`predict_s`."""
+        fast = {n: self.ranges.get(n, (getattr(self, n),) * 2)[1] for n in RATES}
+        slow = {n: self.ranges.get(n, (getattr(self, n),) * 2)[0] for n in RATES}
+        return (CostModel(**fast).predict_s(bytes_per_link, adam_params, compute_s, overlap),
+                CostModel(**slow).predict_s(bytes_per_link, adam_params, compute_s, overlap))
+
+    def describe(self) -> str:
+        """One line: every rate (the probes' median) with the probes' range."""
+        def rate(name: str, label: str, unit: str, digits: int) -> str:
+            value = f"{label} {getattr(self, name):.{digits}f} {unit}"
+            if name in self.ranges:
+                low, high = self.ranges[name]
+                value += f" ({low:.{digits}f}-{high:.{digits}f})"
+            return value
+        return ", ".join((rate("h2d_gbps", "H2D", "GB/s", 1), rate("d2h_gbps", "D2H", "GB/s", 1),
+                          rate("nvme_read_gbps", "NVMe read", "GB/s", 2),
+                          rate("nvme_write_gbps", "write", "GB/s", 2),
+                          rate("cpu_adam_gparams", "CPU Adam", "G params/s", 2)))
+
     @classmethod
     def measure(cls, device: str | torch.device = "auto", nbytes: int = 32 << 20,
-                nvme_dir: str | None = None, adam_params: int = 1 << 20) -> "CostModel":
-        """Measure the rates on this machine with small copies and one CPU Adam call.
+                nvme_dir: str | None = None, adam_params: int = 1 << 20,
+                probes: int = 3) -> "CostModel":
+        """Measure the rates on this machine with small copies and CPU Adam calls.
 
         Args:
             device: the compute device (``"auto"``: CUDA if present). Without CUDA, H2D/D2H are
@@ -154,24 +200,32 @@ class CostModel:
             nvme_dir: directory for the spill timing (None: a temporary directory; it may be a
                 RAM disk, so pass the real spill directory for real numbers).
             adam_params: parameters of the CPU Adam timing.
+            probes: independent measurements of every rate; the median is the rate, the
+                slowest and fastest go to ``ranges``.
 
         Raises:
+            ValueError: ``probes`` < 1.
             OSError: ``nvme_dir`` is not writable.
         """
         from tiermem.optim.cpu_adam import adam_step_
 
+        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+            raise ValueError(f"CostModel.measure: probes={probes!r} must be an int >= 1")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") \
             if str(device) == "auto" else torch.device(device)
-        d2h_bps, h2d_bps = copy_bandwidths(device, nbytes)
-        h2d, d2h = h2d_bps / 1e9, d2h_bps / 1e9
-        write_bps, read_bps = disk_bandwidths(nvme_dir, nbytes)
-        nvme_write, nvme_read = write_bps / 1e9, read_bps / 1e9
         p, g, m, v = (torch.rand(adam_params) for _ in range(4))
         steps = itertools.count(1)
-        adam = adam_params / best_time_s(lambda: adam_step_(
-            p, g, m, v, step=next(steps), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.0), repeat=3) / 1e9
-        return cls(h2d, d2h, nvme_read, nvme_write, adam)
+        seen: dict[str, list[float]] = {n: [] for n in RATES}
+        for _ in range(probes):
+            d2h_bps, h2d_bps = copy_bandwidths(device, nbytes)
+            write_bps, read_bps = disk_bandwidths(nvme_dir, nbytes)
+            adam = adam_params / best_time_s(lambda: adam_step_(
+                p, g, m, v, step=next(steps), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0), repeat=3)
+            for name, bps in zip(RATES, (h2d_bps, d2h_bps, read_bps, write_bps, adam)):
+                seen[name].append(bps / 1e9)
+        return cls(*(statistics.median(seen[n]) for n in RATES),
+                   ranges={n: (min(seen[n]), max(seen[n])) for n in RATES} if probes > 1 else {})
 
 
 @dataclass
@@ -215,6 +269,10 @@ class Result:
         moved_bytes: bytes per step per store direction (``"cpu->gpu"``, ...).
         adam_params: CPU Adam parameters per step.
         predicted_s: the cost model's step time (None without a model).
+        predicted_range_s: ``(fastest, slowest)`` prediction from the model's probe ranges
+            (None without a model).
+        disagrees: measured and predicted step times differ by more than
+            :data:`DISAGREE_FACTOR` (either way).
         fits: every tier's peak is within its budget (and the setting ran).
         best: the fastest setting that fits.
         error: why the setting failed (it then does not fit).
@@ -230,6 +288,8 @@ class Result:
     moved_bytes: dict = field(default_factory=dict)
     adam_params: int = 0
     predicted_s: float | None = None
+    predicted_range_s: tuple[float, float] | None = None
+    disagrees: bool = False
     fits: bool = False
     best: bool = False
     error: str | None = None
@@ -326,7 +386,9 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
     settings = expand_grid(grid)
     labels = setting_labels(settings)
     results = []
+    bar = progress(total=len(settings) * (warmup + steps), desc="tune", unit="step")
     for setting, label in zip(settings, labels):
+        bar.set_postfix_str(label, refresh=False)
         result = Result(setting)
         results.append(result)
         trial = None
@@ -336,6 +398,7 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
                 trial = Trial(step=trial)
             for _ in range(warmup):
                 trial.step()
+                bar.update(1)
             moved0, stall0, _ = _store_totals(trial.stores)
             counters0 = dict(trial.counters()) if trial.counters is not None else {}
             if cuda:
@@ -354,6 +417,7 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
                     if result.telemetry:
                         _record(trial, stop=True)
                 times.append(time.perf_counter() - t0)
+                bar.update(1)
             moved1, stall1, peak = _store_totals(trial.stores)
             result.step_s = statistics.median(times)
             result.stall_s = (stall1 - stall0) / steps
@@ -374,13 +438,17 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
         finally:
             if trial is not None and trial.close is not None:
                 trial.close()
+        bar.n = len(results) * (warmup + steps)  # a failed setting skips its steps
+        bar.refresh()
         if stream is not None:  # progress: what a run cut short still shows
+            bar.clear()
             print(f"tune: {len(results)}/{len(settings)} {label}: " + (
                 result.error or f"{result.step_s * 1e3:.1f} ms/step, stall "
                 f"{result.stall_s * 1e3:.2f} ms, moved {_mib(sum(result.moved_bytes.values()))} "
                 f"MiB"), file=stream, flush=True)
         if telemetry_dir is not None and result.telemetry:  # rewritten once all have run
             write_telemetry(results, telemetry_dir, budgets)
+    bar.close()
     ran = [r for r in results if r.error is None]
     if cost_model is not None and ran:
         if compute_s is None:
@@ -388,9 +456,21 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
                        for r in ran}
             least = min(ran, key=lambda r: offload[id(r)])
             compute_s = max(0.0, least.step_s - offload[id(least)])
-        for r in ran:
+        for r, label in zip(results, labels):
+            if r.error is not None:
+                continue
             r.predicted_s = cost_model.predict_s(link_bytes(r.moved_bytes), r.adam_params,
                                                  compute_s, overlap)
+            r.predicted_range_s = cost_model.predict_range_s(link_bytes(r.moved_bytes),
+                                                             r.adam_params, compute_s, overlap)
+            ratio = r.step_s / r.predicted_s if r.predicted_s > 0 else math.inf
+            r.disagrees = not 1 / DISAGREE_FACTOR <= ratio <= DISAGREE_FACTOR
+            if r.disagrees:
+                lo, hi = r.predicted_range_s
+                logger.warning("tune: %s: measured %.1f ms/step, %.2gx the cost model's %.1f ms "
+                               "(probe range %.1f-%.1f ms); the model does not describe this "
+                               "setting: go by the measurement", label, r.step_s * 1e3, ratio,
+                               r.predicted_s * 1e3, lo * 1e3, hi * 1e3)
     fitting = [r for r in ran if r.fits]
     if fitting:
         min(fitting, key=lambda r: r.step_s).best = True
@@ -488,8 +568,8 @@ def _mib(n: int) -> str:
 def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = None) -> str:
     """Return the results as a text table (``*`` marks the fastest setting that fits)."""
     names = list(dict.fromkeys(k for r in results for k in r.setting))
-    head = names + ["ms/step", "pred ms", "stall ms", "gpu MiB", "cpu MiB", "nvme MiB",
-                    "H2D MiB", "D2H MiB", "rd MiB", "wr MiB", "fits"]
+    head = names + ["ms/step", "pred ms", "pred range", "stall ms", "gpu MiB", "cpu MiB",
+                    "nvme MiB", "H2D MiB", "D2H MiB", "rd MiB", "wr MiB", "fits"]
     rows = []
     for r in results:
         cells = [str(r.setting.get(n, "")) for n in names]
@@ -497,7 +577,10 @@ def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = 
             cells += ["-"] * (len(head) - len(names) - 1) + [f"no: {r.error[:60]}"]
         else:
             cells += [f"{r.step_s * 1e3:.1f}",
-                      "-" if r.predicted_s is None else f"{r.predicted_s * 1e3:.1f}",
+                      "-" if r.predicted_s is None else
+                      f"{r.predicted_s * 1e3:.1f}" + (" !" if r.disagrees else ""),
+                      "-" if r.predicted_range_s is None else
+                      f"{r.predicted_range_s[0] * 1e3:.1f}-{r.predicted_range_s[1] * 1e3:.1f}",
                       f"{r.stall_s * 1e3:.2f}"]
             cells += [_mib(r.peak_bytes.get(t, 0)) for t in TIERS]
             cells += [_mib(n) for n in r.link_bytes().values()]
@@ -509,6 +592,15 @@ def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = 
     lines += ["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in rows]
     lines.append("per step: stall = time blocked in TierStore.get; peak MiB per tier (gpu: the "
                  "device); MiB per link: H2D, D2H, NVMe read (rd) and write (wr)")
+    if any(r.predicted_s is not None for r in results):
+        lines.append("pred ms: the cost model (rates = median of its probes); pred range: every "
+                     "rate at its slowest / fastest probe; ! = measured and predicted differ by "
+                     f"more than {DISAGREE_FACTOR:g}x (the model does not describe that setting)")
+    off = [(label, r) for label, r in zip(setting_labels([r.setting for r in results]), results)
+           if r.disagrees]
+    if off:
+        lines.append(f"measured vs predicted off by more than {DISAGREE_FACTOR:g}x: " + "; ".join(
+            f"{label} ({r.step_s * 1e3:.1f} vs {r.predicted_s * 1e3:.1f} ms)" for label, r in off))
     if budgets:
         lines.append("budgets: " + ", ".join(f"{t} {_mib(b)} MiB" for t, b in budgets.items())
                      + "; * = fastest setting that fits")
@@ -847,9 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{_mib(factory.saved_bytes)} MiB per step, {_mib(factory.block_bytes)} MiB per "
               f"block", flush=True)
         if model is not None:
-            print(f"cost model: H2D {model.h2d_gbps:.1f} GB/s, D2H {model.d2h_gbps:.1f} GB/s, "
-                  f"NVMe read {model.nvme_read_gbps:.2f} / write {model.nvme_write_gbps:.2f} GB/s,"
-                  f" CPU Adam {model.cpu_adam_gparams:.2f} G params/s")
+            print(f"cost model: {model.describe()} (median of 3 probes, their range in "
+                  f"brackets)", flush=True)
         results = tune(factory, settings, steps=args.steps, budgets=budgets, warmup=args.warmup,
                        cost_model=model, overlap=args.overlap, telemetry_dir=args.telemetry_dir)
     return 0 if any(r.best for r in results) else 1
