@@ -4,12 +4,14 @@ help, the I/O backend choice and fallbacks on the ``tiermem`` logger (issue 17).
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import logging
 import os
 import re
 import pathlib
 import stat
+import sys
 
 import pytest
 import torch
@@ -213,3 +215,27 @@ def test_bench_transfer_prints_median_and_spread(capsys):
     assert "median of 3 timed copies" in out and "raw GB/s (spread)" in out
     rows = [line for line in out.splitlines() if line.startswith(("H2D", "D2H", "both"))]
     assert len(rows) == 3 and all(re.search(r"\d\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", r) for r in rows)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_show_on_a_terminal_only(monkeypatch):
+    from tiermem._log import progress
+    from tiermem.bench._gpt import GPT, GPTConfig
+    from tiermem.models import materialize_
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with progress(total=3, desc="quiet") as bar:
+        bar.update(3)
+    assert sys.stderr.getvalue() == ""  # captured output and logs get no bar
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, vocab=64))
+    materialize_(model, "cpu")
+    shown = term.getvalue()
+    n = sum(p.numel() for p in model.parameters())
+    assert "materialize_" in shown and f"/{n / 1e3:.1f}k [" in shown  # the bar's total

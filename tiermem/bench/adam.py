@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tiermem import _native
-from tiermem._log import progress
+from tiermem._log import logger, progress
 from tiermem.optim.cpu_adam import adam_step_, native_available
 
 __all__ = ["run", "main", "copy_bandwidth_bytes_per_s", "inplace_bandwidth_bytes_per_s",
@@ -284,8 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--repeats={args.repeats} must be >= 3 (a median and a spread need "
                      f"three timings)")
     if not native_available():
-        print(f"note: native library unavailable ({_native.load_error()}); torch rows only",
-              file=sys.stderr)
+        logger.warning("bench adam: native library unavailable (%s); torch rows only",
+                       _native.load_error())
     rows = run(args.numel, args.repeats, args.threads)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0

@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tiermem._log import progress
+
 
 def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtype | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
@@ -48,6 +50,8 @@ def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtyp
             ~100x faster and draws from the CUDA generator instead (a different, equally valid
             initialisation). Peak extra memory there: one module's fp32 tensors.
 
+    Shows a tqdm progress bar (parameters materialised) on stderr when stderr is a terminal.
+
     Raises:
         ValueError: a module owns meta tensors but has no ``reset_parameters`` and no
             ``init_fn`` was given (its values would be garbage), naming the module.
@@ -55,6 +59,18 @@ def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtyp
     device = torch.device(device)
     init_device = torch.device(init_device)
     done: dict[int, nn.Parameter] = {}  # id(meta param) -> materialised param (tied weights)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.is_meta}.values())
+    bar = progress(total=total, desc="materialize_", unit="param", unit_scale=True)
+    try:
+        _materialize(model, device, dtype, init_fn, init_device, done, bar)
+    finally:
+        bar.close()
+    return model
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | None,
+                 init_fn: Callable[[nn.Module], None] | None, init_device: torch.device,
+                 done: dict[int, nn.Parameter], bar) -> None:
     for name, module in model.named_modules():
         params = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
         buffers = [(n, b) for n, b in module._buffers.items() if b is not None and b.is_meta]
@@ -91,8 +107,8 @@ def materialize_(model: nn.Module, device: str | torch.device, dtype: torch.dtyp
                                requires_grad=cpu.requires_grad)
             module._parameters[n] = new
             done[id(p)] = new
+            bar.update(new.numel())
         for n, _ in buffers:
             cpu = module._buffers[n]
             target = dtype if (dtype is not None and cpu.is_floating_point()) else cpu.dtype
             module._buffers[n] = cpu.to(device=device, dtype=target)
-    return model
