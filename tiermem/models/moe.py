@@ -4,7 +4,7 @@
 ``n_experts`` GELU MLPs and a softmax router; every token goes to the ``top_k`` experts of
 highest router probability, and their outputs are summed with those probabilities renormalised
 over the chosen ``top_k``. Each expert runs densely on just its tokens (``index_select`` in,
-``index_add`` back), so an expert that receives no token in a step does not run and its
+``scatter_add`` back), so an expert that receives no token in a step does not run and its
 parameters get no gradient (``p.grad is None``, which torch's optimizers and
 :class:`tiermem.optim.HybridAdam` skip). There is no load-balancing loss and no capacity limit:
 routing is exactly top-k. ``model.blocks`` is the ``nn.ModuleList`` of blocks to hand to
@@ -121,7 +121,10 @@ class MoELayer(nn.Module):
         sizes = counts.tolist()
         for expert, tok, gate in zip(self.experts, tokens.split(sizes), gates.split(sizes)):
             if tok.numel():  # an expert without tokens does not run: its params get no grad
-                out = out.index_add(0, tok, expert(x.index_select(0, tok)) * gate.unsqueeze(1))
+                y = expert(x.index_select(0, tok)) * gate.unsqueeze(1)
+                # scatter_add saves only the index (index_add would save y as well); a token
+                # appears once per expert, so there are no colliding adds
+                out = out.scatter_add(0, tok.unsqueeze(1).expand_as(y), y)
         return out.view(shape)
 
 
