@@ -254,9 +254,7 @@ def test_accumulation_and_checkpointing_with_experts_idle_in_one_micro_batch():
     opt.close()
 
 
-@pytest.mark.parametrize("sync", ["step", pytest.param("forward", marks=pytest.mark.xfail(
-    strict=True, reason="HybridAdam.zero_grad(set_to_none=False) zeroes gradients the CPU side "
-                        "of a param_sync='forward' step has not copied yet; fix pending"))])
+@pytest.mark.parametrize("sync", ["step", "forward"])
 def test_zero_grad_in_place_steps_idle_experts_like_torch(sync):
     """``zero_grad(set_to_none=False)``: an expert that had a gradient once keeps a zero one
     when it later gets no token, and torch's AdamW steps it with that zero gradient (decaying

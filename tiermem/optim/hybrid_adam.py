@@ -26,8 +26,10 @@ Note [forward sync]: after such a ``step()``, a global forward pre-hook makes ea
 (host: until the worker has stepped the chunks holding its params and issued their H2D;
 stream: on those copies' events) before it runs. Everything else that reads the params or the
 state completes the step first: the next ``step()``, the next backward's first gradient hook,
-``state_dict``/``load_state_dict``, ``synchronize()`` and ``close``. Code that reads a param
-outside a module's forward (an EMA, logging a norm) must call ``opt.synchronize()`` first.
+``state_dict``/``load_state_dict``, ``synchronize()``, ``close`` and ``zero_grad(set_to_none=
+False)`` (which overwrites gradients the CPU side may not have copied yet). Code that reads a
+param outside a module's forward (an EMA, logging a norm) or writes a gradient in place
+(``model.zero_grad(set_to_none=False)``) must call ``opt.synchronize()`` first.
 One process only (data parallel all-gathers the updated shards in ``step()``; FSDP2 gathers
 params in its own pre-forward hooks).
 
@@ -1360,6 +1362,22 @@ class HybridAdam(torch.optim.Optimizer):
         """
         if self._pending:
             self._finish_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, like ``torch.optim.Optimizer.zero_grad``.
+
+        ``set_to_none=False`` zeroes the gradient tensors in place, which the CPU side of a
+        ``param_sync="forward"`` step may not have copied yet: that step is completed first
+        (``set_to_none=True`` drops the references instead, and the CPU side keeps its own).
+        The same holds for ``model.zero_grad(set_to_none=False)``: call ``synchronize()``
+        before it.
+
+        Raises:
+            RuntimeError: the CPU step being completed failed.
+        """
+        if not set_to_none:
+            self.synchronize()
+        super().zero_grad(set_to_none=set_to_none)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Global forward pre-hook (param_sync="forward"): wait for this module's params."""
