@@ -202,6 +202,42 @@ def test_moe_parity_with_torch_adamw(tmp_path, ref_run, fraction, tier):
         assert_params(model, base, exact=True)
 
 
+def test_shared_store_with_the_trace_eviction_policy(tmp_path, ref_run):
+    """One store for both offloaders with ``policy="trace"`` and lookahead prefetch, small
+    enough that state chunks and activations move between RAM and NVMe every step. Routing
+    changes the step's accesses (how many tensors each expert saves, which chunks complete only
+    in step()), so the recording is not followed; the policy must still only choose victims,
+    never change results."""
+    ref, _, ref_losses, _ = ref_run
+    store = TierStore(StoreConfig(gpu_bytes="1MiB", cpu_bytes="1MiB", nvme_bytes="64MiB",
+                                  nvme_dir=str(tmp_path), device="cpu", pool_slab_bytes="64KiB",
+                                  io_chunk_bytes="64KiB", io_backend="posix", policy="trace",
+                                  prefetch_lookahead=4))
+    model = make_model()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
+                     state_tier="nvme", store=store, param_sync="forward")
+    offloader = offload_activations(model.blocks, store=store, layers=[0, 1], min_offload_bytes=0)
+    losses = []
+    for step in range(STEPS):
+        idx, tgt = batch(step)
+        with offloader:
+            _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        store.mark_step()
+        losses.append(loss.item())
+    opt.synchronize()
+    moved = store.stats()["moved_bytes"]
+    assert moved.get("nvme->cpu", 0) > 0 and moved.get("cpu->nvme", 0) > 0
+    assert store._policy.counts["steps"] == STEPS
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    assert_params(model, ref, exact=False)
+    offloader.close()
+    opt.close()
+    store.close()
+
+
 def test_fraction_zero_is_bit_identical_to_torch_fused():
     """No offloaded state: HybridAdam runs torch's fused kernel on the same tensors, and skips
     the params without gradients just as torch does."""
