@@ -9,11 +9,16 @@ parameters get no gradient (``p.grad is None``, which torch's optimizers and
 :class:`tiermem.optim.HybridAdam` skip). There is no load-balancing loss and no capacity limit:
 routing is exactly top-k. ``model.blocks`` is the ``nn.ModuleList`` of blocks to hand to
 :func:`tiermem.offload.offload_activations`; after a forward, ``block.moe.tokens_per_expert``
-holds the routed-token count per expert.
+holds the routed-token count per expert. Grouping tokens by expert needs the counts on the
+host: one device synchronisation per block and forward on CUDA.
 
-``MoEConfig.num_params()`` counts every parameter (what the optimizer state and the weights
-cost); ``MoEConfig.active_params()`` counts the parameters one token uses (``top_k`` experts per
-layer; the compute per token and the activation memory scale with these).
+``MoEConfig.num_params()`` counts every parameter (what the weights, gradients and optimizer
+state cost); ``MoEConfig.active_params()`` counts the parameters one token uses (``top_k``
+experts per block: the compute per token scales with these). The activations a block saves
+depend on ``top_k``, not ``n_experts``, and not on how the tokens are spread over the experts:
+per token, the attention part of a dense block plus ``top_k`` copies of the expert input and
+output (``d_model`` each) and of the expert's hidden layer before and after the GELU
+(``d_expert`` each), plus a few bytes of routing indices.
 """
 
 from __future__ import annotations
