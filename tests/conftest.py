@@ -16,6 +16,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread is faster and immune to a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def make_store(tmp_path):
     """Factory of stores with small budgets and a spill directory under tmp_path."""
     stores = []

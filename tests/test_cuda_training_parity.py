@@ -95,11 +95,14 @@ def spill_dir(tmp_path_factory):
     return path
 
 
+def _store(spill, **budgets) -> TierStore:
+    return TierStore(StoreConfig(device="cuda", nvme_dir=str(spill), pool_slab_bytes="256MiB",
+                                 io_backend="posix", **budgets))
+
+
 @pytest.fixture(scope="module")
 def act_store(spill_dir):
-    store = TierStore(StoreConfig(device="cuda", gpu_bytes="48GiB", cpu_bytes="24GiB",
-                                  nvme_bytes="24GiB", nvme_dir=str(spill_dir / "act"),
-                                  pool_slab_bytes="256MiB", io_backend="posix"))
+    store = _store(spill_dir / "act", gpu_bytes="48GiB", cpu_bytes="24GiB", nvme_bytes="24GiB")
     yield store
     store.close()
 
@@ -107,9 +110,7 @@ def act_store(spill_dir):
 @pytest.fixture(scope="module")
 def opt_store(spill_dir):
     # state_tier="split": about a third of the offloaded state fits the cpu tier, the rest spills
-    store = TierStore(StoreConfig(device="cuda", gpu_bytes="1GiB", cpu_bytes="2GiB",
-                                  nvme_bytes="16GiB", nvme_dir=str(spill_dir / "opt"),
-                                  pool_slab_bytes="256MiB", io_backend="posix"))
+    store = _store(spill_dir / "opt", gpu_bytes="1GiB", cpu_bytes="2GiB", nvme_bytes="16GiB")
     yield store
     store.close()
 

@@ -27,13 +27,7 @@ from tiermem.offload.activations import ActivationOffloader
 # ---------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one intra-op thread is faster and immune to a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

@@ -6,12 +6,7 @@ import torch
 from tiermem.bench.activations import main
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bench_runs_tiny_on_cpu(capsys, tmp_path):

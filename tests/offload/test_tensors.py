@@ -11,12 +11,7 @@ from models import TinyGPT, make_batch
 from tiermem.offload import mark_for_offload, offload_activations, offload_tensors
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class LoRALinear(nn.Module):

@@ -5,6 +5,8 @@ import torch
 
 from tiermem.bench import optim
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ARGS = ["--steps", "2", "--accum", "1", "--layers", "1", "--d-model", "32", "--heads", "4",
         "--seq", "16", "--vocab", "64", "--batch", "2"]
 
@@ -46,10 +48,3 @@ def test_bad_setup_exits_2(capsys):
     assert optim.main(ARGS + ["--setups", "gpu,1.5"]) == 2
     assert "'1.5' is not gpu, naive" in capsys.readouterr().err
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
