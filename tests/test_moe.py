@@ -97,9 +97,10 @@ def assert_state_like_torch(opt: HybridAdam, model: MoE, ref_opt, ref: MoE) -> N
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (OpenMP spinning against HybridAdam's worker and the
-    store's I/O threads on a 2-core machine is slow); the results do not depend on it."""
+def one_thread_module():
+    """conftest's ``one_thread`` for the whole module: the module-scoped reference run must see
+    the same thread count as the tests compared with it (tiny tensors: one intra-op thread, as
+    OpenMP spinning against HybridAdam's worker and the store's I/O threads on 2 cores is slow)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
