@@ -12,7 +12,7 @@ and ``activations`` (:func:`tiermem.offload.offload_activations`). Overrides are
 ``section.field=value`` with YAML values; an unknown section or field is an error naming the
 valid ones.
 
-The run: a GPT (``tiermem.bench._gpt.GPT``) learns a generated Markov-chain token stream
+The run: a GPT (``tiermem.models.gpt.GPT``) learns a generated Markov-chain token stream
 (:class:`tiermem.demo.MarkovText`; nothing is downloaded), with a tqdm bar and a line per step
 (loss, tokens/s, bytes per store tier after the forward pass). With ``train.baseline: true`` the
 same model is then trained from the same initial weights on the same batches with plain

@@ -35,7 +35,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
-from tiermem.bench._gpt import GPT, GPTConfig  # noqa: E402
+from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.config import parse_bytes  # noqa: E402
 from tiermem.models import materialize_  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402

@@ -138,7 +138,7 @@ def test_section_kwargs_match_the_apis_they_feed():
 
 def test_configuration_doc_lists_every_parameter():
     """docs/configuration.md is the reference: every field and API argument has a row."""
-    from tiermem.bench._gpt import GPTConfig
+    from tiermem.models.gpt import GPTConfig
     from tiermem.offload import offload_activations
     from tiermem.optim import HybridAdam
     text = (DOCS / "configuration.md").read_text()

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tiermem import StoreConfig, TierStore
-from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.offload import offload_activations, offload_tensors
 from tiermem.optim import HybridAdam
 

@@ -110,7 +110,7 @@ def test_readme_usage_snippet_runs(tmp_path):
     snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     assert "/mnt/ssd" in snippet
     snippet = snippet.replace("/mnt/ssd", str(tmp_path))
-    from tiermem.bench._gpt import GPT, GPTConfig
+    from tiermem.models.gpt import GPT, GPTConfig
     from tiermem.demo import MarkovText
     model = GPT(GPTConfig(n_layers=17, d_model=16, n_heads=2, seq_len=8, vocab=32))
     data = MarkovText(32)

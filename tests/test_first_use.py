@@ -224,7 +224,7 @@ class _Terminal(io.StringIO):
 
 def test_progress_bars_show_on_a_terminal_only(monkeypatch):
     from tiermem._log import progress
-    from tiermem.bench._gpt import GPT, GPTConfig
+    from tiermem.models.gpt import GPT, GPTConfig
     from tiermem.models import materialize_
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())

@@ -123,13 +123,13 @@ def test_step_stats_are_consistent_and_reset_each_step(tmp_path):
 # ---------------------------------------------------------------- meta init
 
 def _small_gpt_cfg():
-    from tiermem.bench._gpt import GPTConfig
+    from tiermem.models.gpt import GPTConfig
     return GPTConfig(n_layers=3, d_model=32, n_heads=4, seq_len=16, vocab=64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_materialize_matches_eager_init_bit_for_bit(dtype, monkeypatch):
-    from tiermem.bench._gpt import GPT
+    from tiermem.models.gpt import GPT
     from tiermem.models import init as init_mod
     from tiermem.models import materialize_
     cfg = _small_gpt_cfg()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tiermem import cli
-from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes, main, plan)
 
 

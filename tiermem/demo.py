@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
                             apply_overrides, from_dict, load_config)
 from tiermem.offload import offload_activations

@@ -94,7 +94,7 @@ class ModelShape:
     mlp_ratio: int = 4
 
     def num_params(self) -> int:
-        """Parameters of ``tiermem.bench._gpt.GPT`` with this shape (untied head)."""
+        """Parameters of ``tiermem.models.gpt.GPT`` with this shape (untied head)."""
         d, h = self.d_model, self.mlp_ratio * self.d_model
         block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
         return self.vocab * d * 2 + self.seq_len * d + self.n_layers * block + 2 * d
@@ -226,7 +226,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
 
     Args:
         num_params: parameter count, or an ``nn.Module`` (its parameters are counted, its
-            dtype taken, and its ``cfg`` read when it is a ``tiermem.bench._gpt.GPT``).
+            dtype taken, and its ``cfg`` read when it is a ``tiermem.models.gpt.GPT``).
         model: an ``nn.Module`` (alternative to passing it as ``num_params``).
         n_layers, d_model, n_heads: the transformer's shape, for the activation estimate
             (required unless the model is a tiermem GPT; ``n_heads`` only matters with

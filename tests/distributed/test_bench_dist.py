@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiermem.bench import optim_dist
-from tiermem.bench._gpt import GPTConfig
+from tiermem.models.gpt import GPTConfig
 from tiermem.bench.optim import main
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq", "16", "--vocab", "64",

@@ -1,6 +1,6 @@
 """``tiermem bench activations``: forward+backward time and peak memory, offload side by side.
 
-All rows run in ONE process on the same model (:mod:`tiermem.bench._gpt`, bf16 on CUDA), so
+All rows run in ONE process on the same model (:mod:`tiermem.models.gpt`, bf16 on CUDA), so
 they compare within a run:
 
 - ``no offload``; ``checkpoint every block``;
@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.bench.parity import noise_of, verdict
 from tiermem.config import StoreConfig, parse_bytes
 from tiermem.offload import default_store_config, offload_activations

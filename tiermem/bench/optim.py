@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.bench.parity import noise_of, verdict
 from tiermem.optim import HybridAdam
 

@@ -2,7 +2,7 @@
 
 The command spawns ``N`` processes itself (127.0.0.1, a free TCP port): NCCL with one GPU per
 rank when CUDA has at least ``N`` GPUs, else gloo on the CPU. Every rank builds the same
-reference GPT (``tiermem/bench/_gpt.py``, same seed) and trains on its own micro-batches (a
+reference GPT (``tiermem/models/gpt.py``, same seed) and trains on its own micro-batches (a
 fixed seed per rank). Side by side in one run, for each ``--accum`` setting (micro-batches per
 optimizer step; the FSDP2 rows reduce-scatter after every micro-batch, FSDP2's default, which
 keeps gradients sharded; the data-parallel rows reduce only after the last one):
@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.multiprocessing as mp
 
-from tiermem.bench._gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.bench.optim import HP
 from tiermem.optim import HybridAdam
 from tiermem.optim.distributed import local_of

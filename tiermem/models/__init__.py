@@ -1,7 +1,8 @@
-"""Model-building helpers for large runs (meta-device construction and layer-by-layer init) and
-a small mixture-of-experts transformer."""
+"""Model-building helpers for large runs (meta-device construction and layer-by-layer init), the
+reference GPT (:mod:`tiermem.models.gpt`) and a small mixture-of-experts transformer."""
 
+from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.models.init import materialize_
 from tiermem.models.moe import MoE, MoEConfig
 
-__all__ = ["MoE", "MoEConfig", "materialize_"]
+__all__ = ["GPT", "GPTConfig", "MoE", "MoEConfig", "materialize_"]

@@ -6,7 +6,7 @@ time in ``TierStore.get``; it marks the fastest setting that fits the budgets an
 with the :class:`CostModel`'s prediction beside each measurement (and bytes per link, peaks per
 tier and the trial's own counters). With ``telemetry_dir`` it records each setting's last timed
 step and writes a Chrome trace, a side-by-side memory timeline PNG and the results as JSON.
-``tiermem tune`` runs it on a GPT (:mod:`tiermem.bench._gpt`; small by default, the reference
+``tiermem tune`` runs it on a GPT (:mod:`tiermem.models.gpt`; small by default, the reference
 GPT with ``--layers 24 --d-model 2048 ...``) with activation offload and HybridAdam, over prefetch
 depth, offloaded layers, optimizer offload fraction, state tier, store policy, the trace
 policy's lookahead and the activation store's gpu budget (``--act-gpu-budget``: below
@@ -699,7 +699,7 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
     The returned factory has ``saved_bytes`` (all saved activations of a step) and
     ``block_bytes`` (per block) attributes.
     """
-    from tiermem.bench._gpt import GPT
+    from tiermem.models.gpt import GPT
     from tiermem.config import StoreConfig
     from tiermem.offload import offload_activations
     from tiermem.optim import HybridAdam
@@ -903,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         ValueError: bad arguments (the CLI prints them as one line, exit code 2).
     """
-    from tiermem.bench._gpt import GPTConfig
+    from tiermem.models.gpt import GPTConfig
 
     args = _parse_args(sys.argv[1:] if argv is None else list(argv))
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,

@@ -1,4 +1,5 @@
-"""A standalone reference GPT for the benchmarks (pre-LN, SDPA causal attention, GELU MLP).
+"""The reference GPT of the benchmarks, ``tiermem demo`` and ``tiermem tune`` (pre-LN, SDPA causal
+attention, GELU MLP).
 
 ``GPT(GPTConfig(n_layers=24, d_model=2048, n_heads=16, seq_len=2048, vocab=32000))`` is the
 reference workload of docs/benchmarks.md (1.34B parameters, bf16 on the GPU). ``model.blocks`` is the
