@@ -6,9 +6,11 @@ marker file ``.tiermem-owner`` (0600) holding the kind, the writer's pid, its st
 random ``id`` of the name. Cleanup trusts a name only together with its marker: a directory is
 tiermem's when it is this user's, a real directory (not a symlink), its marker is a regular file
 of this user that agrees with the name, and it holds nothing but the marker and the names its
-kind writes. Anything else that happens to match a pattern (a user's ``tiermem-20240612-1a/``)
-is never touched, and removal unlinks only those known names before ``rmdir``, so a file that
-tiermem did not write keeps its directory too.
+kind writes; or it is empty but for an empty marker (its maker died between ``mkdir`` and the
+marker's write: there is nothing in it to lose). Anything else that happens to match a pattern
+(a user's ``tiermem-20240612-1a/`` holding a file) is never touched, and removal unlinks only
+those known names before ``rmdir``, so a file that tiermem did not write keeps its directory
+too.
 
 A leftover is stale when its writer is gone: the pid is dead, or it now belongs to a process
 whose start time differs from the one in the marker (pid reuse).
@@ -148,10 +150,27 @@ def owned_by_tiermem(path: str, match: re.Match, kind: str, names: tuple[str, ..
     except OSError:
         return None
     owner = read_marker(path)
+    if owner is None and _unfinished(path, inside):
+        # killed between mkdir and the marker's write: nothing in it to lose
+        return Owner(kind, int(match.group("pid")), None, match.group("id"))
     if owner is None or owner.kind != kind or str(owner.pid) != match.group("pid") \
             or owner.id != match.group("id") or not inside <= {MARKER_NAME, *names}:
         return None
     return owner
+
+
+def _unfinished(path: str, inside: set) -> bool:
+    """Whether ``path`` is empty but for an empty marker of this user (a directory whose maker
+    died before writing its marker)."""
+    if not inside <= {MARKER_NAME}:
+        return False
+    if not inside:
+        return True
+    try:
+        st = os.lstat(os.path.join(path, MARKER_NAME))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_size == 0
 
 
 def stale_dirs(directory: str | os.PathLike, pattern: re.Pattern, kind: str,

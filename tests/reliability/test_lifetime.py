@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 import weakref
 
 import pytest
@@ -25,8 +26,20 @@ def _maps() -> int:
         return sum(1 for _ in f)
 
 
-def _usage(root) -> dict:
-    gc.collect()
+def _usage(root, initial: set) -> dict:
+    """Threads, descriptors and spill dirs once the dropped objects' finalizers are done.
+
+    The last reference to a store may be dropped inside an I/O callback; its finalizer then
+    shuts the backend down from a helper thread. Waiting (bounded) for the threads started
+    since ``initial`` to end lets that finish; a leaked thread never ends, and the comparison
+    that follows fails."""
+    deadline = time.monotonic() + 30
+    while True:
+        gc.collect()
+        alive = [t for t in threading.enumerate() if t not in initial]
+        if not alive or time.monotonic() > deadline:
+            break
+        alive[0].join(0.1)
     return dict(threads=threading.active_count(), fds=_fds(), dirs=len(os.listdir(root)))
 
 
@@ -41,11 +54,12 @@ def test_a_dropped_store_frees_its_threads_descriptors_and_directory(tmp_path, b
         assert torch.equal(store.get(1, "cpu"), torch.full((2000,), 1.0))
         return weakref.ref(store)
 
+    initial = set(threading.enumerate())
     for _ in range(10):  # warm-up: imports, and malloc's per-thread arenas (a few, reused)
         use_and_drop()
-    before, maps = _usage(tmp_path), _maps()
+    before, maps = _usage(tmp_path, initial), _maps()
     refs = [use_and_drop() for _ in range(20)]
-    after = _usage(tmp_path)
+    after = _usage(tmp_path, initial)
     assert all(r() is None for r in refs)
     assert after == before  # no thread, descriptor or spill directory left behind
     assert _maps() < maps + 10  # not a thread stack and guard page per dropped store
@@ -70,10 +84,11 @@ def test_a_dropped_hybrid_adam_frees_its_worker_store_and_hooks(tmp_path, param_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        initial = set(threading.enumerate())
         _train_and_drop(tmp_path, param_sync=param_sync)  # warm-up: imports, lazy pools
-        before = _usage(tmp_path)
+        before = _usage(tmp_path, initial)
         kept = [_train_and_drop(tmp_path, param_sync=param_sync) for _ in range(4)]
-        after = _usage(tmp_path)
+        after = _usage(tmp_path, initial)
         assert [ref() for _, ref in kept] == [None] * 4  # collected although the model lives
         assert after == before  # worker threads, I/O threads, descriptors and spill dirs gone
         model = kept[-1][0]

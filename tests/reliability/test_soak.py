@@ -3,6 +3,7 @@ growth in pool/pinned bytes, spill usage, files, descriptors or threads after wa
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -32,6 +33,16 @@ def _fds() -> int:
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return round(kib / 1024, 1)
+
+
+def _spilled(*stats) -> int:
+    return sum(v for s in stats for k, v in s["moved_bytes"].items() if k.endswith("->nvme"))
 
 
 def _train(tmp_path, steps, offload, on_step=None):
@@ -85,6 +96,7 @@ def test_soak_no_growth_in_memory_files_descriptors_or_threads(tmp_path, one_thr
     base: dict = {}
     seen: list = []
     state_bytes: list = []
+    figures = dict(steps=STEPS, activations_offloaded=0, optimizer_chunks_stepped=0)
 
     def on_step(step, opt, store, off):
         s = store.stats()
@@ -109,6 +121,12 @@ def test_soak_no_growth_in_memory_files_descriptors_or_threads(tmp_path, one_thr
             slab = st._pool.slab_bytes
             bound = (-(-stats["cpu"]["peak_bytes"] // slab) + 1) * slab
             assert st._pool.reserved_bytes <= min(st.config.cpu_bytes, bound), (step, bound)
+        figures["activations_offloaded"] += off_stats["offloaded"]
+        figures["optimizer_chunks_stepped"] += opt.step_stats()["chunks"]
+        if step in (WARMUP, STEPS - 1):  # the figures of docs/reliability.md
+            when = "before" if step == WARMUP else "after"
+            figures[when] = dict(rss_mib=_rss_mib(), fds=now["fds"], threads=now["threads"])
+            figures["bytes_spilled"] = _spilled(s, o)
         if step == WARMUP:
             state_bytes.append(now["opt_state"])
         assert step < WARMUP or now["opt_state"] == state_bytes[0], step
@@ -123,6 +141,7 @@ def test_soak_no_growth_in_memory_files_descriptors_or_threads(tmp_path, one_thr
         seen.append(step)
 
     losses = _train(tmp_path, STEPS, offload=True, on_step=on_step)
+    print(f"\nsoak figures: {json.dumps(figures)}")  # shown with -s; kept in docs/reliability.md
     assert len(seen) == STEPS and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]  # it trained
     # opt/ and act/, each with one private dir holding its marker and its spill file

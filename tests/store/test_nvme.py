@@ -254,8 +254,11 @@ def test_stale_cleanup_keeps_what_tiermem_did_not_make(tmp_path):
     forged = _leftover(tmp_path, proc.pid, "00bb")
     os.rename(forged, tmp_path / f"tiermem-{proc.pid}-00cc")      # marker id != name's id
     reused = _leftover(tmp_path, os.getppid(), "00dd", start=1.0)  # pid now another process's
+    unfinished = tmp_path / f"tiermem-{proc.pid}-00ee"           # killed before its marker
+    unfinished.mkdir()
+    (unfinished / ".tiermem-owner").touch()
     removed = cleanup_stale(tmp_path)
-    assert removed == [str(reused)]
+    assert sorted(removed) == sorted([str(reused), str(unfinished)])
     assert (user / "results.csv").read_text() == "precious"
     assert (extra / "notes.txt").exists() and (tmp_path / f"tiermem-{proc.pid}-00cc").exists()
 

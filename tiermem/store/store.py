@@ -19,6 +19,9 @@ room below the same way, so a gpu victim goes to the cpu tier while cpu victims 
 An nvme -> gpu promotion reserves its gpu bytes (demoting gpu victims into the cpu tier) before
 it takes its cpu staging block, so the victims never compete with the staging block for cpu
 room, and once they have landed they are cpu victims for the staging block like any other key.
+A cpu -> gpu promotion whose gpu victims find no run of cpu room because the promoted key's own
+block splits it (a swap in a fragmented pool) spills that key to nvme first and reloads it from
+there (one extra write and read, only then).
 Nothing is refused while the tiers below can still take the victims; a refusal says what blocked
 it (bytes held by callers, moves in flight, the refusal of the tier below, fragmentation).
 
@@ -36,6 +39,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
@@ -710,14 +714,20 @@ class TierStore:
             future = TransferFuture()
             read = spill.read(key, extent, block.tensor)
 
-            def after_read(f, future=future, device_buf=device_buf, block=block):
-                # runs on an I/O thread; needs no store lock (see module docstring)
+            def after_read(f, fref=weakref.ref(future), copier=self._copier,
+                           device_buf=device_buf, block=block):
+                # runs on an I/O thread; needs no store lock (see module docstring). It refers
+                # to neither the store nor (strongly) the future that holds ``f``: no reference
+                # cycle keeps a dropped store alive until the next garbage collection
+                future = fref()
+                if future is None:  # the move was dropped with its store
+                    return
                 if f.exception() is not None:
                     future._set_error(f.exception())
                 elif device_buf is None:
                     future._set_future(f)
                 else:
-                    future._set_event(self._copier.h2d(device_buf, block.tensor[:n]))
+                    future._set_event(copier.h2d(device_buf, block.tensor[:n]))
 
             read.add_done_callback(after_read)
             entry.tier, entry.extent = tier, None
@@ -744,7 +754,13 @@ class TierStore:
             self._count("nvme", tier, n)
             return
         # cpu -> gpu
-        self._reserve_gpu(n, key)
+        try:
+            self._reserve_gpu(n, key)
+        except TierFullError:
+            if not self._detour_via_nvme(entry):
+                raise
+            self._start_promote(entry, tier)  # now from nvme (Note [cascade])
+            return
         buf = self._copier.alloc_device(n)
         block = entry.block
         event = self._copier.h2d(buf, block.tensor[:n])
@@ -758,6 +774,21 @@ class TierStore:
             entry.tier, entry.block, entry.device_buf = "cpu", block, None
 
         self._add_move(entry, "cpu", "gpu", self._event_future(event), done_h2d, fail_h2d)
+
+    def _detour_via_nvme(self, entry: _Entry) -> bool:
+        """Spill a cpu entry whose own block keeps its gpu victims out of the cpu tier (the
+        free room around it is fragmented), so it can be reloaded from nvme (Note [cascade]).
+        False, changing nothing, where that cannot help or is not allowed (try_prefetch)."""
+        if self._evict_only is not None or self._spill is None \
+                or not self._spill.fits(entry.nbytes):
+            return False
+        try:
+            self._demote(entry, "nvme")
+            self._settle(entry)
+        except (TierFullError, OSError):
+            return False
+        self._policy.on_move(entry.key, "cpu", entry.tier)
+        return entry.tier == "nvme"  # a failed spill reverted it to cpu
 
     def _demote(self, entry: _Entry, tier: str) -> None:
         """Start moving a settled entry one tier down (gpu -> cpu or cpu -> nvme)."""
