@@ -33,7 +33,7 @@ BENCH_HELP = {
 COMMANDS = {
     "demo": ("tiermem.demo", "train a small GPT with offloading and compare with no offload"),
     "plan": ("tiermem.plan", "say what must go where (GPU / host / NVMe) and whether it fits"),
-    "tune": ("tiermem.schedule.tuner", "time a grid of offload settings and pick the fastest that fits"),
+    "tune": ("tiermem.tune.cli", "time a grid of offload settings and pick the fastest that fits"),
 }
 
 

@@ -1,5 +1,5 @@
 """Schedules keyed to the execution order: the access trace of one step, next-use (Belady)
-eviction, lookahead prefetch, and the policy tuner (:mod:`tiermem.schedule.tuner`)."""
+eviction and lookahead prefetch (the policy tuner is :mod:`tiermem.tune`)."""
 
 from tiermem.schedule.prefetch import Prefetcher
 from tiermem.schedule.trace import Access, AccessTrace, StepOrdinalKeys, TracePolicy

@@ -9,7 +9,7 @@ import torch
 
 from tiermem import StoreConfig, TierStore
 from tiermem.cli import main as cli_main
-from tiermem.schedule.tuner import (
+from tiermem.tune import (
     CostModel,
     Result,
     Trial,
