@@ -281,9 +281,9 @@ def test_compiled_blocks_train_as_without_offload(opt, spill_dir, act_store, opt
 
 def test_whole_model_compile_offloads_and_differs_only_by_fusion(spill_dir, act_store,
                                                                  opt_store):
-    """A whole-model compile is split at the block hooks (rule 9): the fusions across block
-    boundaries round differently, so the bound is bf16 rounding (1e-2 relative on the loss),
-    not the noise; a wrong or stale tensor moves the loss far more."""
+    """A whole-model compile is split at the block hooks (Note [offload rules], rule 9): the
+    fusions across block boundaries round differently, so the bound is bf16 rounding (1e-2
+    relative on the loss), not the noise; a wrong or stale tensor moves the loss far more."""
     torch._dynamo.reset()
     fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
     a, _ = reference("adamw", "bf16", False, compile_="whole", **fixtures)

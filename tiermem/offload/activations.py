@@ -333,7 +333,8 @@ class _Saved:
     def __init__(self, owner: "ActivationOffloader", tensor: torch.Tensor,
                  marked: bool = False) -> None:
         self.owner = owner
-        self.marked = marked  # mark_for_offload: offloaded even in a kept block (rule 10)
+        # mark_for_offload: offloaded even in a kept block (Note [offload rules], rule 10)
+        self.marked = marked
         self.tensor: torch.Tensor | None = tensor
         self.record: _Record | None = None
         self.group: Hashable = None
@@ -467,7 +468,7 @@ class _DoubleBuffer:
 
 
 class ActivationOffloader:
-    """Hook state of :func:`offload_activations` (a context manager; see the module notes).
+    """Hook state of :func:`offload_activations` (a context manager; see Note [offload rules]).
 
     Use :func:`offload_activations` to make one; the arguments are documented there. One
     object can be entered again after it exited (e.g. once per training step).
@@ -564,9 +565,10 @@ class ActivationOffloader:
         self._last_block = -1
         self._current: int | None = None
         self._pending: list[weakref.ref] = []
-        self._regions: list[Hashable] = []  # open regions' groups, innermost last (rule 10)
+        # open regions' groups, innermost last (Note [offload rules], rule 10)
+        self._regions: list[Hashable] = []
         self._region_seq = itertools.count()
-        self._blocks_run = 0  # block pre-hooks run since entry (rule 9)
+        self._blocks_run = 0  # block pre-hooks run since entry (Note [offload rules], rule 9)
         self._unassigned = 0  # candidates saved outside every block since entry
         # records
         self._by_storage: dict[tuple, _Record] = {}
@@ -801,7 +803,7 @@ class ActivationOffloader:
             self._offload(handle, (self._fwd, layer))
             return handle
 
-    # ------------------------------------------------------------------ regions (rule 10)
+    # ------------------------------------------------ regions (Note [offload rules], rule 10)
 
     def _open_region(self) -> None:
         """Start a region: tensors saved until :meth:`_close_region` go to the store as one
@@ -809,7 +811,8 @@ class ActivationOffloader:
         backward, e.g. checkpoint recomputation, which saves nothing here)."""
         with self._lock:
             if self._fresh and torch.is_grad_enabled() and not _in_backward():
-                self._fwd += 1  # the first region or block of a forward starts it (rule 4)
+                # the first region or block of a forward starts it (Note [offload rules], rule 4)
+                self._fwd += 1
                 self._fresh = False
             self._regions.append((self._fwd, ("region", next(self._region_seq))))
 

@@ -2,7 +2,8 @@
 
 A policy only orders candidates; the store decides what is evictable (not held by a caller,
 not in flight) and enforces budgets. Policies are told about every access and every move, so
-one written by a user needs only these four methods.
+one written by a user needs only these three methods (``on_access``, ``on_move``,
+``victims``); the store also calls ``bind(store)`` and ``mark_step()`` on a policy that has them.
 """
 
 from __future__ import annotations

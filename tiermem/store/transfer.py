@@ -139,7 +139,7 @@ class Copier:
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
-        """Allocate a uint8 device buffer owned by the H2D stream (see the module note)."""
+        """Allocate a uint8 device buffer owned by the H2D stream (Note [side-stream buffers])."""
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
