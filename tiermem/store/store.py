@@ -247,10 +247,9 @@ class TierStore:
             old = self._entries.get(key)
             if old is not None and old.holds:
                 raise ValueError(f"put({key!r}): the key is held by a caller; release it first")
-            errors = [] if tier is not None else list(filter(None, (
-                self._too_big(t, nbytes, key) for t in TIERS)))
-            candidates = [tier] if tier is not None else [
-                t for t in TIERS if self._too_big(t, nbytes, key) is None]
+            too_big = {t: self._too_big(t, nbytes, key) for t in TIERS} if tier is None else {}
+            errors = [reason for reason in too_big.values() if reason]  # each tier says why
+            candidates = [tier] if tier is not None else [t for t, r in too_big.items() if r is None]
             entry = _Entry(key, nbytes, src.dtype, tuple(src.shape), tier or "gpu")
             for t in candidates:
                 try:
@@ -759,7 +758,11 @@ class TierStore:
         except TierFullError:
             if not self._detour_via_nvme(entry):
                 raise
-            self._start_promote(entry, tier)  # now from nvme (Note [cascade])
+            try:
+                self._start_promote(entry, tier)  # now from nvme (Note [cascade])
+            except TierFullError:
+                self._policy.on_move(key, "cpu", "nvme")  # it stays there
+                raise
             return
         buf = self._copier.alloc_device(n)
         block = entry.block
@@ -787,7 +790,6 @@ class TierStore:
             self._settle(entry)
         except (TierFullError, OSError):
             return False
-        self._policy.on_move(entry.key, "cpu", entry.tier)
         return entry.tier == "nvme"  # a failed spill reverted it to cpu
 
     def _demote(self, entry: _Entry, tier: str) -> None:
