@@ -191,7 +191,36 @@ def fork_child(base):
             store.close()
             result["removed_on_close"] = not os.path.exists(store._spill.dir_path)
             results[f"{backend}-{how}"] = result
+    results["optimizer"] = _fork_optimizer(os.path.join(base, "opt"))
     print(json.dumps({"results": results}), flush=True)
+
+
+def _fork_optimizer(spill_dir):
+    """A HybridAdam on NVMe, forked after a step: the child's step is refused, its exit leaves
+    the parent's spill dir, and the parent steps on."""
+    os.mkdir(spill_dir)
+    model, opt = build(spill_dir)
+    train_step(model, opt, 0)
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        line = {"how": "optimizer", "error": None}
+        try:
+            train_step(model, opt, 1)
+        except RuntimeError as exc:
+            line["error"] = str(exc)
+        print(json.dumps(line), flush=True)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    result = dict(code=os.waitstatus_to_exitcode(status), dir_kept=len(os.listdir(spill_dir)) == 1)
+    try:
+        train_step(model, opt, 1)  # the parent's optimizer still steps
+        result["data_ok"] = True
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
+        result["data_ok"] = f"{type(exc).__name__}: {exc}"
+    opt.close()
+    result["removed_on_close"] = os.listdir(spill_dir) == []
+    return result
 
 
 def serve():

@@ -476,7 +476,8 @@ class HybridAdam(torch.optim.Optimizer):
                 torch.compiler.disable(functools.partial(_call_weak_forward, me))))
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _release, self._queue, self._worker, self._hooks,
-                                           self._ram_held, self._store, self._owns_store)
+                                           self._ram_held, self._store, self._owns_store,
+                                           self._pid)
         self._begin_step()
 
     # ------------------------------------------------------------------ modes and local tensors
@@ -1838,10 +1839,15 @@ def _call_weak_forward(ref: weakref.ref, module: torch.nn.Module, args: Any) -> 
 
 
 def _release(work: queue.Queue, worker: threading.Thread, hooks: list, ram_held: list,
-             store: TierStore, owns_store: bool) -> None:
+             store: TierStore, owns_store: bool, pid: int) -> None:
     """Finalizer of a HybridAdam (and the end of ``close()``): stop the worker, remove the
     hooks, release held RAM chunks, close a private store. Runs once; holds no reference to
-    the optimizer (Note [lifetime])."""
+    the optimizer (Note [lifetime]). In a forked child (no worker there, its queue's lock may
+    have been copied held) it only lets a private store forget the child's copy."""
+    if os.getpid() != pid:
+        if owns_store:
+            store.close()  # Note [fork] of the store: the parent's files stay
+        return
     work.put(_STOP)
     if worker is not threading.current_thread():  # the worker may drop the last reference
         worker.join()
