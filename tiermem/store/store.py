@@ -287,8 +287,11 @@ class TierStore:
         Raises:
             KeyError: unknown key.
             ValueError: ``tier="nvme"`` (data is read through ``"cpu"`` or ``"gpu"``).
-            TierFullError: no room in ``tier`` even after evicting.
+            TierFullError: no room in ``tier`` even after evicting (the message says what
+                blocked it).
             SpillCorruption, SpillError: the key's spill extent failed its checksum or read.
+            StoreClosedError: the store is closed, or was made by the parent of this forked
+                process.
         """
         self._check_tier(tier)
         if tier == "nvme":
@@ -344,7 +347,10 @@ class TierStore:
         Raises:
             KeyError: unknown key.
             ValueError: unknown tier or ``tier="nvme"``.
-            TierFullError: no room in ``tier`` even after evicting.
+            TierFullError: no room in ``tier`` even after evicting (the message says what
+                blocked it).
+            StoreClosedError: the store is closed, or was made by the parent of this forked
+                process.
         """
         self._check_tier(tier)
         if tier == "nvme":
@@ -449,6 +455,7 @@ class TierStore:
         Raises:
             KeyError: unknown key.
             ValueError: the key is held by a caller.
+            StoreClosedError: the store is closed.
         """
         with self._lock:
             self._check_open()
