@@ -1,14 +1,19 @@
 """Worker of the distributed tests: one spawned job per rank runs every configuration.
 
-``run(rank, world, port, outdir, configs, backend)`` initializes a process group, trains
-``TinyGPT`` with HybridAdam (data parallel or FSDP2) for each configuration and writes
+``run(rank, world, outdir, configs, backend)`` initializes a process group (rendezvous through
+``{outdir}/rendezvous``: a file, so no TCP port can be taken between choosing and binding it),
+trains ``TinyGPT`` with HybridAdam (data parallel or FSDP2) for each configuration and writes
 ``{outdir}/{name}.rank{rank}.pt`` (losses, params, state sizes, or the error with its rank).
 Each rank trains on its half of the global batch that the single-process reference uses.
+A rank's stderr (with faulthandler's traceback of a fatal signal) goes to
+``{outdir}/stderr.rank{rank}.txt``; ``{outdir}/done.rank{rank}`` marks a rank that destroyed its
+process group after its last configuration.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import sys
 import traceback
@@ -169,17 +174,18 @@ def run_errors(rank, world, outdir, device):
     return out
 
 
-def run(rank, world, port, outdir, configs, backend="gloo"):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def run(rank, world, outdir, configs, backend="gloo"):
+    err = open(os.path.join(outdir, f"stderr.rank{rank}.txt"), "w")
+    os.dup2(err.fileno(), 2)  # C++ aborts (std::terminate) print to fd 2: keep them for the test
+    faulthandler.enable(err)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
     try:
         for cfg in configs:
             try:
@@ -189,3 +195,4 @@ def run(rank, world, port, outdir, configs, backend="gloo"):
             torch.save(res, os.path.join(outdir, f"{cfg['name']}.rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    open(os.path.join(outdir, f"done.rank{rank}"), "w").close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dist_worker as worker  # noqa: E402
 from models import TinyGPT, make_batch  # noqa: E402
 
-from tiermem.bench.optim_dist import free_port  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
 from tiermem.optim.distributed import plan_buckets, shard_bounds, shard_segments  # noqa: E402
 
@@ -47,14 +47,27 @@ def configs():
 
 
 def spawn_job(outdir, cfgs, backend="gloo", timeout=240.0):
-    """Run the worker on WORLD ranks; return {name: [result of rank 0, rank 1]}."""
-    ctx = mp.start_processes(worker.run, args=(WORLD, free_port(), str(outdir), cfgs, backend),
+    """Run the worker on WORLD ranks; return {name: [result of rank 0, rank 1]}.
+
+    Raises:
+        RuntimeError: a rank died before it finished (the message holds every rank's stderr).
+        TimeoutError: the job ran past ``timeout`` seconds.
+    """
+    ctx = mp.start_processes(worker.run, args=(WORLD, str(outdir), cfgs, backend),
                              nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distributed job did not finish within {timeout} s")
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        logs = "\n".join(f"--- rank {r} stderr:\n{read_tail(outdir / f'stderr.rank{r}.txt')}"
+                         for r in range(WORLD))
+        if not all((outdir / f"done.rank{r}").exists() for r in range(WORLD)):
+            raise RuntimeError(f"{exc}\n{logs}") from exc
+        # every rank saved every result and destroyed its process group: the crash came at
+        # interpreter exit, after anything the tests check; say so loudly, check the results
+        warnings.warn(f"a rank crashed at exit after finishing: {exc}\n{logs}")
     finally:
         for proc in ctx.processes:
             if proc.is_alive():
@@ -67,6 +80,13 @@ def spawn_job(outdir, cfgs, backend="gloo", timeout=240.0):
             results[c["name"]].append(torch.load(path, weights_only=False)
                                       if os.path.exists(path) else {"error": f"rank {r}: no result"})
     return results
+
+
+def read_tail(path, nbytes=4000):
+    """The last ``nbytes`` of a rank's log (or a note that it wrote none)."""
+    if not path.exists():
+        return "(no log)"
+    return path.read_text(errors="replace")[-nbytes:]
 
 
 def reference(clip=None, accum=1, device="cpu", steps=worker.STEPS, split=WORLD):
