@@ -43,6 +43,7 @@ import torch
 
 from tiermem._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
 from tiermem.config import TIERS
+from tiermem.store.store import TierFullError
 
 FORMAT_VERSION = 1
 _MAGIC = b"TMCKPT\x00\x01"
@@ -407,8 +408,6 @@ def load_store(path: str | os.PathLike, store, *, verify: bool = True) -> dict[H
             :func:`load_checkpoint` (nothing is put into the store then).
         TierFullError: a tensor fits in no tier of ``store``; keys put before it stay.
     """
-    from tiermem.store.store import TierFullError  # noqa: PLC0415  (import cycle at load time)
-
     payload = _load_verified(path, _KIND_STORE, verify)
     entries = payload.get("entries")
     if not isinstance(entries, list):
