@@ -17,11 +17,12 @@ also shuts down a backend the space owns; directories of dead processes are remo
 :func:`cleanup_stale` when a new space is made. Removal unlinks only the marker and the spill
 file, so a directory holding anything else stays.
 
-Note [fork]: only the process that made a space removes its directory or shuts its backend
-down. A child forked while a space is alive inherits the object (and a copy of its descriptors)
-but not the backend's threads: in the child, :meth:`SpillSpace.close` and the finalizer only
-close the child's copies of the descriptors, so a child that exits, closes or drops it leaves
-the parent's files alone; ``write``/``read`` in the child raise ``ValueError``.
+Note [spill space after fork]: only the process that made a space removes its directory or
+shuts its backend down. A child forked while a space is alive inherits the object (and a copy
+of its descriptors) but not the backend's threads: in the child, :meth:`SpillSpace.close` and
+the finalizer only close the child's copies of the descriptors, so a child that exits, closes
+or drops it leaves the parent's files alone; ``write``/``read`` in the child raise
+``ValueError``.
 
 Note [spill buffer lifetime]: ``write``/``read`` return futures; the caller's buffer must stay
 alive and must not be modified (write) or used (read) until the future is done. Buffers that are
@@ -194,7 +195,7 @@ def _remove_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, ow
                   owns_backend: bool) -> None:
     """Finalizer: shut down an owned backend (pending I/O first), close the spill file's
     handles and remove the directory; in a forked child only close the child's descriptors
-    (Note [fork]). Best effort."""
+    (Note [spill space after fork]). Best effort."""
     mine = os.getpid() == owner_pid
     if mine and owns_backend:
         try:
@@ -341,7 +342,7 @@ class SpillSpace:
             _remove_spill(backend, handle, self._fd, self._dir_path, os.getpid(), owns_backend)
             raise
         self._handle = handle
-        self._pid = os.getpid()  # Note [fork]
+        self._pid = os.getpid()  # Note [spill space after fork]
         # shuts an owned backend down too: a space dropped without close() leaks no threads
         self._finalizer = weakref.finalize(self, _remove_spill, backend, handle, self._fd,
                                            self._dir_path, self._pid, owns_backend)
@@ -494,7 +495,7 @@ class SpillSpace:
             self._check_open()
             offset = self._alloc.alloc(alloc_bytes)
             if offset is None:
-                raise SpillFull(
+                raise SpillFull(  # Note [spill errors]: raised here, not in the future
                     f"spill space full: no free extent of {alloc_bytes} bytes (used "
                     f"{self._alloc.used_bytes} of {self._alloc.capacity_bytes}, largest free run "
                     f"{self._alloc.largest_free_bytes}); raise StoreConfig.nvme_bytes or free "

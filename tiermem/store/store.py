@@ -827,7 +827,7 @@ class TierStore:
         block = entry.block
         try:
             write = self._spill.write(key, block.tensor, n)
-        except SpillFull as exc:
+        except SpillFull as exc:  # Note [spill errors]: at once, so put() can pick another tier
             raise TierFullError(f"nvme tier full: {exc}") from exc
         future = TransferFuture()
         future._set_future(write)
