@@ -18,14 +18,6 @@ from tiermem.optim import HybridAdam
 HP = dict(lr=3e-3, weight_decay=0.1, offload_fraction=0.5, chunk_numel=1024, state_tier="nvme")
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _backward(model, step):
     _, loss = model(*make_batch(step))
     loss.backward()
