@@ -5,10 +5,15 @@ attention, GELU MLP).
 reference workload of docs/benchmarks.md (1.34B parameters, bf16 on the GPU). ``model.blocks`` is the
 ``nn.ModuleList`` of blocks to hand to :func:`tiermem.offload.offload_activations`;
 ``checkpoint=True`` runs each block under non-reentrant activation checkpointing.
+
+The pre-LN block (:class:`PreLNBlock`: LNs, fused QKV, causal SDPA, residuals; the MLP left to a
+subclass) and the decoder around the blocks (:class:`DecoderLM`: embeddings, checkpointing, final
+LN, head, loss) are shared with :mod:`tiermem.models.moe`, whose blocks swap the MLP for experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,23 +51,56 @@ class GPTConfig:
     def num_params(self) -> int:
         """Parameter count (untied head; biases and norms included)."""
         d, h = self.d_model, self.mlp_ratio * self.d_model
-        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
-        return self.vocab * d * 2 + self.seq_len * d + self.n_layers * block + 2 * d
+        return decoder_params(n_layers=self.n_layers, d_model=d, seq_len=self.seq_len,
+                              vocab=self.vocab, qkv_bias=True, mlp_params=(d * h + h) + (h * d + d))
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block with fused QKV and causal SDPA attention."""
+def decoder_params(*, n_layers: int, d_model: int, seq_len: int, vocab: int, qkv_bias: bool,
+                   mlp_params: int) -> int:
+    """Parameter count of a :class:`DecoderLM` (untied head; biases and norms included).
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    Args:
+        n_layers, d_model, seq_len, vocab: the shape (blocks, width, positions, tokens).
+        qkv_bias: whether the fused QKV projection has a bias.
+        mlp_params: parameters of one block's MLP.
+
+    Raises:
+        nothing: plain arithmetic on the given ints.
+    """
+    d = d_model
+    attention = 4 * d + (3 * d * d + (3 * d if qkv_bias else 0)) + (d * d + d)  # 2 LNs, QKV, proj
+    return vocab * d * 2 + seq_len * d + n_layers * (attention + mlp_params) + 2 * d
+
+
+class PreLNBlock(nn.Module):
+    """Pre-LN transformer block: ``x + proj(attn(ln1(x)))``, then ``x + mlp(ln2(x))``.
+
+    Fused QKV and causal SDPA attention; subclasses add the MLP's modules after calling this
+    ``__init__`` (so parameter names and their order are ``ln1, qkv, proj, ln2``, then the MLP's)
+    and define :meth:`mlp`.
+
+    Args:
+        d_model: width (must be divisible by ``n_heads``: the configs check it).
+        n_heads: attention heads.
+        qkv_bias: give the fused QKV projection a bias.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, qkv_bias: bool) -> None:
         super().__init__()
-        d = cfg.d_model
-        self.n_heads = cfg.n_heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, cfg.mlp_ratio * d)
-        self.out = nn.Linear(cfg.mlp_ratio * d, d)
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=qkv_bias)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's MLP on the normalised residual ``x`` ``(batch, seq, d_model)``.
+
+        Raises:
+            NotImplementedError: always here; subclasses define the MLP.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.mlp: a PreLNBlock subclass defines "
+                                  f"its MLP")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -70,37 +108,52 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
-    """Token + position embeddings, ``n_layers`` blocks, final LN, untied LM head.
+class Block(PreLNBlock):
+    """The GPT block: :class:`PreLNBlock` with a QKV bias and a GELU MLP (``fc``, ``out``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg.d_model, cfg.n_heads, qkv_bias=True)
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class DecoderLM(nn.Module):
+    """Token + position embeddings, ``cfg.n_layers`` blocks, final LN, untied LM head.
 
     Args:
-        cfg: the shape.
+        cfg: the shape (``n_layers``, ``d_model``, ``seq_len``, ``vocab``).
+        block: builds one block from ``cfg``.
         checkpoint: run each block under ``torch.utils.checkpoint`` (non-reentrant).
     """
 
-    def __init__(self, cfg: GPTConfig, checkpoint: bool = False) -> None:
+    def __init__(self, cfg, block: Callable[..., nn.Module], checkpoint: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.checkpoint = checkpoint
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``(logits, loss)``; ``loss`` is None without ``targets``.
+        """Return ``(logits, loss)`` for token ids ``idx`` ``(batch, seq)``; ``loss`` (mean
+        cross-entropy, nats/token) is None without ``targets``.
 
         Raises:
             ValueError: a sequence longer than ``cfg.seq_len``.
         """
         t = idx.shape[1]
         if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+            raise ValueError(f"sequence length {t} exceeds {type(self.cfg).__name__}.seq_len="
+                             f"{self.cfg.seq_len}; shorten the batch or raise seq_len")
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             if self.checkpoint and torch.is_grad_enabled():
@@ -110,5 +163,17 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+
+class GPT(DecoderLM):
+    """The reference GPT: a :class:`DecoderLM` of GPT :class:`Block` s.
+
+    Args:
+        cfg: the shape.
+        checkpoint: run each block under ``torch.utils.checkpoint`` (non-reentrant).
+    """
+
+    def __init__(self, cfg: GPTConfig, checkpoint: bool = False) -> None:
+        super().__init__(cfg, Block, checkpoint)

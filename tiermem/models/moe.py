@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from tiermem.models.gpt import DecoderLM, PreLNBlock, decoder_params
 
 
 @dataclass(kw_only=True)
@@ -77,10 +78,10 @@ class MoEConfig:
 
     def num_params(self) -> int:
         """Total parameter count: embeddings, untied head, norms, attention, routers, all experts."""
-        d = self.d_model
-        block = 4 * d + 3 * d * d + (d * d + d) + d * self.n_experts \
-            + self.n_experts * self.expert_params()
-        return self.vocab * d * 2 + self.seq_len * d + self.n_layers * block + 2 * d
+        return decoder_params(n_layers=self.n_layers, d_model=self.d_model, seq_len=self.seq_len,
+                              vocab=self.vocab, qkv_bias=False,
+                              mlp_params=self.d_model * self.n_experts
+                              + self.n_experts * self.expert_params())
 
     def active_params(self) -> int:
         """Parameters one token uses: the total less the ``n_experts - top_k`` experts per block
@@ -133,32 +134,23 @@ class MoELayer(nn.Module):
         return out.view(shape)
 
 
-class MoEBlock(nn.Module):
-    """Pre-LN block: causal SDPA attention (fused QKV), then the MoE MLP."""
+class MoEBlock(PreLNBlock):
+    """Pre-LN block (:class:`tiermem.models.gpt.PreLNBlock`, no QKV bias), then the MoE MLP."""
 
     def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        d = cfg.d_model
-        self.n_heads = cfg.n_heads
-        self.ln1 = nn.LayerNorm(d)
         # no QKV bias: the key bias's gradient is zero in exact arithmetic (softmax is
         # shift-invariant), so Adam would turn its rounding noise into full-size updates
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
+        super().__init__(cfg.d_model, cfg.n_heads, qkv_bias=False)
         self.moe = MoELayer(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.moe(self.ln2(x))
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
 
 
-class MoE(nn.Module):
-    """Token + position embeddings, ``n_layers`` MoE blocks, final LN, untied LM head.
+class MoE(DecoderLM):
+    """Token + position embeddings, ``n_layers`` MoE blocks, final LN, untied LM head
+    (:class:`tiermem.models.gpt.DecoderLM`; ``forward(idx, targets)`` returns ``(logits, loss)``
+    and raises ValueError for a sequence longer than ``cfg.seq_len``).
 
     Args:
         cfg: the shape.
@@ -166,35 +158,4 @@ class MoE(nn.Module):
     """
 
     def __init__(self, cfg: MoEConfig, checkpoint: bool = False) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.checkpoint = checkpoint
-        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``(logits, loss)`` for token ids ``idx`` ``(batch, seq)``; ``loss`` (mean
-        cross-entropy, nats/token) is None without ``targets``.
-
-        Raises:
-            ValueError: a sequence longer than ``cfg.seq_len``.
-        """
-        t = idx.shape[1]
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds MoEConfig.seq_len={self.cfg.seq_len}; "
-                             f"shorten the batch or raise seq_len")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            if self.checkpoint and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        logits = self.head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-        return logits, loss
+        super().__init__(cfg, MoEBlock, checkpoint)
