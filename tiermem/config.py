@@ -122,7 +122,7 @@ class StoreConfig:
     """Eviction policy: ``"lru"``, ``"trace"`` or a :class:`tiermem.store.policy.Policy` instance."""
     prefetch_lookahead: int = 0
     """Accesses of the recorded step the store looks ahead after each access, prefetching them
-    into free room (or over keys needed later) with :class:`tiermem.schedule.Prefetcher`;
+    into free room (or over keys needed later) with :class:`tiermem.store.Prefetcher`;
     0 turns it off. Needs ``policy="trace"`` (or a ``TracePolicy`` instance)."""
 
     def __post_init__(self) -> None:

@@ -1,7 +1,4 @@
-"""Schedules keyed to the execution order: the access trace of one step, next-use (Belady)
-eviction and lookahead prefetch (the policy tuner is :mod:`tiermem.tune`)."""
-
-from tiermem.schedule.prefetch import Prefetcher
-from tiermem.schedule.trace import Access, AccessTrace, StepOrdinalKeys, TracePolicy
-
-__all__ = ["Access", "AccessTrace", "StepOrdinalKeys", "TracePolicy", "Prefetcher"]
+"""Which activation layers to offload, from measured compute and transfer times
+(:mod:`tiermem.schedule.layers`; next-use eviction and lookahead prefetch are part of the store:
+:mod:`tiermem.store.trace`, :mod:`tiermem.store.prefetch`; the policy tuner is
+:mod:`tiermem.tune`)."""

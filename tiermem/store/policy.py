@@ -1,15 +1,17 @@
 """Eviction policies: which resident keys of a full tier move down first.
 
 A policy only orders candidates; the store decides what is evictable (not held by a caller,
-not in flight) and enforces budgets. Policies are told about every access and every move, so
-one written by a user needs only these three methods (``on_access``, ``on_move``,
-``victims``); the store also calls ``bind(store)`` and ``mark_step()`` on a policy that has them.
+not in flight) and enforces budgets. :class:`Policy` has five methods: the store tells it about
+every access (``on_access``) and every move (``on_move``) and asks it for ``victims`` (the one
+method a subclass must define); ``bind(store)`` (once, when the store is made) and
+``mark_step()`` (at each ``TierStore.mark_step()``) do nothing unless a subclass needs them.
+The policies ``StoreConfig.policy`` names are made by :func:`tiermem.store.policies.make_policy`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Iterator
+from typing import Any, Hashable, Iterator
 
 from tiermem.config import TIERS
 
@@ -17,15 +19,50 @@ from tiermem.config import TIERS
 class Policy:
     """Base class of eviction policies (subclass it to write your own)."""
 
+    def bind(self, store: Any) -> None:
+        """Attach to the :class:`~tiermem.TierStore` that uses this policy.
+
+        The store calls it once, at the end of its constructor, before any access. The default
+        does nothing; a subclass may keep ``store`` to read key sizes (``store.nbytes_of``) and
+        may refuse a second store by raising.
+
+        Raises:
+            Nothing by default; a subclass may raise ValueError (e.g. already bound to another
+            store), which the store's constructor passes on.
+        """
+
+    def mark_step(self) -> None:
+        """A training step ended: ``TierStore.mark_step()`` calls it, with the store's lock held.
+
+        The default does nothing; a subclass may end a recorded step or reset per-step state
+        (the trace policy does both).
+
+        Raises:
+            Nothing by default.
+        """
+
     def on_access(self, key: Hashable, tier: str) -> None:
-        """``key`` (now in ``tier``) was put, read or prefetched."""
+        """``key`` (now in ``tier``) was put, read or prefetched.
+
+        Raises:
+            Nothing by default.
+        """
 
     def on_move(self, key: Hashable, old_tier: str | None, new_tier: str | None) -> None:
-        """``key`` moved between tiers (``None``: it entered or left the store)."""
+        """``key`` moved between tiers (``None``: it entered or left the store).
+
+        Raises:
+            Nothing by default.
+        """
 
     def victims(self, tier: str) -> Iterator[Hashable]:
-        """Yield keys resident in ``tier`` in the order they should be evicted."""
-        raise NotImplementedError
+        """Yield keys resident in ``tier`` in the order they should be evicted.
+
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise NotImplementedError(f"{type(self).__name__}.victims is missing; a Policy subclass "
+                                  f"must define victims(tier)")
 
 
 class LRUPolicy(Policy):
@@ -47,25 +84,3 @@ class LRUPolicy(Policy):
 
     def victims(self, tier: str) -> Iterator[Hashable]:
         return iter(list(self._order[tier]))
-
-
-def make_policy(policy: str | Policy) -> Policy:
-    """Return a policy object for a name (``"lru"``) or pass an instance through.
-
-    Raises:
-        ValueError: unknown policy name.
-        TypeError: an object that is not a :class:`Policy`.
-    """
-    if isinstance(policy, Policy):
-        return policy
-    if policy == "lru":
-        return LRUPolicy()
-    if policy == "trace":
-        from tiermem.schedule.trace import StepOrdinalKeys, TracePolicy  # execution order
-
-        # activation-offload keys are new each step: match them by their order in the step
-        return TracePolicy(key_fn=StepOrdinalKeys.activations())
-    if isinstance(policy, str):
-        raise ValueError(f"StoreConfig.policy={policy!r} is unknown; use 'lru', 'trace' or a Policy")
-    raise TypeError(f"StoreConfig.policy must be 'lru', 'trace' or a tiermem Policy, "
-                    f"got {type(policy).__name__}")

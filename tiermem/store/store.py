@@ -48,8 +48,9 @@ import torch
 from tiermem.config import TIERS, StoreConfig
 from tiermem.store.io import make_backend
 from tiermem.store.nvme import Extent, SpillFull, SpillSpace
-from tiermem.store.policy import make_policy
+from tiermem.store.policies import make_policy
 from tiermem.store.pool import HostBlock, HostPool, round_up
+from tiermem.store.prefetch import Prefetcher
 from tiermem.store.transfer import Copier, TransferFuture
 
 _RANK = {t: i for i, t in enumerate(TIERS)}
@@ -183,13 +184,9 @@ class TierStore:
         self._evict_only: Callable[[Hashable], bool] | None = None  # set by try_prefetch
         self._recorder = None
         self.recorder = recorder
-        bind = getattr(self._policy, "bind", None)
-        if bind is not None:
-            bind(self)  # the trace policy reads key sizes
+        self._policy.bind(self)  # the trace policy reads key sizes
         self._prefetcher = None
         if config.prefetch_lookahead:
-            from tiermem.schedule.prefetch import Prefetcher
-
             self._prefetcher = Prefetcher(self, self._policy, config.prefetch_lookahead)
 
     @property
@@ -498,9 +495,7 @@ class TierStore:
         ``optimizer.step()``; other policies ignore it.
         """
         with self._lock:
-            mark = getattr(self._policy, "mark_step", None)
-            if mark is not None:
-                mark()
+            self._policy.mark_step()
             if self._recorder is not None:
                 self._recorder.mark_step()
 

@@ -103,9 +103,9 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
     from tiermem.config import StoreConfig
     from tiermem.offload import offload_activations
     from tiermem.optim import HybridAdam
-    from tiermem.schedule.trace import TracePolicy
+    from tiermem.store.trace import TracePolicy
     from tiermem.store import TierStore
-    from tiermem.store.policy import make_policy
+    from tiermem.store.policies import make_policy
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)

@@ -12,8 +12,9 @@ includes setup work (the optimizer's first puts), so the trace policy typically 
 re-records step 2 and follows from step 3 on.
 
 Keys that are regenerated each step (activation keys carry a counter) are matched through a
-*key normaliser* ``key_fn`` that maps a key to a step-invariant id; :class:`StepOrdinalKeys`
-builds one for keys whose identity is "the n-th new key of its group in this step".
+*key normaliser* ``key_fn`` (a :class:`KeyNormaliser`) that maps a key to a step-invariant id;
+:class:`StepOrdinalKeys` is one for keys whose identity is "the n-th new key of its group in
+this step".
 
 Note [next use] (referred to from prefetch.py): the policy keeps ``position``, the index in the
 recording of the next access it expects. The next use of a key is the first recorded access of
@@ -169,7 +170,64 @@ class AccessTrace:
         return out
 
 
-class StepOrdinalKeys:
+class KeyNormaliser:
+    """Maps a store key to a step-invariant id for :class:`TracePolicy`; this base maps every key
+    to itself.
+
+    The policy calls ``mark_step()`` at each step boundary and ``forget(key)`` when a key leaves
+    the store; both do nothing here. A subclass that keeps per-step state (like
+    :class:`StepOrdinalKeys`) overrides them; a plain function given as ``key_fn`` is wrapped in
+    a :class:`FunctionKeys`, which is told nothing.
+    """
+
+    def __call__(self, key: Hashable) -> Hashable:
+        """Return the step-invariant id of ``key`` (here: ``key`` itself).
+
+        Raises:
+            Nothing here; a subclass may raise on keys it cannot map.
+        """
+        return key
+
+    def mark_step(self) -> None:
+        """A step ended (the policy's ``mark_step``); nothing to do here.
+
+        Raises:
+            Nothing here.
+        """
+
+    def forget(self, key: Hashable) -> None:
+        """``key`` left the store; nothing to do here.
+
+        Raises:
+            Nothing here.
+        """
+
+
+class FunctionKeys(KeyNormaliser):
+    """A :class:`KeyNormaliser` that calls a plain function (no per-step state).
+
+    Args:
+        fn: maps a key to its step-invariant id.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+
+    def __init__(self, fn: Callable[[Hashable], Hashable]) -> None:
+        if not callable(fn):
+            raise TypeError(f"FunctionKeys: fn must be callable, got {type(fn).__name__}")
+        self._fn = fn
+
+    def __call__(self, key: Hashable) -> Hashable:
+        """Return ``fn(key)``.
+
+        Raises:
+            Whatever ``fn`` raises.
+        """
+        return self._fn(key)
+
+
+class StepOrdinalKeys(KeyNormaliser):
     """A key normaliser for keys made anew each step: the n-th new key of a group in a step.
 
     ``StepOrdinalKeys(group)`` maps a key for which ``group(key)`` returns a group id ``g`` to
@@ -182,6 +240,9 @@ class StepOrdinalKeys:
 
     Args:
         group: function from a key to its group id (None: a stable key).
+
+    Raises:
+        Nothing on construction; ``group``'s errors surface when a key is mapped.
     """
 
     def __init__(self, group: Callable[[Hashable], Hashable | None]) -> None:
@@ -191,11 +252,20 @@ class StepOrdinalKeys:
 
     @classmethod
     def activations(cls) -> "StepOrdinalKeys":
-        """Return a normaliser for activation-offload keys ``("act", uid, counter)``."""
+        """Return a normaliser for activation-offload keys ``("act", uid, counter)``.
+
+        Raises:
+            Nothing.
+        """
         return cls(lambda k: ("act", k[1]) if isinstance(k, tuple) and len(k) == 3
                    and k[0] == "act" else None)
 
     def __call__(self, key: Hashable) -> Hashable:
+        """Return ``(group, n)`` for a key of a group, ``key`` itself otherwise.
+
+        Raises:
+            Whatever ``group`` raises.
+        """
         kid = self._ids.get(key)
         if kid is not None:
             return kid
@@ -208,11 +278,19 @@ class StepOrdinalKeys:
         return kid
 
     def mark_step(self) -> None:
-        """Start counting new keys from 0 again (the policy calls it at each step boundary)."""
+        """Start counting new keys from 0 again (the policy calls it at each step boundary).
+
+        Raises:
+            Nothing.
+        """
         self._counts.clear()
 
     def forget(self, key: Hashable) -> None:
-        """Drop the id of a key that left the store."""
+        """Drop the id of a key that left the store.
+
+        Raises:
+            Nothing.
+        """
         self._ids.pop(key, None)
 
 
@@ -229,19 +307,21 @@ class TracePolicy(Policy):
     Args:
         trace: a recording to follow from the start (e.g. made by another run); None records the
             first step.
-        key_fn: maps a key to a step-invariant id (default: the key itself); an object with
-            ``mark_step()`` / ``forget(key)`` methods (like :class:`StepOrdinalKeys`) is told
-            about step boundaries and removed keys.
+        key_fn: maps a key to a step-invariant id (default: the key itself): a
+            :class:`KeyNormaliser` (like :class:`StepOrdinalKeys`), told about step boundaries
+            and removed keys, or a plain function (wrapped in a :class:`FunctionKeys`).
         retrace_after: diverging steps in a row after which the last one becomes the recording
             (>= 1).
 
     Raises:
-        TypeError: ``trace`` is not an :class:`AccessTrace`, ``key_fn`` is not callable.
+        TypeError: ``trace`` is not an :class:`AccessTrace`; ``key_fn`` is not callable, or has
+            ``mark_step``/``forget`` methods without being a :class:`KeyNormaliser` (they would
+            never be called).
         ValueError: ``retrace_after`` < 1.
     """
 
     def __init__(self, trace: AccessTrace | None = None, *,
-                 key_fn: Callable[[Hashable], Hashable] | None = None,
+                 key_fn: KeyNormaliser | Callable[[Hashable], Hashable] | None = None,
                  retrace_after: int = 2) -> None:
         if trace is not None and not isinstance(trace, AccessTrace):
             raise TypeError(f"TracePolicy: trace must be an AccessTrace, got "
@@ -249,11 +329,20 @@ class TracePolicy(Policy):
         if key_fn is not None and not callable(key_fn):
             raise TypeError(f"TracePolicy: key_fn must be callable, got "
                             f"{type(key_fn).__name__}")
+        if not isinstance(key_fn, KeyNormaliser) \
+                and any(hasattr(key_fn, m) for m in ("mark_step", "forget")):
+            raise TypeError(f"TracePolicy: key_fn={type(key_fn).__name__} has mark_step/forget "
+                            f"but is not a KeyNormaliser; subclass "
+                            f"tiermem.store.trace.KeyNormaliser so the policy calls them")
         if isinstance(retrace_after, bool) or not isinstance(retrace_after, int) \
                 or retrace_after < 1:
             raise ValueError(f"TracePolicy: retrace_after={retrace_after!r} must be an int >= 1")
         self.trace: AccessTrace | None = trace
-        self.key_fn = key_fn if key_fn is not None else (lambda k: k)
+        if key_fn is None:
+            key_fn = KeyNormaliser()
+        elif not isinstance(key_fn, KeyNormaliser):
+            key_fn = FunctionKeys(key_fn)
+        self.key_fn: KeyNormaliser = key_fn
         self.retrace_after = retrace_after
         self._lru = LRUPolicy()
         self._store: Any = None
@@ -274,7 +363,8 @@ class TracePolicy(Policy):
     # ------------------------------------------------------------------ context
 
     def bind(self, store: Any) -> None:
-        """Attach to the store that uses this policy (the store calls it; sizes come from it).
+        """Attach to the store that uses this policy (see :meth:`Policy.bind`; the sizes of the
+        recorded accesses come from it).
 
         Raises:
             ValueError: already bound to another store.
@@ -331,14 +421,12 @@ class TracePolicy(Policy):
     def on_move(self, key: Hashable, old_tier: str | None, new_tier: str | None) -> None:
         self._lru.on_move(key, old_tier, new_tier)
         if new_tier is None:
-            forget = getattr(self.key_fn, "forget", None)
             kid = self.key_fn(key)
             if len(self._step) < _MAX_STEP_ACCESSES:
                 self._step_deaths.append((kid, len(self._step)))
             if self._latest.get(kid) == key:
                 del self._latest[kid]
-            if forget is not None:
-                forget(key)
+            self.key_fn.forget(key)
         elif old_tier is None:
             self._latest[self.key_fn(key)] = key
 
@@ -358,9 +446,7 @@ class TracePolicy(Policy):
         step, self._step = self._step, []
         deaths, self._step_deaths = self._step_deaths, []
         self._step_start_s = time.perf_counter()
-        mark = getattr(self.key_fn, "mark_step", None)
-        if mark is not None:
-            mark()
+        self.key_fn.mark_step()
         if not step:
             return  # an empty step (mark_step twice) changes nothing
         self.counts["steps"] += 1

@@ -33,7 +33,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from tiermem.config import TIERS
-from tiermem.schedule.trace import TracePolicy
+from tiermem.store.trace import TracePolicy
 
 _RANK = {t: i for i, t in enumerate(TIERS)}
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tiermem import StoreConfig, TierStore
-from tiermem.schedule import AccessTrace, Prefetcher, StepOrdinalKeys, TracePolicy
-from tiermem.store.policy import make_policy
+from tiermem.store.policies import make_policy
+from tiermem.store.prefetch import Prefetcher
+from tiermem.store.trace import AccessTrace, StepOrdinalKeys, TracePolicy
 
 U = 4096  # bytes per key
 TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]  # 3 frames: OPT 9, LRU 12

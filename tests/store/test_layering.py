@@ -1,0 +1,99 @@
+"""The store sits at the bottom of the package (issue 18): no module under ``tiermem/store``
+imports a layer built on it, whether at the top or inside a function, and its modules import
+each other without a circle."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import tiermem
+
+PACKAGE = pathlib.Path(tiermem.__file__).resolve().parent
+STORE = PACKAGE / "store"
+ABOVE = ("tiermem.schedule", "tiermem.optim", "tiermem.offload", "tiermem.bench",
+         "tiermem.tune")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+STORE_MODULES = {module_name(p): p for p in sorted(STORE.rglob("*.py"))}
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module an ``import``/``from ... import`` anywhere in ``path`` names (relative ones
+    resolved; ``from P import M`` counts as ``P.M`` when that is a module of the store)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            found.add(source)
+            found.update(f"{source}.{a.name}" for a in node.names
+                         if f"{source}.{a.name}" in STORE_MODULES)
+    return found
+
+
+def test_the_scan_sees_the_store_and_its_imports():
+    """Guards the scan itself: it finds the modules and the imports they are known to make."""
+    assert {"tiermem.store.store", "tiermem.store.trace", "tiermem.store.prefetch",
+            "tiermem.store.policy", "tiermem.store.io.posix"} <= set(STORE_MODULES)
+    assert "tiermem.store.trace" in imported_modules(STORE / "prefetch.py")
+    assert "tiermem._leftovers" in imported_modules(STORE / "nvme.py")  # relative: ``..``
+    assert "tiermem.store.io.base" in imported_modules(STORE / "io" / "posix.py")
+
+
+@pytest.mark.parametrize("name", sorted(STORE_MODULES))
+def test_store_module_imports_nothing_above_the_store(name):
+    importlib.import_module(name)  # every module of the store imports on its own
+    upward = sorted(m for m in imported_modules(STORE_MODULES[name])
+                    if any(m == a or m.startswith(a + ".") for a in ABOVE))
+    assert not upward, f"{name} imports {upward}: the store must not depend on layers above it"
+
+
+def test_store_modules_import_each_other_without_a_circle():
+    graph = {name: {m for m in imported_modules(path) if m in STORE_MODULES and m != name}
+             for name, path in STORE_MODULES.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycle = path[path.index(name):] + [name]
+            pytest.fail("import circle in the store: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, path + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_importing_the_store_loads_no_layer_above_it():
+    """In a fresh interpreter, importing every store module leaves the layers above unloaded
+    (this also catches an import made through ``importlib``, which the scan cannot see)."""
+    code = ("import sys\n"
+            f"for name in {sorted(STORE_MODULES)!r}:\n"
+            "    __import__(name)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[:2] in\n"
+            f"             {[a.split('.') for a in ABOVE]!r}))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
