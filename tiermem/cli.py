@@ -20,6 +20,7 @@ BENCHES = {
     "adam": "tiermem.bench.adam",
     "optim": "tiermem.bench.optim",
     "activations": "tiermem.bench.activations",
+    "lora": "tiermem.bench.lora",
 }
 BENCH_HELP = {
     "transfer": "TierStore H2D / D2H copies against raw pinned copy_ (needs CUDA for real "
@@ -29,6 +30,8 @@ BENCH_HELP = {
     "optim": "training-step time and peak memory of optimizer placements (HybridAdam "
              "fractions vs GPU AdamW)",
     "activations": "training-step time and peak memory of activation offload settings",
+    "lora": "LoRA fine-tune of a transformers Llama: step time and peak memory with and "
+            "without offload and checkpointing, two sequence lengths (needs peft)",
 }
 COMMANDS = {
     "demo": ("tiermem.demo", "train a small GPT with offloading and compare with no offload"),
