@@ -1,0 +1,188 @@
+"""LoRA fine-tuning of a transformers Llama with activation offload and HybridAdam (extra [lora]).
+
+The recipe (docs/lora.md says what is offloaded where)::
+
+    model = lora_llama(SHAPES["7b"], device="cuda", dtype=torch.bfloat16)  # peft LoRA, base frozen
+    opt = HybridAdam(adapter_parameters(model), lr=2e-4)     # only the adapters get state
+    offloader = offload_activations(decoder_layers(model), num_layers=len(layers) - 1)
+    for ids in batches:
+        with offloader:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+The Llama is built from a config (no weights are downloaded; ``--preset tiny``: fp32 on the CPU,
+``--preset 7b``: Llama-2-7B's shape, bf16 base on CUDA), peft puts LoRA adapters on q/k/v/o and
+gate/up/down of every layer and freezes everything else. Activations saved inside the decoder
+layers go to the store's pinned-RAM tier (all layers but the last; with ``--checkpoint`` every
+layer checkpoints and the checkpointed inputs of all layers go). The adapters' own saved
+tensors are inside those layers, so the same block hooks take them: no tensor-level offload is
+needed. HybridAdam keeps the adapters' fp32 masters and moments in pinned RAM and steps them on
+the CPU. The frozen base weights are neither copied, offloaded nor given optimizer state.
+
+It prints each step's loss and time and, on CUDA, the peak GPU memory; ``--compare`` also
+trains the same model without offload (torch AdamW on the adapters, nothing offloaded) and
+exits 1 if a loss differs by more than ``--tolerance``.
+
+    pip install -e ".[lora]"
+    python examples/train_lora.py --compare                 # CPU: tiny Llama, fp32, exact
+    python examples/train_lora.py --compare --checkpoint
+    python examples/train_lora.py --preset 7b --device cuda --seq 4096 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
+                                       lora_llama)
+from tiermem.offload import offload_activations
+from tiermem.offload.activations import ActivationOffloader
+from tiermem.optim import HybridAdam
+
+HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+@dataclass
+class Run:
+    """One training run: per-step losses, step times (ms; empty unless timed), peak device
+    memory (bytes, CUDA only) and what the activation offloader reports."""
+
+    losses: list[float]
+    step_ms: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    offload_stats: dict | None = None
+
+
+def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The peft LoRA Llama of ``args`` on ``device`` (bf16 base on CUDA, fp32 on the CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return lora_llama(SHAPES[args.preset], device=device, dtype=dtype, rank=args.rank,
+                      alpha=2 * args.rank, max_seq=args.seq, checkpoint=args.checkpoint)
+
+
+def make_optimizer(model: torch.nn.Module, hybrid: bool,
+                   offload_fraction: float = 1.0) -> torch.optim.Optimizer:
+    """HybridAdam (``offload_fraction`` of the state in pinned RAM) or torch's fused AdamW,
+    over the adapter parameters only."""
+    params = adapter_parameters(model)
+    if hybrid:
+        return HybridAdam(params, **HP, offload_fraction=offload_fraction)
+    return torch.optim.AdamW(params, **HP, fused=True)
+
+
+def make_offloader(model: torch.nn.Module, checkpoint: bool, **kw) -> ActivationOffloader:
+    """Offload the decoder layers' saved activations: all layers but the last (their backward
+    comes first), or with checkpointing every layer's checkpointed inputs. ``kw`` goes to
+    :func:`~tiermem.offload.offload_activations` (e.g. ``store=``)."""
+    layers = decoder_layers(model)
+    chosen = range(len(layers)) if checkpoint else range(len(layers) - 1)
+    return offload_activations(layers, layers=chosen, **kw)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer,
+          offloader: ActivationOffloader | None, batches: list[torch.Tensor],
+          timed: bool = False, log=None) -> Run:
+    """Train one step per batch; return the losses (read after the last step unless
+    ``timed``: then every step is synchronised, timed and passed to ``log``)."""
+    device = batches[0].device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, step_ms = [], []
+    for step, ids in enumerate(batches, 1):
+        t0 = time.perf_counter()
+        with offloader if offloader is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if timed:
+            if cuda:
+                torch.cuda.synchronize(device)  # timing only: the step must have finished
+            step_ms.append(1e3 * (time.perf_counter() - t0))
+            if log is not None:
+                peak = (f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f}"
+                        f" GiB" if cuda else "")
+                log(f"step {step:>3}  loss {losses[-1].item():.6f}  {step_ms[-1]:.1f} ms{peak}")
+    if isinstance(opt, HybridAdam):
+        opt.synchronize()
+    return Run([float(x) for x in torch.stack(losses).double().cpu()], step_ms,
+               torch.cuda.max_memory_allocated(device) if cuda else None,
+               offloader.stats() if offloader is not None else None)
+
+
+def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print) -> Run:
+    """Build, train ``args.steps`` steps (offload + HybridAdam, or neither) and clean up."""
+    model = build(args, device)
+    opt = make_optimizer(model, hybrid=offload, offload_fraction=args.offload_fraction)
+    offloader = make_offloader(model, args.checkpoint) if offload else None
+    batches = lora_batches(SHAPES[args.preset].vocab, args.batch, args.seq, args.steps, device)
+    try:
+        return train(model, opt, offloader, batches, timed=True, log=log)
+    finally:
+        if isinstance(opt, HybridAdam):
+            opt.close()
+        if offloader is not None:
+            offloader.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train (and with ``--compare`` compare); returns the exit code (0 ok, 1 the losses
+    differ, 2 bad usage)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(SHAPES), default="tiny", help="model shape")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (tokens)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="checkpoint every decoder layer (offload then takes their inputs)")
+    parser.add_argument("--offload-fraction", type=float, default=1.0,
+                        help="share of the adapters' optimizer state in pinned RAM")
+    parser.add_argument("--no-offload", action="store_true",
+                        help="train without tiermem (torch AdamW, nothing offloaded)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also train without offload and compare the losses")
+    parser.add_argument("--tolerance", type=float, default=0.0,
+                        help="largest loss difference --compare accepts")
+    args = parser.parse_args(argv)
+    for name in ("seq", "batch", "steps", "rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    device = torch.device(args.device)
+    shape = SHAPES[args.preset]
+    print(f"model: LlamaForCausalLM '{args.preset}' ({shape.layers} layers, hidden "
+          f"{shape.hidden}), LoRA rank {args.rank} on {', '.join(('q', 'k', 'v', 'o', 'gate', 'up', 'down'))}; "
+          f"{args.steps} steps of {args.batch} x {args.seq} tokens on {device}"
+          f"{', checkpointing every layer' if args.checkpoint else ''}")
+    if args.no_offload:
+        print("without tiermem: torch.optim.AdamW(fused=True) on the adapters, nothing offloaded")
+        run(args, device, offload=False)
+        return 0
+    print("tiermem: decoder-layer activations -> pinned RAM, HybridAdam on the adapters")
+    off = run(args, device, offload=True)
+    print(f"offloaded {off.offload_stats['put_bytes'] / args.steps / 2**20:.1f} MiB of "
+          f"activations per step")
+    if not args.compare:
+        return 0
+    print("baseline: torch.optim.AdamW(fused=True) on the adapters, nothing offloaded")
+    base = run(args, device, offload=False)
+    diff = max(abs(a - b) for a, b in zip(off.losses, base.losses))
+    ok = diff <= args.tolerance
+    print(f"max |loss difference|: {diff:.3g} (tolerance {args.tolerance:g}): "
+          f"{'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
