@@ -8,6 +8,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
                             apply_overrides, from_dict, load_config, parse_bytes)
@@ -97,16 +98,16 @@ def test_store_config_errors_name_the_field_and_the_fix():
 
 
 @pytest.mark.parametrize("cls, kwargs, exc, message", [
-    (OptimizerConfig, {"offload_fraction": 1.5}, ValueError, "optimizer.offload_fraction=1.5 must be <= 1.0"),
+    (OptimizerConfig, {"offload_fraction": 1.5}, ValueError, "optimizer.offload_fraction=1.5 is outside [0.0, 1.0]; the fraction of parameter bytes"),
     (OptimizerConfig, {"offload_fraction": "half"}, TypeError, "optimizer.offload_fraction must be a number"),
     (OptimizerConfig, {"betas": [0.9, 1.0]}, ValueError, "optimizer.betas[1]=1.0 must be < 1.0"),
     (OptimizerConfig, {"betas": [0.9]}, ValueError, "optimizer.betas=[0.9] must be two numbers"),
     (OptimizerConfig, {"state_tier": "disk"}, ValueError, "optimizer.state_tier='disk' is not one of"),
-    (OptimizerConfig, {"chunk_numel": 10}, ValueError, "optimizer.chunk_numel=10 must be >= 1024"),
+    (OptimizerConfig, {"chunk_numel": 10}, ValueError, "optimizer.chunk_numel=10 must be an int >= 1024 (elements); or null"),
     (OptimizerConfig, {"max_grad_norm": 0}, ValueError, "optimizer.max_grad_norm=0 must be > 0.0"),
     (OptimizerConfig, {"moments_dtype": "int8"}, ValueError, "optimizer.moments_dtype='int8'"),
-    (ActivationConfig, {"num_layers": -1}, ValueError, "activations.num_layers=-1 must be >= 0"),
-    (ActivationConfig, {"prefetch_depth": 0}, ValueError, "activations.prefetch_depth=0 must be >= 1"),
+    (ActivationConfig, {"num_layers": -1}, ValueError, "activations.num_layers=-1 must be an int >= 0 (blocks)"),
+    (ActivationConfig, {"prefetch_depth": 0}, ValueError, "activations.prefetch_depth=0 must be an int >= 1 (layers)"),
     (ActivationConfig, {"double_buffering": True, "prefetch_depth": 2}, ValueError,
      "activations.double_buffering=True needs activations.prefetch_depth=1"),
     (ActivationConfig, {"tier": "gpu"}, ValueError, "activations.tier='gpu' is not one of"),
@@ -114,9 +115,9 @@ def test_store_config_errors_name_the_field_and_the_fix():
      "activations.max_kept_bytes bounds the automatic choice"),
     (ActivationConfig, {"max_kept_bytes": "lots"}, ValueError,
      "activations.max_kept_bytes='lots' is not a byte size"),
-    (TrainConfig, {"steps": 0}, ValueError, "train.steps=0 must be >= 1"),
+    (TrainConfig, {"steps": 0}, ValueError, "train.steps=0 must be an int >= 1"),
     (TrainConfig, {"steps": 2.5}, TypeError, "train.steps must be an int"),
-    (TrainConfig, {"dtype": "float16"}, ValueError, "train.dtype='float16' is not one of"),
+    (TrainConfig, {"dtype": "float16"}, ValueError, "train.dtype='float16' is not a supported dtype; use one of float32, fp32"),
     (TrainConfig, {"device": "tpu"}, ValueError, "train.device='tpu' is not 'auto'"),
     (TrainConfig, {"tolerance": -1}, ValueError, "train.tolerance=-1 must be >= 0.0"),
 ])
@@ -130,8 +131,8 @@ def test_section_kwargs_match_the_apis_they_feed():
     from tiermem.optim import HybridAdam
     hybrid = inspect.signature(HybridAdam).parameters
     assert set(OptimizerConfig().kwargs()) <= set(hybrid)
-    assert "moments_dtype" not in OptimizerConfig().kwargs()  # float32 is the default
-    assert str(OptimizerConfig(moments_dtype="bfloat16").kwargs()["moments_dtype"]) == "torch.bfloat16"
+    assert OptimizerConfig().kwargs()["moments_dtype"] is torch.float32
+    assert OptimizerConfig(moments_dtype="bfloat16").kwargs()["moments_dtype"] is torch.bfloat16
     assert set(ActivationConfig().kwargs()) <= set(inspect.signature(offload_activations).parameters)
     assert OptimizerConfig(betas=[0.8, 0.9]).betas == (0.8, 0.9)
 

@@ -68,7 +68,7 @@ def test_gradient_accumulation_and_checkpointing_stay_exact():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["optimizer.offload_fraction=2"], "optimizer.offload_fraction=2 must be <= 1.0"),
+    (["optimizer.offload_fraction=2"], "optimizer.offload_fraction=2 is outside [0.0, 1.0]"),
     (["optimizer.offload_fractoin=0.5"], "unknown field(s) optimizer.offload_fractoin"),
     (["--nvme-activations"], "--nvme-activations needs --nvme-dir"),
     (["--layers", "2", "activations.num_layers=2"], "activations.num_layers=2 must be < model.n_layers=2"),

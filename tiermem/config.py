@@ -13,62 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 
+from tiermem.names import (AUTO_BOOL, IO_BACKENDS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
+                           PARAM_SYNCS, PLACEMENTS, POLICIES, STATE_TIERS, TIERS, check_aligned,
+                           check_bool, check_choice, check_device, check_fraction, check_int,
+                           check_number, dtype_name, parse_bytes, parse_dtype)
+
 logger = logging.getLogger("tiermem")
 
-TIERS = ("gpu", "cpu", "nvme")
-"""Tier names, fastest first. Victims move down this list."""
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
-
-def parse_bytes(value: int | float | str, field: str) -> int:
-    """Return a byte count from an int or a string such as ``"1.5GiB"``.
-
-    Args:
-        value: bytes as an int (or integral float), or a number with a unit (B, KB, MB, GB, TB,
-            KiB, MiB, GiB, TiB; case-insensitive).
-        field: the config field's name, used in error messages.
-
-    Raises:
-        ValueError: unparsable string, unknown unit, negative, non-integral or non-finite
-            (``inf``, ``nan``, ``"1e400"``) count.
-        TypeError: value is neither a number nor a string.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{field} must be a byte count (int or '4GiB'), got bool {value!r}")
-    original = value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"{field}={value!r} is not a byte size; write an integer number of bytes or a "
-                f"number with a unit such as '512MiB' or '4GB'")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"{field} must be a byte count (int or '4GiB'), got {type(value).__name__}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{field}={original!r} is not a finite byte size; write an integer "
-                         f"number of bytes or a number with a unit such as '512MiB' or '4GB'")
-    if value < 0:
-        raise ValueError(f"{field}={value!r} is negative; a budget is a byte count >= 0 "
-                         f"(0 disables the tier)")
-    if float(value) != int(value):
-        raise ValueError(f"{field}={value!r} is not a whole number of bytes")
-    return int(value)
+__all__ = ["TIERS", "ActivationConfig", "BudgetConfig", "OptimizerConfig", "StoreConfig",
+           "TrainConfig", "apply_overrides", "from_dict", "from_tree", "from_yaml", "load_config",
+           "parse_bytes"]  # TIERS and parse_bytes live in tiermem.names, re-exported here
 
 
 def _warn_unused_nvme_dir(nvme_dir: str) -> None:
@@ -79,11 +40,6 @@ def _warn_unused_nvme_dir(nvme_dir: str) -> None:
            f"nvme_dir")
     logger.warning(msg)
     warnings.warn(msg, UserWarning, stacklevel=4)
-
-
-def _check_choice(field: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{field}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
 @dataclass(kw_only=True)
@@ -108,8 +64,11 @@ class StoreConfig:
     """Size of one host-pool slab; the pool grows by slabs up to ``cpu_bytes`` and reuses
     freed blocks (pinned allocation costs ~0.5 s/GiB)."""
     io_backend: Literal["auto", "posix", "kvikio", "aiofiles"] = "auto"
-    """NVMe I/O backend. ``"auto"``: kvikio when importable and a CUDA driver is present,
-    else the POSIX thread pool."""
+    """NVMe I/O backend: ``"posix"`` (a thread pool doing ``pwritev``/``preadv``), ``"kvikio"``
+    (kvikio's POSIX I/O on the pinned host buffers; needs kvikio and ``libcuda.so.1``) or
+    ``"aiofiles"``. ``"auto"`` is always ``"posix"``: nothing is measured at run time; on the
+    H200 machine the POSIX pool measured at least as fast as kvikio at 4 threads, so kvikio is
+    used only when named (:func:`tiermem.store.io.make_backend` logs the choice)."""
     io_threads: int = 4
     """Threads of the I/O backend."""
     io_chunk_bytes: int | str = "8MiB"
@@ -136,24 +95,23 @@ class StoreConfig:
             self.nvme_dir = os.fspath(self.nvme_dir)
             if self.nvme_bytes == 0:
                 _warn_unused_nvme_dir(self.nvme_dir)
-        if not (self.device == "auto" or self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
-            raise ValueError(f"StoreConfig.device={self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        _check_choice("StoreConfig.pin_memory", self.pin_memory, (True, False, "auto"))
-        _check_choice("StoreConfig.io_backend", self.io_backend, ("auto", "posix", "kvikio", "aiofiles"))
-        _check_choice("StoreConfig.o_direct", self.o_direct, (True, False, "auto"))
-        if not isinstance(self.io_threads, int) or self.io_threads < 1:
-            raise ValueError(f"StoreConfig.io_threads={self.io_threads!r} must be an int >= 1")
-        if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
-            raise ValueError(f"StoreConfig.io_chunk_bytes={self.io_chunk_bytes} must be a positive "
-                             f"multiple of 4096 (O_DIRECT alignment)")
-        if self.pool_slab_bytes < 4096:
-            raise ValueError(f"StoreConfig.pool_slab_bytes={self.pool_slab_bytes} must be >= 4096")
+        who = "StoreConfig."
+        check_device(who, "device", self.device)
+        check_choice(who, "pin_memory", self.pin_memory, AUTO_BOOL, "auto pins when the device "
+                     "is CUDA")
+        check_choice(who, "io_backend", self.io_backend, IO_BACKENDS, "auto is posix; kvikio "
+                     "only when named")
+        check_choice(who, "o_direct", self.o_direct, AUTO_BOOL, "auto uses O_DIRECT when the "
+                     "filesystem supports it")
+        check_int(who, "io_threads", self.io_threads, low=1, unit="threads")
+        check_aligned(who, "io_chunk_bytes", self.io_chunk_bytes, 4096, "O_DIRECT alignment")
+        check_int(who, "pool_slab_bytes", self.pool_slab_bytes, low=4096, unit="bytes")
+        check_bool(who, "checksum", self.checksum)
         if isinstance(self.policy, str):
-            _check_choice("StoreConfig.policy", self.policy, ("lru", "trace"))
-        if isinstance(self.prefetch_lookahead, bool) or not isinstance(self.prefetch_lookahead, int) \
-                or self.prefetch_lookahead < 0:
-            raise ValueError(f"StoreConfig.prefetch_lookahead={self.prefetch_lookahead!r} must be "
-                             f"an int >= 0 (accesses looked ahead; 0 turns prefetch off)")
+            check_choice(who, "policy", self.policy, POLICIES, "or pass a "
+                         "tiermem.store.policy.Policy instance")
+        check_int(who, "prefetch_lookahead", self.prefetch_lookahead, low=0,
+                  unit="accesses looked ahead", fix="0 turns prefetch off")
         if self.prefetch_lookahead and self.policy == "lru":
             raise ValueError(f"StoreConfig.prefetch_lookahead={self.prefetch_lookahead} needs the "
                              f"recorded step of the trace policy: set StoreConfig.policy='trace', "
@@ -165,7 +123,7 @@ class StoreConfig:
         Raises:
             ValueError: unknown tier name.
         """
-        _check_choice("tier", tier, TIERS)
+        check_choice("StoreConfig.budget: ", "tier", tier, TIERS)
         return getattr(self, f"{tier}_bytes")
 
 
@@ -221,30 +179,82 @@ def from_dict(cls, section: dict | None, name: str):
     return cls(**section)
 
 
+def from_tree(tree: dict, sections: dict[str, type], *, required: tuple = (),
+              where: str = "the config") -> dict[str, Any]:
+    """Build each section of a nested dict (a parsed YAML file) into its dataclass.
+
+    Args:
+        tree: section name -> mapping of fields.
+        sections: section name -> the dataclass it is parsed into (e.g. ``{"store":
+            StoreConfig, "optimizer": OptimizerConfig}``); a section left out gets the defaults.
+        required: sections that must be present.
+        where: what the tree came from, for messages (``"--config='x.yaml'"``).
+
+    Returns:
+        section name -> the built dataclass, for every name in ``sections``.
+
+    Raises:
+        ValueError: an unknown section or field (the message lists the valid ones), a missing
+            required section, or a bad value (naming the field).
+        TypeError: ``tree`` or a section is not a mapping, or a value of the wrong type.
+    """
+    if not isinstance(tree, dict):
+        raise TypeError(f"{where} must be a mapping of sections ({', '.join(sections)}), got "
+                        f"{type(tree).__name__}")
+    unknown = sorted(set(tree) - set(sections))
+    if unknown:
+        raise ValueError(f"{where}: unknown section(s) {', '.join(map(str, unknown))}; valid "
+                         f"sections: {', '.join(sections)}")
+    for name in required:
+        if tree.get(name) is None:
+            raise ValueError(f"{where} lacks {name!r} (sections: {', '.join(sections)}); fix: "
+                             f"add it")
+    out = {}
+    for name, cls in sections.items():
+        section = tree.get(name)
+        if section is not None and not isinstance(section, dict):
+            raise TypeError(f"section {name!r} must be a mapping of fields, got "
+                            f"{type(section).__name__} {section!r}")
+        out[name] = from_dict(cls, section, name)
+    return out
+
+
+def from_yaml(path: str | os.PathLike, sections: dict[str, type], overrides: list[str] = (),
+              *, required: tuple = ()) -> dict[str, Any]:
+    """Read a YAML file of sections, apply dotted overrides and build each section.
+
+    Example: ``from_yaml("run.yaml", {"store": StoreConfig, "optimizer": OptimizerConfig})``
+    returns ``{"store": StoreConfig(...), "optimizer": OptimizerConfig(...)}``.
+
+    Raises:
+        OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
+        ValueError, TypeError: see :func:`load_config` and :func:`from_tree`.
+    """
+    return from_tree(load_config(path, overrides), sections, required=required,
+                     where=f"config file {os.fspath(path)!r}")
+
+
 # ------------------------------------------------------------------ training-loop sections
-# The sections of examples/train_gpt.py's YAML (and ``tiermem demo``) besides ``store``
-# (StoreConfig) and ``model`` (tiermem.bench._gpt.GPTConfig). Each mirrors the keyword
-# arguments of the API it feeds, so ``HybridAdam(params, **optimizer.kwargs())`` works.
-
-DTYPES = ("float32", "bfloat16")
-"""Parameter dtypes accepted by :class:`TrainConfig`."""
-
-
-def _check_number(field: str, value: Any, *, low: float | None = None, high: float | None = None,
-                  integer: bool = False, low_open: bool = False) -> None:
-    kind = "an int" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type:
-        raise TypeError(f"{field} must be {kind}, got {type(value).__name__} {value!r}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{field}={value!r} must be {'>' if low_open else '>='} {low}")
-    if high is not None and value > high:
-        raise ValueError(f"{field}={value!r} must be <= {high}")
+# The sections of examples/train_gpt.py's YAML (and ``tiermem demo``) and of
+# examples/train_large.py's presets besides ``store`` (StoreConfig) and ``model``
+# (tiermem.models.gpt.GPTConfig). Each mirrors the keyword arguments of the API it feeds, so
+# ``HybridAdam(params, **optimizer.kwargs(store=store))`` works.
 
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """The ``optimizer`` section: :class:`tiermem.optim.HybridAdam`'s arguments (AdamW)."""
+    """The ``optimizer`` section: :class:`tiermem.optim.HybridAdam`'s arguments.
+
+    Every argument of ``HybridAdam`` but ``params`` and the two runtime objects (``store``,
+    ``process_group``: pass them to :meth:`kwargs`), with the training loop's defaults (the
+    API's differ: see docs/configuration.md). Dtypes take any spelling of
+    :data:`tiermem.names.DTYPE_SPELLINGS` (``bf16``, ``bfloat16``, ``torch.bfloat16``, a
+    ``torch.dtype``) and are kept by their canonical name.
+
+    Raises:
+        ValueError: a value out of range or not one of the choices (naming the field).
+        TypeError: a value of the wrong type.
+    """
 
     lr: float = 3e-3
     """Learning rate."""
@@ -253,13 +263,22 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Term added to the denominator."""
     weight_decay: float = 0.1
-    """Decoupled (AdamW) weight decay, applied to matrices only (not biases, norms)."""
+    """Weight decay: decoupled (AdamW) with ``adamw``, else an L2 penalty. The examples apply
+    it to matrices only (not biases, norms)."""
+    adamw: bool = True
+    """Decoupled weight decay (torch.optim.AdamW) or L2 penalty (torch.optim.Adam)."""
+    maximize: bool = False
+    """Maximize the objective."""
     offload_fraction: float = 0.5
     """Fraction of parameter bytes whose fp32 master and moments live off the GPU, in
     [0.0, 1.0]; the last layers go first. 0.0 keeps everything on the GPU."""
-    state_tier: Literal["cpu", "nvme"] = "cpu"
-    """Where offloaded state lives: ``"cpu"`` (pinned RAM) or ``"nvme"`` (needs store.nvme_bytes
-    and store.nvme_dir)."""
+    state_tier: Literal["cpu", "nvme", "split"] = "cpu"
+    """Where offloaded state lives: ``"cpu"`` (pinned RAM), ``"nvme"`` (spill files: needs
+    store.nvme_bytes and store.nvme_dir, or ``nvme_dir`` without a store) or ``"split"`` (RAM up
+    to the store's cpu budget, the rest on NVMe: needs a store with nvme_bytes)."""
+    nvme_dir: str | None = None
+    """Spill directory of HybridAdam's private store (``state_tier="nvme"`` without a store);
+    with a store, set ``store.nvme_dir`` instead."""
     overlap: bool = True
     """Step offloaded chunks on the CPU during backward, as their gradients land."""
     chunk_numel: int | None = None
@@ -267,6 +286,9 @@ class OptimizerConfig:
     from the model (1/32 of the offloaded elements, within [2^16, 2^24])."""
     max_grad_norm: float | None = None
     """Clip gradients to this global 2-norm inside ``step()``; None: no clipping."""
+    grad_accumulation_steps: int | None = None
+    """Backward passes per ``step()``; null: the training loop's count (both examples pass
+    ``train.grad_accumulation_steps``; set it here only where nothing else does)."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the offloaded moments: ``"float32"`` (exact torch semantics, 12 bytes of state
     per param) or ``"bfloat16"`` (8 bytes per param; moments rounded after each update)."""
@@ -274,43 +296,120 @@ class OptimizerConfig:
     """Threads of the CPU step; None: torch's thread count (less one with overlap on CUDA)."""
     nvme_lookahead_chunks: int = 2
     """Chunks of NVMe-resident state read ahead of the CPU step (``state_tier="nvme"``)."""
+    data_parallel: bool | None = None
+    """Shard the state across the ranks (ZeRO-1/2); null: on when a process group is passed."""
+    bucket_numel: int = 1 << 23
+    """Elements per gradient-reduce bucket with ``data_parallel``."""
+    param_sync: Literal["step", "forward"] = "step"
+    """When the updated offloaded params are waited for: in ``step()`` or in the next forward."""
+    placement: Literal["trace", "given"] = "trace"
+    """Which elements keep their state on the GPU: by the first backward's gradient order
+    (``"trace"``) or by the order the params were given in (``"given"``)."""
     gpu_step_fraction: float = 0.0
     """Share of the offloaded chunks the GPU steps by streaming their state through it, in
     [0.0, 1.0] (1.0 is fastest at full offload when PCIe is not busy with activations)."""
 
     def __post_init__(self) -> None:
-        _check_number("optimizer.lr", self.lr, low=0.0)
+        who = "optimizer."
+        check_number(who, "lr", self.lr, low=0.0)
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2):
             raise ValueError(f"optimizer.betas={self.betas!r} must be two numbers, e.g. [0.9, 0.95]")
         self.betas = tuple(self.betas)
         for i, beta in enumerate(self.betas):
-            _check_number(f"optimizer.betas[{i}]", beta, low=0.0)
-            if not beta < 1.0:
-                raise ValueError(f"optimizer.betas[{i}]={beta!r} must be < 1.0")
-        _check_number("optimizer.eps", self.eps, low=0.0)
-        _check_number("optimizer.weight_decay", self.weight_decay, low=0.0)
-        _check_number("optimizer.offload_fraction", self.offload_fraction, low=0.0, high=1.0)
-        _check_choice("optimizer.state_tier", self.state_tier, ("cpu", "nvme"))
-        _check_choice("optimizer.overlap", self.overlap, (True, False))
+            check_number(who, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
+        check_number(who, "eps", self.eps, low=0.0)
+        check_number(who, "weight_decay", self.weight_decay, low=0.0)
+        check_bool(who, "adamw", self.adamw)
+        check_bool(who, "maximize", self.maximize)
+        check_fraction(who, "offload_fraction", self.offload_fraction,
+                       "the fraction of parameter bytes whose optimizer state leaves the GPU")
+        check_choice(who, "state_tier", self.state_tier, STATE_TIERS,
+                     "cpu is pinned RAM, nvme spill files, split RAM first and the rest on NVMe")
+        if self.nvme_dir is not None:
+            self.nvme_dir = os.fspath(self.nvme_dir)
+        check_bool(who, "overlap", self.overlap)
         if self.chunk_numel is not None:
-            _check_number("optimizer.chunk_numel", self.chunk_numel, low=1024, integer=True)
+            check_int(who, "chunk_numel", self.chunk_numel, low=1024, unit="elements",
+                      fix="or null to size it from the model")
         if self.max_grad_norm is not None:
-            _check_number("optimizer.max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
-        _check_choice("optimizer.moments_dtype", self.moments_dtype, ("float32", "bfloat16"))
+            check_number(who, "max_grad_norm", self.max_grad_norm, low=0.0, low_open=True,
+                         fix="or null for no clipping")
+        if self.grad_accumulation_steps is not None:
+            check_int(who, "grad_accumulation_steps", self.grad_accumulation_steps, low=1)
+        self.moments_dtype = dtype_name(who, "moments_dtype", self.moments_dtype, MOMENTS_DTYPES)
         if self.cpu_threads is not None:
-            _check_number("optimizer.cpu_threads", self.cpu_threads, low=1, integer=True)
-        _check_number("optimizer.nvme_lookahead_chunks", self.nvme_lookahead_chunks, low=0,
-                      integer=True)
-        _check_number("optimizer.gpu_step_fraction", self.gpu_step_fraction, low=0.0, high=1.0)
+            check_int(who, "cpu_threads", self.cpu_threads, low=1, unit="threads")
+        check_int(who, "nvme_lookahead_chunks", self.nvme_lookahead_chunks, low=0, unit="chunks")
+        if self.data_parallel is not None:
+            check_bool(who, "data_parallel", self.data_parallel)
+        check_int(who, "bucket_numel", self.bucket_numel, low=1, unit="elements")
+        check_choice(who, "param_sync", self.param_sync, PARAM_SYNCS)
+        check_choice(who, "placement", self.placement, PLACEMENTS)
+        check_fraction(who, "gpu_step_fraction", self.gpu_step_fraction,
+                       "the share of the offloaded chunks the GPU steps")
+
+    def kwargs(self, *, store: Any = None, process_group: Any = None,
+               grad_accumulation_steps: int | None = None) -> dict:
+        """Keyword arguments for ``HybridAdam(params, **kwargs)``: every field (``moments_dtype``
+        as a ``torch.dtype``; ``grad_accumulation_steps`` only when set here or passed) plus the
+        runtime arguments given (``None``: left out).
+
+        Args:
+            store: the TierStore for the offloaded state.
+            process_group: the data-parallel group.
+            grad_accumulation_steps: the training loop's backward passes per step; used when
+                the section leaves ``grad_accumulation_steps`` null.
+
+        Raises:
+            ValueError: ``grad_accumulation_steps`` set here and passed with another value, or
+                ``nvme_dir`` set here together with a ``store`` (which has its own).
+        """
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["moments_dtype"] = parse_dtype("optimizer.", "moments_dtype", self.moments_dtype,
+                                           MOMENTS_DTYPES)
+        steps = self.grad_accumulation_steps
+        if steps is not None and grad_accumulation_steps not in (None, steps):
+            raise ValueError(f"optimizer.grad_accumulation_steps={steps} but the training loop "
+                             f"runs {grad_accumulation_steps} backward passes per step; fix: set "
+                             f"it in one place (train.grad_accumulation_steps in the examples)")
+        steps = steps if steps is not None else grad_accumulation_steps
+        if steps is None:
+            del out["grad_accumulation_steps"]
+        else:
+            out["grad_accumulation_steps"] = steps
+        if store is not None and self.nvme_dir is not None:
+            raise ValueError(f"optimizer.nvme_dir={self.nvme_dir!r} is for HybridAdam's private "
+                             f"store, but a store is given; fix: set store.nvme_dir instead")
+        for name, value in (("store", store), ("process_group", process_group)):
+            if value is not None:
+                out[name] = value
+        return out
+
+
+@dataclass(kw_only=True)
+class BudgetConfig:
+    """The ``budgets`` section (examples/train_large.py): the machine's capacities that
+    :func:`tiermem.plan.plan` checks a run against, in bytes (ints or ``"141GB"``).
+
+    Raises:
+        ValueError, TypeError: a size that is not a byte count (naming the field).
+    """
+
+    gpu_bytes: int | str | None = None
+    """GPU memory; null: the planner's default (an H200's 141 GB)."""
+    host_bytes: int | str | None = None
+    """Host RAM; null: the planner's default (128 GiB)."""
+    nvme_bytes: int | str | None = None
+    """Disk for spill files; null: the planner's default (64 GiB)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "host_bytes", "nvme_bytes"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_bytes(getattr(self, name), f"budgets.{name}"))
 
     def kwargs(self) -> dict:
-        """Keyword arguments for ``HybridAdam`` (all but params, store and accumulation steps);
-        ``moments_dtype`` becomes a ``torch.dtype`` and is left out when float32 (the default)."""
-        out = dataclasses.asdict(self)
-        if out.pop("moments_dtype") != "float32":
-            import torch  # the config module itself does not need torch
-            out["moments_dtype"] = getattr(torch, self.moments_dtype)
-        return out
+        """Keyword arguments for :func:`tiermem.plan.plan`: the capacities set (bytes)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclass(kw_only=True)
@@ -343,14 +442,17 @@ class ActivationConfig:
                 raise ValueError(f"activations.max_kept_bytes bounds the automatic choice of "
                                  f"layers; with activations.num_layers={self.num_layers} set it "
                                  f"to null (or set num_layers to null)")
-        _check_choice("activations.enabled", self.enabled, (True, False))
-        _check_choice("activations.tier", self.tier, ("cpu", "nvme"))
+        who = "activations."
+        check_bool(who, "enabled", self.enabled)
+        check_choice(who, "tier", self.tier, OFFLOAD_TIERS, "cpu is pinned host memory, nvme "
+                     "spill files")
         if self.num_layers is not None:
-            _check_number("activations.num_layers", self.num_layers, low=0, integer=True)
-        _check_number("activations.prefetch_depth", self.prefetch_depth, low=1, integer=True)
-        _check_number("activations.min_offload_bytes", self.min_offload_bytes, low=0, integer=True)
-        _check_choice("activations.offload_weights", self.offload_weights, (True, False))
-        _check_choice("activations.double_buffering", self.double_buffering, (True, False))
+            check_int(who, "num_layers", self.num_layers, low=0, unit="blocks",
+                      fix="or null to choose by measurement")
+        check_int(who, "prefetch_depth", self.prefetch_depth, low=1, unit="layers")
+        check_int(who, "min_offload_bytes", self.min_offload_bytes, low=0, unit="bytes")
+        check_bool(who, "offload_weights", self.offload_weights)
+        check_bool(who, "double_buffering", self.double_buffering)
         if self.double_buffering and self.prefetch_depth != 1:
             raise ValueError(f"activations.double_buffering=True needs activations."
                              f"prefetch_depth=1 (got {self.prefetch_depth}): two buffer sets hold "
@@ -397,15 +499,14 @@ class TrainConfig:
     """Show a tqdm progress bar."""
 
     def __post_init__(self) -> None:
+        who = "train."
         for name, low in (("steps", 1), ("micro_batch", 1), ("grad_accumulation_steps", 1),
-                          ("seed", 0), ("markov_branching", 1),
-                          ("log_every", 0)):
-            _check_number(f"train.{name}", getattr(self, name), low=low, integer=True)
+                          ("seed", 0), ("markov_branching", 1), ("log_every", 0)):
+            check_int(who, name, getattr(self, name), low=low)
         if self.seq_len is not None:
-            _check_number("train.seq_len", self.seq_len, low=1, integer=True)
-        _check_choice("train.dtype", self.dtype, DTYPES)
-        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", str(self.device))):
-            raise ValueError(f"train.device={self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
+            check_int(who, "seq_len", self.seq_len, low=1, unit="tokens")
+        self.dtype = dtype_name(who, "dtype", self.dtype, MODEL_DTYPES)
+        check_device(who, "device", self.device)
         for name in ("checkpoint", "baseline", "progress"):
-            _check_choice(f"train.{name}", getattr(self, name), (True, False))
-        _check_number("train.tolerance", self.tolerance, low=0.0)
+            check_bool(who, name, getattr(self, name))
+        check_number(who, "tolerance", self.tolerance, low=0.0)

@@ -303,11 +303,10 @@ def _make_optimizer(cfg: RunConfig, model: GPT, offload: bool, store: TierStore 
     groups = param_groups(model, o.weight_decay)
     hp = dict(lr=o.lr, betas=o.betas, eps=o.eps)
     if offload:
-        kw = o.kwargs()
+        kw = o.kwargs(store=store, grad_accumulation_steps=cfg.train.grad_accumulation_steps)
         for k in ("lr", "betas", "eps", "weight_decay"):
             del kw[k]  # per group above
-        return HybridAdam(groups, **hp, **kw, store=store,
-                          grad_accumulation_steps=cfg.train.grad_accumulation_steps)
+        return HybridAdam(groups, **hp, **kw)
     if cfg.train.dtype == "float32":
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, **hp, **({"fused": True} if fused else {}))

@@ -97,11 +97,11 @@ import torch
 from torch import nn
 
 from tiermem.config import StoreConfig
+from tiermem.names import OFFLOAD_TIERS, check_bool, check_choice, check_int
 from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
                                      simulate)
 from tiermem.store import TierFullError, TierStore
 
-_OFFLOAD_TIERS = ("cpu", "nvme")
 _ALIGN_BYTES = 512  # offsets of records inside a double-buffer set (any dtype view is aligned)
 _HOST_FRACTION = 0.5  # share of MemAvailable a private store may pin for its cpu tier
 _CALIBRATION_FORWARD = 2  # layers="auto" times this forward (the first one warms up)
@@ -497,18 +497,13 @@ class ActivationOffloader:
         for i, b in enumerate(blocks):
             if not isinstance(b, nn.Module):
                 raise TypeError(f"{where}: blocks[{i}] is a {type(b).__name__}, not an nn.Module")
-        if tier not in _OFFLOAD_TIERS:
-            raise ValueError(f"{where}: tier={tier!r} is unknown; use 'cpu' (pinned host memory) "
-                             f"or 'nvme' (spill files)")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
-            raise TypeError(f"{where}: prefetch_depth must be an int, got {prefetch_depth!r}")
-        if prefetch_depth < 1:
-            raise ValueError(f"{where}: prefetch_depth={prefetch_depth} must be >= 1 (the number "
-                             f"of layers reloaded ahead of the one backward is in)")
-        if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) \
-                or min_offload_bytes < 0:
-            raise ValueError(f"{where}: min_offload_bytes={min_offload_bytes!r} must be an int "
-                             f">= 0 (bytes)")
+        check_choice(f"{where}: ", "tier", tier, OFFLOAD_TIERS,
+                     "'cpu' is pinned host memory, 'nvme' spill files")
+        check_int(f"{where}: ", "prefetch_depth", prefetch_depth, low=1,
+                  unit="layers reloaded ahead of the one backward is in")
+        check_int(f"{where}: ", "min_offload_bytes", min_offload_bytes, low=0, unit="bytes")
+        check_bool(f"{where}: ", "offload_weights", offload_weights)
+        check_bool(f"{where}: ", "double_buffering", double_buffering)
         if double_buffering and prefetch_depth != 1:
             raise ValueError(f"{where}: double_buffering=True has two buffer sets (the layer in "
                              f"use and the one loading), so prefetch_depth={prefetch_depth} "
@@ -529,10 +524,9 @@ class ActivationOffloader:
                              f"measured compute and transfer) or block indices")
         if auto and num_layers is not None:
             raise TypeError(f"{where}: pass num_layers={num_layers!r} or layers='auto', not both")
-        if max_kept_bytes is not None and (isinstance(max_kept_bytes, bool) or not isinstance(
-                max_kept_bytes, int) or max_kept_bytes < 0):
-            raise ValueError(f"{where}: max_kept_bytes={max_kept_bytes!r} must be an int >= 0 "
-                             f"(bytes of block activations allowed to stay on the device)")
+        if max_kept_bytes is not None:
+            check_int(f"{where}: ", "max_kept_bytes", max_kept_bytes, low=0,
+                      unit="bytes of block activations allowed to stay on the device")
         if max_kept_bytes is not None and not auto:
             raise ValueError(f"{where}: max_kept_bytes bounds the automatic choice; with explicit "
                              f"num_layers/layers drop it, or pass layers='auto'")

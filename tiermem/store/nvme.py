@@ -56,6 +56,7 @@ from typing import Callable, Hashable, Literal
 import torch
 
 from .._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
+from ..names import AUTO_BOOL, check_aligned, check_bool, check_choice, check_int
 from .extents import ExtentAllocator, round_up
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
@@ -285,26 +286,25 @@ class SpillSpace:
         owns_backend: :meth:`close` also shuts the backend down.
 
     Raises:
-        ValueError: ``base_dir`` missing or not writable, bad capacity/chunk size/o_direct,
-            ``o_direct=True`` on a filesystem without O_DIRECT; each message names the
-            ``StoreConfig`` field and the fix.
+        ValueError: ``base_dir`` missing or not writable, bad capacity/chunk size/o_direct/
+            checksum/io_retries, ``o_direct=True`` on a filesystem without O_DIRECT; each
+            message names the ``StoreConfig`` field (or ``SpillSpace: io_retries``) and the fix.
+        TypeError: a capacity, chunk size or ``io_retries`` that is not an int; a backend that
+            is not an IOBackend.
     """
 
     def __init__(self, base_dir: str | os.PathLike, capacity_bytes: int, *, backend: IOBackend,
                  o_direct: bool | Literal["auto"] = "auto", checksum: bool = True,
                  chunk_bytes: int = 8 << 20, io_retries: int = 2,
                  owns_backend: bool = False) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes < ALIGN_BYTES:
-            raise ValueError(f"StoreConfig.nvme_bytes={capacity_bytes!r} must be an int >= "
-                             f"{ALIGN_BYTES} to spill anything (0 disables the nvme tier)")
-        if (not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN_BYTES
-                or chunk_bytes % ALIGN_BYTES):
-            raise ValueError(f"StoreConfig.io_chunk_bytes={chunk_bytes!r} must be a positive "
-                             f"multiple of {ALIGN_BYTES} (O_DIRECT alignment)")
-        if o_direct not in (True, False, "auto"):
-            raise ValueError(f"StoreConfig.o_direct={o_direct!r} is not True, False or 'auto'")
-        if not isinstance(io_retries, int) or io_retries < 0:
-            raise ValueError(f"SpillSpace io_retries={io_retries!r} must be an int >= 0")
+        check_int("StoreConfig.", "nvme_bytes", capacity_bytes, low=ALIGN_BYTES, unit="bytes",
+                  fix="0 disables the nvme tier; anything above needs one aligned block")
+        check_aligned("StoreConfig.", "io_chunk_bytes", chunk_bytes, ALIGN_BYTES,
+                      "O_DIRECT alignment")
+        check_choice("StoreConfig.", "o_direct", o_direct, AUTO_BOOL,
+                     "auto uses O_DIRECT when the filesystem supports it")
+        check_bool("StoreConfig.", "checksum", checksum)
+        check_int("SpillSpace: ", "io_retries", io_retries, low=0, unit="extra attempts")
         if not isinstance(backend, IOBackend):
             raise TypeError(f"SpillSpace backend must be an IOBackend "
                             f"(tiermem.store.io.make_backend), got {type(backend).__name__}")

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 
+from ...names import IO_BACKENDS
 from .base import IOBackend
 from .kvikio_backend import kvikio_usable
 from .posix import PosixBackend, ShortReadError
 
-BACKENDS = ("auto", "posix", "kvikio", "aiofiles")
-"""Valid values of ``StoreConfig.io_backend``."""
+BACKENDS = IO_BACKENDS
+"""Valid values of ``StoreConfig.io_backend`` (:data:`tiermem.names.IO_BACKENDS`)."""
 
 AUTO_BACKEND = "posix"
 """What ``"auto"`` resolves to (see the module docstring for the measurement behind it)."""
