@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tiermem import cli
-from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes, main, plan)
+from tiermem.demo import SavedBytesCounter
+from tiermem.models import MoE, MoEConfig
+from tiermem.models.gpt import GPT, Block, GPTConfig
+from tiermem.models.moe import MoEBlock
+from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes, main,
+                          moe_activation_bytes_per_block, plan)
 
 
 def preset_plan(size, **kw):
@@ -176,3 +182,131 @@ def test_split_state_fits_where_ram_or_nvme_alone_does_not():
     state = next(i for i in split.items if i.name == "optimizer state, offloaded")
     assert state.host > 0 and state.nvme > 0
     assert split.used["host"] <= split.capacity["host"] and split.used["nvme"] <= split.capacity["nvme"]
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+def measured_block_bytes(block: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype) -> int:
+    """Bytes autograd saves in one forward of ``block`` (each storage once, parameters not
+    counted), with the fused (flash) SDPA kernel as on the GPU."""
+    torch.manual_seed(0)
+    block = block.to(dtype)
+    x = torch.randn(batch, seq, block.ln1.normalized_shape[0], dtype=dtype, requires_grad=True)
+    counter = SavedBytesCounter({p.untyped_storage().data_ptr() for p in block.parameters()})
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), counter.hooks():
+        block(x)
+    return counter.forward_bytes
+
+
+def fused_attention_gap(tokens: int, d_model: int, n_heads: int, a: int) -> int:
+    """Formula minus measurement on the CPU (Note [block activations, measured] in
+    tiermem/plan.py): the fused kernel's output reshape is a view (the formula's copy, d·a per
+    token, is not saved); LayerNorm's mean and rstd (2 LNs x 2, dtype a on the CPU) and SDPA's
+    fp32 logsumexp (4·h) are saved, not counted."""
+    return tokens * (d_model * a - 2 * 2 * a - 4 * n_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_block_formula_against_the_bytes_autograd_saves(dtype):
+    b, s, d, h = 2, 16, 32, 4
+    a = torch.finfo(dtype).bits // 8
+    measured = measured_block_bytes(
+        Block(GPTConfig(n_layers=1, d_model=d, n_heads=h, seq_len=s, vocab=64)), b, s, dtype)
+    formula = activation_bytes_per_block(batch=b, seq=s, d_model=d, n_heads=h, dtype_bytes=a)
+    assert formula - measured == fused_attention_gap(b * s, d, h, a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k, d_expert, n_experts", [
+    (1, 48, 4), (1, 48, 16), (2, 80, 4), (2, 80, 16), (2, 136, 8), (3, 24, 5)])
+def test_moe_block_formula_against_the_bytes_autograd_saves(dtype, top_k, d_expert, n_experts):
+    """One real MoEBlock forward: the formula is exact up to the attention part's gap, which
+    the dense block has too; the number of experts (4 or 16 at the same top_k and d_expert)
+    changes neither side, though the tokens spread over the experts differently."""
+    b, s, d, h = 2, 16, 32, 4
+    a = torch.finfo(dtype).bits // 8
+    cfg = MoEConfig(n_layers=1, d_model=d, n_heads=h, seq_len=s, vocab=64, n_experts=n_experts,
+                    top_k=top_k, d_expert=d_expert)
+    block = MoEBlock(cfg)
+    measured = measured_block_bytes(block, b, s, dtype)
+    assert int(block.moe.tokens_per_expert.sum()) == b * s * top_k
+    formula = moe_activation_bytes_per_block(batch=b, seq=s, d_model=d, n_heads=h, dtype_bytes=a,
+                                             top_k=top_k, d_expert=d_expert)
+    assert formula - measured == fused_attention_gap(b * s, d, h, a)
+    assert formula == b * s * (d * a * (9 + 2 * top_k) + 2 * top_k * d_expert * a
+                               + top_k * (28 + a))
+
+
+MOE = dict(n_layers=28, d_model=2048, n_heads=16, n_experts=64, top_k=6, d_expert=1408)
+
+
+def test_plan_sizes_an_moe_by_total_params_and_reports_the_active_ones():
+    shape = {k: v for k, v in MOE.items() if k not in ("n_experts", "top_k", "d_expert")}
+    experts = {k: MOE[k] for k in ("n_experts", "top_k", "d_expert")}
+    cfg = MoEConfig(**MOE, seq_len=2048, vocab=32000)
+    p = plan(**MOE, batch=4)
+    assert p.num_params == cfg.num_params() and p.active_params == cfg.active_params()
+    assert 10e9 < p.num_params < 11e9 and 1.5e9 < p.active_params < 1.7e9
+    rows = {i.name: i for i in p.items}
+    assert rows["parameters"].gpu == rows["gradients"].gpu == 2 * cfg.num_params()
+    state = rows["optimizer state, GPU side"].gpu + rows["optimizer state, offloaded"].host
+    assert state == 12 * cfg.num_params()  # fp32 master + moments of every expert
+    # sized by the total: the GPU alone holds a dense model of the active size, not this one
+    assert p.fits and p.offload_fraction > 0.3
+    assert plan(p.active_params, **shape, batch=4).offload_fraction == 0.0
+    # activations: top_k and d_expert count, the number of experts does not
+    act = rows["activations"].gpu
+    assert act == 28 * moe_activation_bytes_per_block(batch=4, seq=2048, d_model=2048,
+                                                      n_heads=16, dtype_bytes=2, top_k=6,
+                                                      d_expert=1408)
+    assert {i.name: i for i in plan(**{**MOE, "n_experts": 8}, batch=4).items}[
+        "activations"].gpu == act
+    assert {i.name: i for i in plan(**{**MOE, "top_k": 2}, batch=4).items}[
+        "activations"].gpu < act
+    text = p.table()
+    assert (f"parameters: {p.num_params / 1e9:.2f}B in total (weights, gradients, optimizer "
+            f"state: all 64 experts), {p.active_params / 1e9:.2f}B active per token") in text
+    # a given total: the active count is it less the experts a token skips
+    given = plan(12e9, **shape, **experts, batch=4)
+    assert given.num_params == 12 * 10**9
+    assert given.num_params - given.active_params == cfg.num_params() - cfg.active_params()
+    dense = preset_plan("1b")
+    assert dense.active_params == dense.num_params and "in total" not in dense.table()
+
+
+def test_plan_takes_an_moe_model():
+    model = MoE(MoEConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, vocab=64, n_experts=4,
+                          top_k=2, d_expert=24))
+    p = plan(model, seq=16, batch=2, gpu_bytes="2GiB", host_bytes="1GiB", nvme_bytes=0,
+             host_reserve_bytes=0)
+    assert p.num_params == sum(q.numel() for q in model.parameters()) == model.cfg.num_params()
+    assert p.active_params == model.cfg.active_params()
+    assert (p.inputs["n_experts"], p.inputs["top_k"], p.inputs["d_expert"]) == (4, 2, 24)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_experts": 8, "top_k": 2}, "an MoE needs n_experts, top_k and d_expert; d_expert missing"),
+    ({"n_experts": 2, "top_k": 3, "d_expert": 64}, "top_k=3 exceeds n_experts=2"),
+    ({"n_experts": 8, "top_k": 0, "d_expert": 64}, "top_k=0 must be an int >= 1"),
+    ({"num_params": 5e4, "n_experts": 8, "top_k": 2, "d_expert": 64},  # 2 x 6 x 8320
+     "num_params=50000.0 is not above the 99,840 parameters of the experts a token skips"),
+])
+def test_plan_rejects_bad_moe_input(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        plan(**{"n_layers": 2, "d_model": 64, **kwargs})
+    assert message in str(err.value)
+
+
+def test_command_sizes_an_moe(capsys):
+    argv = ["--layers", "28", "--d-model", "2048", "--heads", "16", "--experts", "64",
+            "--top-k", "6", "--d-expert", "1408", "--batch", "4"]
+    assert main(argv) == 0
+    assert "1.58B active per token (top-6" in capsys.readouterr().out
+    assert cli.main(["plan", *argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cfg = MoEConfig(**MOE, seq_len=2048, vocab=32000)
+    assert data["num_params"] == cfg.num_params() and data["active_params"] == cfg.active_params()
+    assert main(["--model-size", "1b", "--experts", "8", "--top-k", "2", "--d-expert", "64"]) == 2
+    assert "--model-size is a dense GPT preset" in capsys.readouterr().err
+    assert main(["--layers", "2", "--d-model", "64", "--experts", "8"]) == 2
+    assert "top_k, d_expert missing" in capsys.readouterr().err

@@ -29,6 +29,15 @@ activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block 
                             flash attention): block input, LN1 out, QKV (3), attention out,
                             its reshaped copy, residual, LN2 out, FC out (r), GELU out (r).
                             ``eager_attention`` adds the softmax probabilities 2·b·h·s²·a.
+                            Measured: Note [block activations, measured].
+MoE block                   A = b·s·[d·a·(9 + 2·K) + 2·K·e·a + K·(28 + a)] for
+                            ``tiermem.models.moe``'s block, top_k K, expert width e: the
+                            9 above, then per token K copies of the expert input and output
+                            (d each) and of the hidden layer before and after the GELU (e
+                            each), the gates (a each), the top-k indices, the argsort order
+                            and the token index (int64: 8 each) and the fp32 router softmax
+                            (4); not the number of experts, nor how the tokens spread over
+                            them. Measured: Note [block activations, measured].
 checkpointing               a block keeps only its input b·s·d·a; one block's A is rebuilt
                             at a time in backward
 activation placement        L-k blocks on the GPU; k blocks in the host tier (pinned; or
@@ -53,6 +62,22 @@ rest on NVMe: HybridAdam's ``state_tier="split"``). Only when even ``f = 1`` doe
 GPU are the activations of all blocks but the last offloaded (to the host tier). When no
 placement fits, the plan says which tier overflows, by how much, and whether RAM + NVMe
 together could hold the offloaded state at all (with fp32 and with bf16 moments).
+
+MoE models (``n_experts``, ``top_k``, ``d_expert``): parameters, gradients and optimizer state
+count every parameter (the total, ``MoEConfig.num_params()``); the activations depend on
+``top_k`` and ``d_expert`` only; the plan also reports the active parameters (those one token
+uses, ``MoEConfig.active_params()``: what the compute per token scales with).
+
+Note [block activations, measured]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Both block formulas share their attention part, 9·d·a per token, and so share its known gaps,
+which tests/test_plan.py measures exactly (autograd's saved tensors, each storage once, of one
+real block forward on the CPU with its fused SDPA kernel): the fused kernels return the attention
+output already laid out as (b, s, h, d/h), so the "reshaped copy" is a view and is not saved
+(d·a per token fewer), while LayerNorm's mean and rstd (two per LN: fp32 on CUDA, dtype a on
+the CPU) and SDPA's fp32 logsumexp (4·h) are saved but not counted. On CUDA the formulas thus
+exceed what a block with fused attention saves by d·a - 16 - 4·h bytes per token (4016 for the
+reference GPT: bf16, d = 2048, h = 16; 5.8 % of its block), on the safe side.
 """
 
 from __future__ import annotations
@@ -126,6 +151,10 @@ class Plan:
     """The placement and the verdict. All sizes in bytes.
 
     Attributes:
+        num_params: all parameters (what weights, gradients and optimizer state are sized by).
+        active_params: parameters one token uses (what compute per token scales with): fewer
+            than ``num_params`` for an MoE (``top_k`` of ``n_experts`` experts), equal for a
+            dense model.
         fits: every tier within its capacity.
         offload_fraction: chosen (or given) fraction of optimizer state off the GPU.
         state_tier: ``"cpu"``, ``"nvme"`` or ``"split"``: where the offloaded state lives.
@@ -137,6 +166,7 @@ class Plan:
     """
 
     num_params: int
+    active_params: int
     fits: bool
     offload_fraction: float
     state_tier: str
@@ -177,7 +207,13 @@ class Plan:
                 f"{self.offload_fraction:.0%} off the GPU{where}, "
                 f"activations of {self.offload_layers} blocks offloaded"
                 f"{', checkpointing' if self.checkpoint else ''}")
-        out = [head, ""] + lines
+        out = [head]
+        moe = self.inputs.get("n_experts")
+        if moe:
+            out.append(f"parameters: {self.num_params / 1e9:.2f}B in total (weights, gradients, "
+                       f"optimizer state: all {moe} experts), {self.active_params / 1e9:.2f}B "
+                       f"active per token (top-{self.inputs['top_k']}: the compute per token)")
+        out += [""] + lines
         out += [""] + [f"does not fit: {r}" for r in self.reasons]
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out).rstrip() + "\n"
@@ -195,17 +231,70 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _moe_shape(n_experts, top_k, d_expert) -> bool:
+    """Validate the MoE inputs; True for an MoE, False for a dense model (none given)."""
+    given = {"n_experts": n_experts, "top_k": top_k, "d_expert": d_expert}
+    if all(v is None for v in given.values()):
+        return False
+    missing = [name for name, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"plan: an MoE needs n_experts, top_k and d_expert; {', '.join(missing)} "
+                         f"missing (command line: --experts, --top-k, --d-expert)")
+    for name, value in given.items():
+        _positive_int(name, value)
+    if top_k > n_experts:
+        raise ValueError(f"top_k={top_k} exceeds n_experts={n_experts}; route each token to at "
+                         f"most n_experts experts")
+    return True
+
+
+def _attention_bytes(*, batch: int, seq: int, d_model: int, n_heads: int, dtype_bytes: int,
+                     eager_attention: bool) -> int:
+    """Bytes a pre-LN block saves outside its MLP: ``9·b·s·d·a`` (+ the eager softmax)."""
+    n = batch * seq * d_model * dtype_bytes * 9
+    if eager_attention:
+        n += 2 * batch * n_heads * seq * seq * dtype_bytes
+    return n
+
+
 def activation_bytes_per_block(*, batch: int, seq: int, d_model: int, n_heads: int,
                                dtype_bytes: int, mlp_ratio: int = 4,
                                eager_attention: bool = False) -> int:
     """Bytes autograd saves for one pre-LN GPT block (see the module's table).
 
-    ``b·s·d·a·(9 + 2·mlp_ratio)``, plus ``2·b·h·s²·a`` for the softmax of eager attention.
+    ``b·s·d·a·(9 + 2·mlp_ratio)``, plus ``2·b·h·s²·a`` for the softmax of eager attention
+    (Note [block activations, measured] says how it compares with what a block saves).
+    Arguments: sequences, tokens per sequence, width, heads, bytes per activation element,
+    MLP width / d_model, whether attention saves its softmax.
+
+    Raises:
+        nothing: plain arithmetic on the given ints (:func:`plan` validates them).
     """
-    n = batch * seq * d_model * dtype_bytes * (9 + 2 * mlp_ratio)
-    if eager_attention:
-        n += 2 * batch * n_heads * seq * seq * dtype_bytes
-    return n
+    mlp = batch * seq * d_model * dtype_bytes * 2 * mlp_ratio  # FC out, GELU out
+    return _attention_bytes(batch=batch, seq=seq, d_model=d_model, n_heads=n_heads,
+                            dtype_bytes=dtype_bytes, eager_attention=eager_attention) + mlp
+
+
+def moe_activation_bytes_per_block(*, batch: int, seq: int, d_model: int, n_heads: int,
+                                   dtype_bytes: int, top_k: int, d_expert: int,
+                                   eager_attention: bool = False) -> int:
+    """Bytes autograd saves for one block of :mod:`tiermem.models.moe` (see the module's table).
+
+    ``b·s·[d·a·(9 + 2·K) + 2·K·e·a + K·(28 + a)]`` for ``K = top_k``, ``e = d_expert``, plus
+    ``2·b·h·s²·a`` for the softmax of eager attention: the dense block's attention part, then
+    per token and chosen expert the expert's input and output (``d`` each), its hidden layer
+    before and after the GELU (``e`` each), the gate (``a``), the top-k index, the argsort
+    order and the token index (int64) and the fp32 router probability. The number of experts
+    does not enter: each token runs ``top_k`` of them.
+    Measured: Note [block activations, measured].
+
+    Raises:
+        nothing: plain arithmetic on the given ints (:func:`plan` validates them).
+    """
+    tokens, a, k = batch * seq, dtype_bytes, top_k
+    experts = tokens * (2 * k * d_model * a + 2 * k * d_expert * a + k * (8 + 8 + 8 + 4 + a))
+    return _attention_bytes(batch=batch, seq=seq, d_model=d_model, n_heads=n_heads,
+                            dtype_bytes=dtype_bytes, eager_attention=eager_attention) + experts
 
 
 def head_bytes(*, batch: int, seq: int, d_model: int, vocab: int, dtype_bytes: int) -> int:
@@ -215,7 +304,8 @@ def head_bytes(*, batch: int, seq: int, d_model: int, vocab: int, dtype_bytes: i
 
 def plan(num_params=None, *, model=None, n_layers: int | None = None,
          d_model: int | None = None, n_heads: int | None = None, vocab: int = 32000,
-         seq: int = 2048, batch: int = 1, mlp_ratio: int = 4, dtype: str = "bf16",
+         seq: int = 2048, batch: int = 1, mlp_ratio: int = 4, n_experts: int | None = None,
+         top_k: int | None = None, d_expert: int | None = None, dtype: str = "bf16",
          moments_dtype: str = "fp32", gpu_bytes=H200_GPU_BYTES, host_bytes=H200_HOST_BYTES,
          nvme_bytes=H200_NVME_BYTES, offload_fraction: float | None = None,
          state_tier: str = "auto", offload_layers: int | None = None,
@@ -225,8 +315,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
-        num_params: parameter count, or an ``nn.Module`` (its parameters are counted, its
-            dtype taken, and its ``cfg`` read when it is a ``tiermem.models.gpt.GPT``).
+        num_params: parameter count (for an MoE: all parameters, every expert's), or an
+            ``nn.Module`` (its parameters are counted, its dtype taken, and its ``cfg`` read
+            when it is a ``tiermem.models.GPT`` or ``tiermem.models.MoE``); None with an MoE
+            shape: counted from the shape (``tiermem.models.MoEConfig.num_params``).
         model: an ``nn.Module`` (alternative to passing it as ``num_params``).
         n_layers, d_model, n_heads: the transformer's shape, for the activation estimate
             (required unless the model is a tiermem GPT; ``n_heads`` only matters with
@@ -234,7 +326,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         vocab: vocabulary size (tokens), for the head and loss.
         seq: tokens per sequence.
         batch: sequences per micro-batch.
-        mlp_ratio: MLP width / d_model.
+        mlp_ratio: MLP width / d_model (dense models).
+        n_experts, top_k, d_expert: an MoE block (``tiermem.models.moe``): experts per block,
+            experts per token, expert hidden width; all three or none (dense). The
+            activations depend on ``top_k`` and ``d_expert``; ``plan.active_params`` is the
+            total less the ``n_experts - top_k`` experts per block a token skips.
         dtype: parameter (and activation) dtype: ``"bf16"`` or ``"fp32"`` (``"fp16"``: 2 bytes).
         moments_dtype: dtype of the offloaded moments, ``"fp32"`` or ``"bf16"``.
         gpu_bytes, host_bytes, nvme_bytes: capacities in bytes (ints or strings like
@@ -261,7 +357,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
 
     Raises:
         ValueError: a missing or non-positive size, an unknown dtype or tier, a fraction
-            outside [0, 1], ``offload_layers`` outside [0, n_layers), naming the argument.
+            outside [0, 1], ``offload_layers`` outside [0, n_layers), an MoE shape given in
+            part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of the
+            experts a token skips, naming the argument.
         TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``.
     """
     if model is not None and num_params is not None:
@@ -284,12 +382,16 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             n_heads = n_heads or getattr(cfg, "n_heads", None)
             vocab = getattr(cfg, "vocab", vocab)
             mlp_ratio = getattr(cfg, "mlp_ratio", mlp_ratio)
-    if num_params is None:
-        raise ValueError("plan: give the model size: num_params (e.g. 13e9) or a model")
-    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) \
-            or not num_params >= 1 or not math.isfinite(num_params):
+            n_experts = n_experts or getattr(cfg, "n_experts", None)
+            top_k = top_k or getattr(cfg, "top_k", None)
+            d_expert = d_expert or getattr(cfg, "d_expert", None)
+    moe = _moe_shape(n_experts, top_k, d_expert)
+    if num_params is None and not moe:
+        raise ValueError("plan: give the model size: num_params (e.g. 13e9), a model, or an MoE "
+                         "shape (n_experts, top_k, d_expert)")
+    if num_params is not None and (isinstance(num_params, bool) or not isinstance(
+            num_params, (int, float)) or not num_params >= 1 or not math.isfinite(num_params)):
         raise ValueError(f"plan: num_params={num_params!r} must be a positive number")
-    n = int(num_params)
     if n_layers is None or d_model is None:
         raise ValueError("plan: the activation estimate needs the shape: n_layers and d_model "
                          "(command line: --layers and --d-model, or --model-size)")
@@ -299,6 +401,20 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
                         ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth)):
         _positive_int(name, value)
+    n = active = None if num_params is None else int(num_params)
+    if moe:
+        from tiermem.models.moe import MoEConfig  # torch is loaded with tiermem already
+        # n_heads=1: heads do not change the count (and need not divide d_model here)
+        cfg = MoEConfig(n_layers=n_layers, d_model=d_model, n_heads=1, seq_len=seq,
+                        vocab=vocab, n_experts=n_experts, top_k=top_k, d_expert=d_expert)
+        n = cfg.num_params() if n is None else n
+        skipped = cfg.num_params() - cfg.active_params()  # the experts a token does not run
+        if n <= skipped:
+            raise ValueError(f"plan: num_params={num_params!r} is not above the {skipped:,} "
+                             f"parameters of the experts a token skips (n_layers x (n_experts - "
+                             f"top_k) experts of d_expert={d_expert}); give the total count, "
+                             f"or check n_experts and d_expert")
+        active = n - skipped
     if chunk_numel is not None:
         _positive_int("chunk_numel", chunk_numel)
     if isinstance(nvme_lookahead_chunks, bool) or not isinstance(nvme_lookahead_chunks, int) \
@@ -329,15 +445,21 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                          f"(the last block's activations stay on the GPU)")
 
     shape = dict(batch=batch, seq=seq, d_model=d_model, dtype_bytes=p)
-    per_block = activation_bytes_per_block(**shape, n_heads=n_heads, mlp_ratio=mlp_ratio,
-                                           eager_attention=eager_attention)
+    if moe:
+        per_block = moe_activation_bytes_per_block(**shape, n_heads=n_heads, top_k=top_k,
+                                                   d_expert=d_expert,
+                                                   eager_attention=eager_attention)
+    else:
+        per_block = activation_bytes_per_block(**shape, n_heads=n_heads, mlp_ratio=mlp_ratio,
+                                               eager_attention=eager_attention)
     block_input = batch * seq * d_model * p
     kept_per_block = block_input if checkpoint else per_block
     head = head_bytes(**shape, vocab=vocab)
     gpu_state_per_param = 8 + (4 if p != 4 else 0)
     off_state_per_param = 4 + 2 * m
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
-                  seq=seq, batch=batch, dtype=dtype, moments_dtype=moments_dtype,
+                  seq=seq, batch=batch, n_experts=n_experts, top_k=top_k, d_expert=d_expert,
+                  dtype=dtype, moments_dtype=moments_dtype,
                   checkpoint=checkpoint, activation_tier=activation_tier,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
                   host_reserve_bytes=host_reserve)
@@ -390,8 +512,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         reasons = [f"{t} needs {used[t] / GiB:,.1f} GiB, has {cap[t] / GiB:,.1f} GiB "
                    f"(over by {(used[t] - cap[t]) / GiB:,.1f} GiB)"
                    for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
-        return Plan(n, not reasons, f, tier, k, checkpoint, items, dict(cap), used, reasons,
-                    inputs=inputs)
+        return Plan(n, active, not reasons, f, tier, k, checkpoint, items, dict(cap), used,
+                    reasons, inputs=inputs)
 
     def gpu_fixed(k: int) -> int:
         return build(1.0, "cpu", k).used["gpu"]
@@ -515,7 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiermem plan",
         description="Say what must go where (GPU / pinned host RAM / NVMe) to train a GPT-style "
-                    "model, and whether it fits. Exit code 0: fits; 1: does not fit; 2: bad "
+                    "model (dense, or mixture of experts with --experts, --top-k and --d-expert), "
+                    "and whether it fits. Exit code 0: fits; 1: does not fit; 2: bad "
                     "usage. The memory model is documented in tiermem/plan.py and "
                     "docs/design.md.")
     size = p.add_mutually_exclusive_group()
@@ -523,13 +646,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a GPT preset (vocab 32000, seq 2048; 1b: 24x2048 micro-batch 8, "
                            "7b: 32x4096, 13b: 40x5120, 30b: 60x6656, 70b: 80x8192, batch 1)")
     size.add_argument("--params", type=_count, help="parameter count, e.g. 13e9 "
-                      "(needs --layers and --d-model)")
+                      "(needs --layers and --d-model; for an MoE all parameters, and optional: "
+                      "counted from the shape)")
     p.add_argument("--layers", type=int, help="transformer blocks")
     p.add_argument("--d-model", type=int, help="model width")
     p.add_argument("--heads", type=int, help="attention heads (eager attention only)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 2048)")
     p.add_argument("--batch", type=int, help="sequences per micro-batch (default: preset's, or 1)")
+    p.add_argument("--experts", type=int, help="MoE: experts per block (with --top-k, --d-expert)")
+    p.add_argument("--top-k", type=int, help="MoE: experts each token is routed to")
+    p.add_argument("--d-expert", type=int, help="MoE: hidden width of each expert's MLP")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="parameter dtype (default bf16)")
     p.add_argument("--moments-dtype", default="fp32", choices=["fp32", "bf16"],
@@ -568,9 +695,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:
-        if args.model_size is None and args.params is None:
-            raise ValueError("give the model: --model-size 1b|7b|13b|30b|70b, or --params N "
-                             "with --layers and --d-model")
+        moe = dict(n_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert)
+        is_moe = any(v is not None for v in moe.values())
+        if args.model_size is None and args.params is None and not is_moe:
+            raise ValueError("give the model: --model-size 1b|7b|13b|30b|70b, --params N "
+                             "with --layers and --d-model, or an MoE: --layers, --d-model, "
+                             "--experts, --top-k and --d-expert")
         shape = PRESETS.get(args.model_size)
         kw = dict(
             n_layers=args.layers or (shape.n_layers if shape else None),
@@ -584,11 +714,14 @@ def main(argv: list[str] | None = None) -> int:
             host_reserve_bytes=args.host_reserve, offload_fraction=args.offload_fraction,
             state_tier=args.state_tier, offload_layers=args.offload_layers,
             activation_tier=args.activation_tier, checkpoint=args.checkpoint,
-            prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention)
+            prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention, **moe)
         if shape is not None:
             if args.layers or args.d_model:
                 raise ValueError("--model-size sets the shape; use --params with --layers and "
                                  "--d-model for another shape")
+            if is_moe:
+                raise ValueError("--model-size is a dense GPT preset; for an MoE give --layers, "
+                                 "--d-model, --experts, --top-k and --d-expert instead")
             n = dataclasses.replace(shape, vocab=kw["vocab"], seq_len=kw["seq"]).num_params()
         else:
             n = args.params
