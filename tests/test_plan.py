@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 
 import pytest
 import torch
@@ -310,3 +312,19 @@ def test_command_sizes_an_moe(capsys):
     assert "--model-size is a dense GPT preset" in capsys.readouterr().err
     assert main(["--layers", "2", "--d-model", "64", "--experts", "8"]) == 2
     assert "top_k, d_expert missing" in capsys.readouterr().err
+
+
+def test_sizing_doc_moe_example_is_what_the_command_prints(capsys):
+    """docs/sizing.md pastes a ``tiermem plan`` run for an MoE: the command, run now, prints
+    exactly the pasted output; the dense model of its active size it compares with fits the GPU
+    alone."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text()
+    block = re.search(r"```\n\$ tiermem plan (.*?)\n(.*?)```", text, re.S)
+    assert block, "docs/sizing.md lost its MoE `tiermem plan` example"
+    argv = block.group(1).split()
+    assert "--experts" in argv
+    assert main(argv) == 0
+    assert capsys.readouterr().out == block.group(2)
+    dense = re.search(r"`tiermem plan (--params [^`]*)`: 0 % offloaded", text)
+    assert dense and main(dense.group(1).split()) == 0
+    assert "optimizer state 0% off the GPU" in capsys.readouterr().out
