@@ -2,86 +2,126 @@
 
 Plans first (``tiermem.plan.plan``) and exits 1 with the planner's reasons if the run does not
 fit the given budgets; then builds the model on the meta device, materialises it module by
-module in bf16 on the GPU (never a dense fp32 copy), keeps fp32 masters and moments off the GPU
-in a TierStore (pinned RAM, NVMe, or split between them), checkpoints every block, accumulates
-gradients, and prints per step: loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes
-and a breakdown: GPU compute (forward + backward, CUDA events), PCIe bytes, CPU Adam seconds,
-NVMe read/write bytes and the stall (``step()`` waiting for the CPU side).
+module in ``train.dtype`` on the GPU (bf16 in the presets; never a dense fp32 copy), keeps fp32
+masters and moments off the GPU in a TierStore (pinned RAM, NVMe, or split between them),
+checkpoints every block (``train.checkpoint``), accumulates gradients, and prints per step:
+loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes and a breakdown: GPU compute
+(forward + backward, CUDA events), PCIe bytes, CPU Adam seconds, NVMe read/write bytes and the
+stall (``step()`` waiting for the CPU side).
 
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
+
+The preset is read by the config classes (:data:`SECTIONS`; the YAML dialect of
+docs/configuration.md, shared with ``tiermem demo``): ``model`` (GPTConfig), ``train``
+(TrainConfig: the fields in :data:`LOOP_FIELDS`), ``budgets`` (BudgetConfig, the planner's
+capacities), ``store`` (StoreConfig; its device follows ``train.device``) and ``optimizer``
+(OptimizerConfig: HybridAdam's arguments). Unknown sections and fields are refused.
 
 Activations: every block is checkpointed, so only block inputs stay (seq·d_model·2 bytes a
 block, 0.02 GB at 13B); offloading them (``tiermem.offload``) would save under 1 GB here.
 
 Exit code: 0 trained (or, with ``--dry-run``, the plan fits), 1 the plan does not fit, 2 bad
-usage: a config that cannot be read or lacks a field, or a CUDA preset on a machine without
-CUDA (one line on stderr; ``--dry-run`` still plans there, ``--tiny`` trains a tiny model on
-the CPU). A missing spill directory is created with mode 0700.
+usage: a config that cannot be read, lacks a section, has an unknown section or field or a bad
+value, or a CUDA preset on a machine without CUDA (one line on stderr; ``--dry-run`` still
+plans there, ``--tiny`` trains a tiny model on the CPU). A missing spill directory is created
+with mode 0700.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
-from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
-from tiermem.config import parse_bytes  # noqa: E402
+from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig, from_tree,  # noqa: E402
+                            load_config)
 from tiermem.models import materialize_  # noqa: E402
+from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
-from tiermem.plan import plan  # noqa: E402
+from tiermem.plan import H200_HOST_BYTES, plan  # noqa: E402
 
+SECTIONS = {"model": GPTConfig, "train": TrainConfig, "budgets": BudgetConfig,
+            "store": StoreConfig, "optimizer": OptimizerConfig}
+"""The preset's sections (all required) and the config classes they are read into."""
+LOOP_FIELDS = ("steps", "micro_batch", "grad_accumulation_steps", "dtype", "device", "seed",
+               "checkpoint")
+"""The ``train`` fields this loop uses (the others belong to ``tiermem demo``'s loop)."""
+PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+"""Canonical dtype name -> tiermem.plan's spelling (its notes compare moments against "fp32")."""
 TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
-        "train": dict(steps=2, micro_batch=2, grad_accumulation_steps=2, device="cpu"),
+        "train": dict(steps=2, micro_batch=2, grad_accumulation_steps=2, device="cpu",
+                      dtype="float32"),
         "budgets": dict(gpu_bytes="4GiB", host_bytes="16GiB", nvme_bytes="1GiB"),
         "store": dict(cpu_bytes="2.5MiB", nvme_bytes="64MiB", pool_slab_bytes="768KiB"),
         "optimizer": dict(chunk_numel=1 << 14, offload_fraction=1.0)}  # RAM + NVMe both used
 
 
-def load(path: str, tiny: bool) -> dict:
-    """Read the preset and check it has the sections the run needs.
+def load(path: str, tiny: bool = False, nvme_dir: str | None = None) -> dict:
+    """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values
+    and ``--nvme-dir`` applied first.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
-        ValueError: it is not a mapping, or lacks a section or field (named in the message).
+        ValueError, TypeError: it is not a mapping, lacks a section, has an unknown section or
+            field, a ``train`` field this loop does not use, or a bad value (named in the
+            message).
     """
-    cfg = yaml.safe_load(Path(path).read_text())
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--config={path!r} must hold a YAML mapping of sections (model, train, "
-                         f"optimizer, budgets, store), got {type(cfg).__name__}")
-    if tiny:
-        for section, values in TINY.items():
-            cfg.setdefault(section, {}).update(values)
+    where = f"--config={path!r}"
+    tree = load_config(path)
+    for section, values in (TINY if tiny else {}).items():
+        if isinstance(tree.get(section), dict):
+            tree[section].update(values)
+    if nvme_dir is not None and isinstance(tree.get("store"), dict):
+        tree["store"]["nvme_dir"] = nvme_dir
+    cfg = from_tree(tree, SECTIONS, required=tuple(SECTIONS), where=where)
+    default = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg["train"], f.name)
+        if f.name not in LOOP_FIELDS and value != getattr(default, f.name):
+            raise ValueError(f"{where}: train.{f.name}={value!r} belongs to tiermem demo's loop "
+                             f"and is not used here; fix: remove it (this loop reads train."
+                             f"{', train.'.join(LOOP_FIELDS)})")
     return cfg
 
 
+def optimizer_kwargs(cfg: dict, store: TierStore | None) -> dict:
+    """HybridAdam's keyword arguments for the preset ``cfg`` (see :func:`load`) and ``store``.
+
+    Raises:
+        ValueError: optimizer.grad_accumulation_steps set apart from train's, or
+            optimizer.nvme_dir set (the store has store.nvme_dir).
+    """
+    return cfg["optimizer"].kwargs(store=store,
+                                   grad_accumulation_steps=cfg["train"].grad_accumulation_steps)
+
+
 def make_plan(cfg: dict):
-    m, t, o, b = cfg["model"], cfg["train"], cfg["optimizer"], cfg["budgets"]
-    moments = o.get("moments_dtype", "fp32")
-    tier = o.get("state_tier", "cpu")
-    host = parse_bytes(b["host_bytes"], "budgets.host_bytes")
-    cpu = parse_bytes(cfg.get("store", {}).get("cpu_bytes", host), "store.cpu_bytes")
-    if cpu > host:
-        raise ValueError(f"store.cpu_bytes={cpu} is more than budgets.host_bytes={host}: the "
-                         f"pinned budget must leave RAM for the OS and Python; lower it")
-    return plan(GPTConfig(**m).num_params(), n_layers=m["n_layers"], d_model=m["d_model"],
-                n_heads=m["n_heads"], vocab=m["vocab"], seq=m["seq_len"], batch=t["micro_batch"],
-                dtype="bf16", moments_dtype=moments, gpu_bytes=b["gpu_bytes"],
-                host_bytes=b["host_bytes"], nvme_bytes=b["nvme_bytes"],
-                offload_fraction=o.get("offload_fraction"),
-                state_tier=tier, checkpoint=True,
-                host_reserve_bytes=max(8 << 30, host - cpu),  # RAM = the store's pinned budget
-                chunk_numel=o.get("chunk_numel", 1 << 22))
+    """Plan the preset ``cfg`` (see :func:`load`) with :func:`tiermem.plan.plan`.
+
+    Raises:
+        ValueError: store.cpu_bytes larger than budgets.host_bytes, or what the planner refuses.
+    """
+    m, t, b, s, o = (cfg[k] for k in SECTIONS)
+    host = b.host_bytes if b.host_bytes is not None else H200_HOST_BYTES
+    if s.cpu_bytes > host:
+        raise ValueError(f"store.cpu_bytes={s.cpu_bytes} is more than budgets.host_bytes={host}: "
+                         f"the pinned budget must leave RAM for the OS and Python; lower it")
+    return plan(m.num_params(), n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+                vocab=m.vocab, seq=m.seq_len, batch=t.micro_batch, mlp_ratio=m.mlp_ratio,
+                dtype=PLAN_DTYPE[t.dtype], moments_dtype=PLAN_DTYPE[o.moments_dtype], **b.kwargs(),
+                offload_fraction=o.offload_fraction, state_tier=o.state_tier,
+                checkpoint=t.checkpoint,
+                host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
+                chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks)
 
 
 class _GpuTimer:
@@ -111,24 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="only plan; exit 0 fits, 1 does not")
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps")
-    ap.add_argument("--nvme-dir", default=None, help="spill directory (default: config/tmp)")
+    ap.add_argument("--nvme-dir", default=None,
+                    help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
     args = ap.parse_args(argv)
     try:
-        cfg = load(args.config, args.tiny)
+        cfg = load(args.config, args.tiny, args.nvme_dir)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",
               file=sys.stderr)
         return 2
-    except KeyError as exc:
-        print(f"train_large: error: --config={args.config!r} lacks {exc.args[0]!r} (sections: "
-              f"model, train, optimizer, budgets, store); fix: add it (see "
-              f"examples/configs/large/)", file=sys.stderr)
-        return 2
     except (ValueError, TypeError) as exc:
         print(f"train_large: error: {exc}", file=sys.stderr)
         return 2
-    device_name = str(cfg["train"].get("device", "cuda"))
+    m, t, s = cfg["model"], cfg["train"], cfg["store"]
+    device_name = t.device if t.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
     if not args.dry_run and device_name.startswith("cuda") and not torch.cuda.is_available():
         print(f"train_large: error: train.device={device_name!r} in {args.config} but CUDA is "
               f"not available here; fix: run on a CUDA machine, or --dry-run to only plan, or "
@@ -142,47 +180,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("train_large: the plan fits (dry run, nothing trained)")
         return 0
-    m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
     device = torch.device(device_name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    accum = int(t.get("grad_accumulation_steps", 1))
-    steps = args.steps or int(t.get("steps", 5))
-    torch.manual_seed(int(t.get("seed", 0)))
-    mcfg = GPTConfig(**m)
+    dtype = getattr(torch, t.dtype)
+    accum = t.grad_accumulation_steps
+    steps = args.steps or t.steps
+    torch.manual_seed(t.seed)
     t0 = time.perf_counter()
     with torch.device("meta"):
-        model = GPT(mcfg, checkpoint=True)
+        model = GPT(m, checkpoint=t.checkpoint)
     materialize_(model, device, dtype, init_device=device)  # GPU RNG: ~100x the CPU's
     n = sum(p.numel() for p in model.parameters())
     print(f"train_large: {n / 1e9:.3f}B params materialised on {device} in {dtype} "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    s = cfg.get("store", {})
-    nvme_dir = args.nvme_dir or s.get("nvme_dir") or tempfile.mkdtemp(prefix="tiermem-large-")
-    nvme_bytes = parse_bytes(s.get("nvme_bytes", 0), "store.nvme_bytes")
-    if nvme_bytes:
+    if s.nvme_bytes:
         try:
-            make_private_dir(nvme_dir, "--nvme-dir" if args.nvme_dir else "store.nvme_dir",
+            make_private_dir(s.nvme_dir, "--nvme-dir" if args.nvme_dir else "store.nvme_dir",
                              log=print)
         except ValueError as exc:
             print(f"train_large: error: {exc}", file=sys.stderr)
             return 2
-    store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=s["cpu_bytes"], nvme_bytes=nvme_bytes,
-                                  nvme_dir=nvme_dir if nvme_bytes else None, device=str(device),
-                                  pool_slab_bytes=s.get("pool_slab_bytes", "256MiB")))
-    moments = torch.bfloat16 if o.get("moments_dtype", "fp32") == "bf16" else torch.float32
+    store = TierStore(dataclasses.replace(s, device=str(device)))
     t_opt = time.perf_counter()
-    opt = HybridAdam(model.parameters(), lr=float(o.get("lr", 3e-4)), weight_decay=0.1,
-                     offload_fraction=pl.offload_fraction if o.get("offload_fraction") is None
-                     else float(o["offload_fraction"]),
-                     state_tier=o.get("state_tier", "cpu"), store=store,
-                     chunk_numel=int(o.get("chunk_numel", 1 << 22)),
-                     grad_accumulation_steps=accum, moments_dtype=moments,
-                     max_grad_norm=o.get("max_grad_norm"))
+    opt = HybridAdam(model.parameters(), **optimizer_kwargs(cfg, store))
     print(f"train_large: HybridAdam built in {time.perf_counter() - t_opt:.1f} s; offloaded "
           f"chunks per tier {opt.chunk_tiers()}", flush=True)
-    b, seq = int(t["micro_batch"]), mcfg.seq_len
+    b, seq = t.micro_batch, m.seq_len
     gen = torch.Generator().manual_seed(1)
-    data = torch.randint(0, mcfg.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
+    data = torch.randint(0, m.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
     for step in range(steps):
         t_step = time.perf_counter()
         total, gpu_s = 0.0, 0.0
