@@ -78,6 +78,10 @@ Note [offload rules] (referred to from code and tests):
    ``activation_offloading``, as Megatron-Core marks them) is offloaded even inside a block
    the policy keeps. Entered while another offloader is active, a region opens on that one
    (its store, its prefetch); alone it installs its own hooks. Rules 1-9 apply unchanged.
+11. *CUDA graphs.* A tensor saved while the current stream captures a CUDA graph raises
+   ``RuntimeError`` (Note [cuda graphs] in tiermem/_graphs.py): a replay would skip the
+   store's copies. Keep graphed modules (``torch.cuda.make_graphed_callables``) out of the
+   blocks and regions; the blocks around them offload as usual.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ from typing import Any, ClassVar, Hashable
 import torch
 from torch import nn
 
+from tiermem._graphs import refuse_capture
 from tiermem.config import StoreConfig
 from tiermem.names import OFFLOAD_TIERS, check_bool, check_choice, check_int
 from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
@@ -818,6 +823,9 @@ class ActivationOffloader:
         """Move ``handle``'s storage into the store as part of ``group`` (or share an existing
         key); keep no reference to the device tensor."""
         t = handle.tensor
+        refuse_capture("offload_activations", "saving a tensor to offload",
+                       "keep graphed modules out of the offloaded blocks and regions "
+                       "(Note [offload rules], rule 11)", t)
         storage = t.untyped_storage()
         dkey = (storage.data_ptr(), t._version)
         rec = self._by_storage.get(dkey)
