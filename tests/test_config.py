@@ -1,19 +1,28 @@
-"""tiermem.config: byte sizes, dotted overrides, YAML loading, section dataclasses and errors."""
+"""tiermem.config and tiermem.names: byte sizes, dotted overrides, YAML loading, section
+dataclasses, the shared vocabulary (dtype spellings, tiers) and errors."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib.util
 import inspect
 import pathlib
 import re
 
 import pytest
 import torch
+import yaml
 
-from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
-                            apply_overrides, from_dict, load_config, parse_bytes)
+from models import TinyGPT, make_batch
+from tiermem.config import (ActivationConfig, BudgetConfig, OptimizerConfig, StoreConfig,
+                            TrainConfig, apply_overrides, from_dict, from_tree, from_yaml,
+                            load_config, parse_bytes)
+from tiermem.names import check_bool, check_int, dtype_name, parse_dtype
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+LARGE_PRESETS = sorted((ROOT / "examples" / "configs" / "large").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -102,10 +111,26 @@ def test_store_config_errors_name_the_field_and_the_fix():
     (OptimizerConfig, {"offload_fraction": "half"}, TypeError, "optimizer.offload_fraction must be a number"),
     (OptimizerConfig, {"betas": [0.9, 1.0]}, ValueError, "optimizer.betas[1]=1.0 must be < 1.0"),
     (OptimizerConfig, {"betas": [0.9]}, ValueError, "optimizer.betas=[0.9] must be two numbers"),
-    (OptimizerConfig, {"state_tier": "disk"}, ValueError, "optimizer.state_tier='disk' is not one of"),
+    (OptimizerConfig, {"state_tier": "disk"}, ValueError,
+     "optimizer.state_tier='disk' is not one of 'cpu', 'nvme', 'split'; cpu is pinned RAM"),
     (OptimizerConfig, {"chunk_numel": 10}, ValueError, "optimizer.chunk_numel=10 must be an int >= 1024 (elements); or null"),
-    (OptimizerConfig, {"max_grad_norm": 0}, ValueError, "optimizer.max_grad_norm=0 must be > 0.0"),
+    (OptimizerConfig, {"max_grad_norm": 0}, ValueError, "optimizer.max_grad_norm=0 must be > 0.0; or null"),
     (OptimizerConfig, {"moments_dtype": "int8"}, ValueError, "optimizer.moments_dtype='int8'"),
+    (OptimizerConfig, {"moments_dtype": "fp16"}, ValueError,
+     "optimizer.moments_dtype='fp16' is not a supported dtype; use one of float32, fp32, "
+     "torch.float32, bfloat16, bf16, torch.bfloat16"),
+    (OptimizerConfig, {"grad_accumulation_steps": 0}, ValueError,
+     "optimizer.grad_accumulation_steps=0 must be an int >= 1"),
+    (OptimizerConfig, {"adamw": "yes"}, ValueError, "optimizer.adamw='yes' is not one of True, False"),
+    (OptimizerConfig, {"overlap": 1}, ValueError, "optimizer.overlap=1 is not one of True, False"),
+    (OptimizerConfig, {"data_parallel": "on"}, ValueError, "optimizer.data_parallel='on'"),
+    (OptimizerConfig, {"bucket_numel": 0}, ValueError, "optimizer.bucket_numel=0 must be an int >= 1"),
+    (OptimizerConfig, {"param_sync": "later"}, ValueError,
+     "optimizer.param_sync='later' is not one of 'step', 'forward'"),
+    (OptimizerConfig, {"placement": "random"}, ValueError,
+     "optimizer.placement='random' is not one of 'trace', 'given'"),
+    (OptimizerConfig, {"gpu_step_fraction": 2}, ValueError, "optimizer.gpu_step_fraction=2 is outside [0.0, 1.0]"),
+    (OptimizerConfig, {"cpu_threads": 1.5}, TypeError, "optimizer.cpu_threads must be an int >= 1 (threads), got float 1.5"),
     (ActivationConfig, {"num_layers": -1}, ValueError, "activations.num_layers=-1 must be an int >= 0 (blocks)"),
     (ActivationConfig, {"prefetch_depth": 0}, ValueError, "activations.prefetch_depth=0 must be an int >= 1 (layers)"),
     (ActivationConfig, {"double_buffering": True, "prefetch_depth": 2}, ValueError,
@@ -120,10 +145,16 @@ def test_store_config_errors_name_the_field_and_the_fix():
     (TrainConfig, {"dtype": "float16"}, ValueError, "train.dtype='float16' is not a supported dtype; use one of float32, fp32"),
     (TrainConfig, {"device": "tpu"}, ValueError, "train.device='tpu' is not 'auto'"),
     (TrainConfig, {"tolerance": -1}, ValueError, "train.tolerance=-1 must be >= 0.0"),
+    (StoreConfig, {"io_backend": "tape"}, ValueError,
+     "StoreConfig.io_backend='tape' is not one of 'auto', 'posix', 'kvikio', 'aiofiles'; auto is posix"),
+    (StoreConfig, {"pin_memory": 1}, ValueError, "StoreConfig.pin_memory=1 is not one of True, False, 'auto'"),
+    (StoreConfig, {"io_threads": 0}, ValueError, "StoreConfig.io_threads=0 must be an int >= 1 (threads)"),
+    (BudgetConfig, {"host_bytes": "lots"}, ValueError, "budgets.host_bytes='lots' is not a byte size"),
 ])
 def test_section_configs_reject_bad_values(cls, kwargs, exc, message):
-    with pytest.raises(exc, match=re.escape(message)):
+    with pytest.raises(exc, match=re.escape(message)) as err:
         cls(**kwargs)
+    assert "\n" not in str(err.value)  # one line
 
 
 def test_section_kwargs_match_the_apis_they_feed():
@@ -178,3 +209,151 @@ def test_parse_bytes_rejects_non_finite_values_naming_the_field(value):
     with pytest.raises(ValueError, match=re.escape(f"StoreConfig.cpu_bytes={value!r} is not a "
                                                    f"finite byte size")):
         parse_bytes(value, "StoreConfig.cpu_bytes")
+
+
+# ------------------------------------------------------------------ one vocabulary (issue 18.4)
+
+def test_state_tier_split_is_accepted_and_passed_on():
+    assert OptimizerConfig(state_tier="split").kwargs()["state_tier"] == "split"
+
+
+@pytest.mark.parametrize("spelling, name", [
+    ("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("torch.bfloat16", "bfloat16"),
+    ("BF16", "bfloat16"), (torch.bfloat16, "bfloat16"),
+    ("fp32", "float32"), ("float32", "float32"), ("torch.float32", "float32"),
+    (" FP32 ", "float32"), (torch.float32, "float32"),
+])
+def test_every_dtype_spelling_means_the_same_dtype(spelling, name):
+    opt = OptimizerConfig(moments_dtype=spelling)
+    assert opt.moments_dtype == name  # kept canonical: YAML written back uses one spelling
+    assert opt.kwargs()["moments_dtype"] is getattr(torch, name)
+    assert TrainConfig(dtype=spelling).dtype == name
+    assert dtype_name("x.", "f", spelling) == name
+    assert parse_dtype("x.", "f", spelling) is getattr(torch, name)
+
+
+@pytest.mark.parametrize("value", ["fp16", torch.float16, "int8", 3, None])
+def test_unsupported_dtypes_name_the_field_and_the_spellings(value):
+    with pytest.raises(ValueError, match=re.escape(f"HybridAdam: moments_dtype={value!r} is not "
+                                                   f"a supported dtype; use one of float32")):
+        parse_dtype("HybridAdam: ", "moments_dtype", value)
+
+
+def test_choices_match_bools_only_by_identity_and_ints_by_type():
+    assert check_bool("x.", "f", True) is True
+    for bad in (1, 0, "true", None):
+        with pytest.raises(ValueError, match=r"x.f=.* is not one of True, False; write true"):
+            check_bool("x.", "f", bad)
+    with pytest.raises(TypeError, match=r"x.f must be an int >= 1 \(threads\), got bool True"):
+        check_int("x.", "f", True, unit="threads")
+
+
+def test_unknown_keys_are_refused_naming_the_key_and_listing_the_valid_ones(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer: {moment_dtype: bf16}\n")
+    with pytest.raises(ValueError) as err:
+        from_yaml(path, {"optimizer": OptimizerConfig})
+    msg = str(err.value)
+    assert msg.startswith("unknown field(s) optimizer.moment_dtype; valid fields of optimizer: ")
+    for field in ("moments_dtype", "state_tier", "grad_accumulation_steps", "placement"):
+        assert field in msg
+    with pytest.raises(ValueError, match=r"unknown section\(s\) optimiser; valid sections: "
+                                         r"optimizer, store"):
+        from_tree({"optimiser": {}}, {"optimizer": OptimizerConfig, "store": StoreConfig})
+    with pytest.raises(ValueError, match=r"the config lacks 'store' \(sections: optimizer, "
+                                         r"store\); fix: add it"):
+        from_tree({"optimizer": {}}, {"optimizer": OptimizerConfig, "store": StoreConfig},
+                  required=("store",))
+    with pytest.raises(TypeError, match="section 'optimizer' must be a mapping of fields"):
+        from_tree({"optimizer": [1]}, {"optimizer": OptimizerConfig})
+
+
+def test_from_yaml_builds_every_section_with_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("store: {cpu_bytes: 1GiB}\noptimizer: {state_tier: split, "
+                    "moments_dtype: bf16}\n")
+    cfg = from_yaml(path, {"store": StoreConfig, "optimizer": OptimizerConfig,
+                           "budgets": BudgetConfig}, ["optimizer.lr=0.5"])
+    assert cfg["store"].cpu_bytes == 1 << 30
+    assert (cfg["optimizer"].state_tier, cfg["optimizer"].moments_dtype,
+            cfg["optimizer"].lr) == ("split", "bfloat16", 0.5)
+    assert cfg["budgets"] == BudgetConfig() and cfg["budgets"].kwargs() == {}
+
+
+def test_optimizer_kwargs_take_the_runtime_arguments_and_refuse_conflicts():
+    store = object()
+    kw = OptimizerConfig().kwargs(store=store, grad_accumulation_steps=3)
+    assert kw["store"] is store and kw["grad_accumulation_steps"] == 3
+    assert "grad_accumulation_steps" not in OptimizerConfig().kwargs()  # HybridAdam's default
+    assert OptimizerConfig(grad_accumulation_steps=3).kwargs(grad_accumulation_steps=3)[
+        "grad_accumulation_steps"] == 3
+    with pytest.raises(ValueError, match=r"optimizer.grad_accumulation_steps=2 but the training "
+                                         r"loop runs 4 .*fix: set it in one place"):
+        OptimizerConfig(grad_accumulation_steps=2).kwargs(grad_accumulation_steps=4)
+    with pytest.raises(ValueError, match=r"optimizer.nvme_dir='/ssd' is for HybridAdam's private "
+                                         r"store, but a store is given; fix: set store.nvme_dir"):
+        OptimizerConfig(nvme_dir="/ssd").kwargs(store=store)
+
+
+def test_optimizer_config_covers_every_hybrid_adam_argument():
+    """Every HybridAdam argument but params and the runtime objects is a field."""
+    from tiermem.optim import HybridAdam
+    fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    runtime = {"params", "store", "process_group"}
+    assert fields == set(inspect.signature(HybridAdam).parameters) - runtime
+
+
+def _train_large():
+    spec = importlib.util.spec_from_file_location("train_large",
+                                                  ROOT / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("preset", LARGE_PRESETS, ids=lambda p: p.stem)
+def test_large_preset_loads_and_trains_a_tiny_model_with_its_hybrid_adam_kwargs(preset, tmp_path):
+    """Each examples/configs/large preset goes through the config classes; the HybridAdam
+    kwargs the example builds carry the preset's values, and a HybridAdam made from them trains
+    a tiny model on the CPU (float32 moments: as torch's AdamW with clipping does)."""
+    from tiermem import TierStore
+    from tiermem.optim import HybridAdam
+    assert len(LARGE_PRESETS) == 3
+    example = _train_large()
+    cfg = example.load(str(preset))
+    raw = yaml.safe_load(preset.read_text())
+    store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes="40MiB", nvme_bytes="64MiB",
+                                  nvme_dir=str(tmp_path), device="cpu", pool_slab_bytes="8MiB"))
+    kw = example.optimizer_kwargs(cfg, store)
+    o = raw["optimizer"]
+    assert kw["store"] is store and kw["state_tier"] == o["state_tier"] == "split"
+    assert kw["grad_accumulation_steps"] == raw["train"]["grad_accumulation_steps"]
+    assert kw["moments_dtype"] is {"float32": torch.float32,
+                                   "bfloat16": torch.bfloat16}[o["moments_dtype"]]
+    assert kw["betas"] == tuple(o["betas"])
+    for name in ("lr", "offload_fraction", "chunk_numel", "max_grad_norm"):
+        assert kw[name] == o[name], name
+    assert set(kw) - {"store"} <= {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    accum = kw["grad_accumulation_steps"]
+    opt = HybridAdam(model.parameters(), **{**kw, "offload_fraction": 0.5})  # both sides used
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=kw["lr"], betas=kw["betas"],
+                                  eps=kw["eps"], weight_decay=kw["weight_decay"], fused=True)
+    for step in range(2):
+        for m, o_ in ((model, opt), (ref, torch_opt)):
+            for micro in range(accum):
+                idx, tgt = make_batch(step * accum + micro)
+                (m(idx, tgt)[1] / accum).backward()
+            if o_ is torch_opt:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["max_grad_norm"])
+            o_.step()
+            o_.zero_grad(set_to_none=True)
+    # bf16 moments are rounded after each update: 1e-6 measured here, against updates of ~8e-4
+    tol = 1e-6 if kw["moments_dtype"] is torch.float32 else 1e-5
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
+    opt.close()
+    store.close()
