@@ -43,8 +43,7 @@ import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama)
-from tiermem.offload import offload_activations
-from tiermem.offload.activations import ActivationOffloader
+from tiermem.offload import ActivationOffloader, offload_activations
 from tiermem.optim import HybridAdam
 
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     shape = SHAPES[args.preset]
     print(f"model: LlamaForCausalLM '{args.preset}' ({shape.layers} layers, hidden "
-          f"{shape.hidden}), LoRA rank {args.rank} on {', '.join(('q', 'k', 'v', 'o', 'gate', 'up', 'down'))}; "
+          f"{shape.hidden}), LoRA rank {args.rank} on q, k, v, o, gate, up, down; "
           f"{args.steps} steps of {args.batch} x {args.seq} tokens on {device}"
           f"{', checkpointing every layer' if args.checkpoint else ''}")
     if args.no_offload:
