@@ -175,7 +175,7 @@ def test_configuration_doc_lists_every_parameter():
     from tiermem.optim import HybridAdam
     text = (DOCS / "configuration.md").read_text()
     names = {f.name for cls in (StoreConfig, OptimizerConfig, ActivationConfig, TrainConfig,
-                                GPTConfig) for f in dataclasses.fields(cls)}
+                                BudgetConfig, GPTConfig) for f in dataclasses.fields(cls)}
     names |= set(inspect.signature(HybridAdam).parameters) - {"params"}
     names |= set(inspect.signature(offload_activations).parameters) - {"blocks"}
     missing = sorted(n for n in names if f"`{n}`" not in text)
