@@ -14,7 +14,7 @@ import torch
 
 from models import TinyGPT, make_batch
 from tiermem import StoreConfig, TierStore
-from tiermem.optim.hybrid_adam import _GRAD_SLOTS, _OUT_SLOTS
+from tiermem.optim.layout import GRAD_SLOTS, OUT_SLOTS
 from tiermem.optim import HybridAdam
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +37,8 @@ def _split_store(tmp_path, ram_chunks):
     (+ most of a chunk: the slabs fragment)."""
     torch.manual_seed(0)
     chunk_bytes = 4 * 3 * CHUNK
-    # the fp32 gradient and param-out rings (tiermem.optim.hybrid_adam._GRAD_SLOTS, _OUT_SLOTS)
-    buffers = 4 * (_GRAD_SLOTS + _OUT_SLOTS) * CHUNK
+    # the fp32 gradient and param-out rings (tiermem.optim.layout.GRAD_SLOTS, OUT_SLOTS)
+    buffers = 4 * (GRAD_SLOTS + OUT_SLOTS) * CHUNK
     staging = chunk_bytes * (2 + 3)
     cpu = buffers + staging + ram_chunks * chunk_bytes + chunk_bytes - 4096  # slab slack
     return TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=cpu, nvme_bytes="8MiB",
@@ -64,7 +64,7 @@ def test_split_tier_matches_adamw_and_keeps_the_last_stepped_chunks_in_ram(tmp_p
     # RAM holds the chunks stepped last: the first layers with overlap, the last without
     ram = list(range(n_ram)) if overlap else list(range(n_chunks - n_ram, n_chunks))
     nvme = [c for c in range(n_chunks) if c not in ram]
-    assert sorted(c for gi, c in opt._nvme_chunks) == nvme
+    assert sorted(c for gi, c in opt._layout.nvme_chunks) == nvme
 
     def check_tiers():
         tiers = [store.tier_of(k) for k in g.chunk_keys]

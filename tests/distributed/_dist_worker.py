@@ -158,7 +158,7 @@ def run_errors(rank, world, outdir, device):
     if rank == 1:
         def fail(*args):
             raise OSError("disk gone")
-        opt._step_chunk = fail
+        opt._worker._step_chunk = fail
     idx, tgt = make_batch(0)
     model(idx.to(device), tgt.to(device))[1].backward()
     try:

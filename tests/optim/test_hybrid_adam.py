@@ -259,7 +259,7 @@ def test_a_failing_gpu_lane_chunk_fails_the_step_and_releases_its_state(monkeypa
         calls.append(1)
         raise OSError("lane kernel failed")
 
-    monkeypatch.setattr(opt, "_fused_runs", broken)
+    monkeypatch.setattr(opt._lane, "_fused_runs", broken)
     with pytest.raises(RuntimeError, match="lane kernel failed"):
         train(model, opt, 1, accum=1)
     assert calls

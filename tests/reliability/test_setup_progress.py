@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiermem._log as log_mod
-import tiermem.optim.hybrid_adam as ha
+import tiermem.optim.layout as layout
 from tiermem.optim import HybridAdam
 
 
@@ -32,9 +32,9 @@ def test_state_setup_progress_bar(monkeypatch, tmp_path, big, terminal, shown):
     err = _Terminal() if terminal else io.StringIO()
     monkeypatch.setattr("sys.stderr", err)
     if big:
-        monkeypatch.setattr(ha, "_PROGRESS_MIN_BYTES", 0)  # as if the state were >= 1 GiB
+        monkeypatch.setattr(layout, "_PROGRESS_MIN_BYTES", 0)  # as if the state were >= 1 GiB
     bars = []
-    monkeypatch.setattr(ha, "progress", lambda *a, **k: bars.append(log_mod.progress(*a, **k))
+    monkeypatch.setattr(layout, "progress", lambda *a, **k: bars.append(log_mod.progress(*a, **k))
                         or bars[-1])
     opt = _build()
     opt.close()

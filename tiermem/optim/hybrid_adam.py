@@ -79,8 +79,9 @@ Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the 
 Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
 
 Note [lifetime]: nothing long-lived refers to the optimizer strongly. The CPU worker thread
-waits for work through a weak reference (it holds the optimizer only while it steps a chunk),
-and the gradient and forward hooks call it through weak references, so dropping the last
+waits for work through a weak reference to its chunk worker (which it holds only while it steps
+a chunk, and which holds no reference to the optimizer), and the gradient and forward hooks call
+it through weak references, so dropping the last
 reference collects it even while the model lives on. Its ``weakref.finalize`` (also run by
 ``close()`` and at interpreter exit) stops the worker, removes the hooks, releases held RAM
 chunks and closes a private store, which removes its spill directory and I/O threads. In a
@@ -90,111 +91,27 @@ child forked from the process that made it, ``step()``, ``state_dict()`` and
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
 import os
 import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from contextlib import nullcontext as _nullcontext
 from typing import Any, Iterable
 
 import torch
 
-from tiermem._log import logger, progress
-from tiermem.config import StoreConfig
 from tiermem.optim import distributed as _dist
-from tiermem.optim.cpu_adam import adam_step_unchecked
-from tiermem.optim.partition import Chunk, GroupPlan, auto_chunk_numel, plan_group
-from tiermem.store.pool import round_up
-from tiermem.store.store import TierFullError, TierStore
+from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
+from tiermem.optim.gpu_lane import GpuLane, fused_adam_
+from tiermem.optim.layout import Group, StateLayout, local_view, private_store
+from tiermem.optim.partition import auto_chunk_numel, plan_group
+from tiermem.optim.read_ahead import ReadAhead
+from tiermem.optim.state_dict import param_states, scatter
+from tiermem.optim.step_state import StepState, new_stats
+from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
-
-
-_OUT_SLOTS = 4
-"""Chunk-sized pinned buffers the CPU step writes updated params into before their H2D copy:
-a ring, so param staging costs 4 chunks instead of 2 bytes per offloaded bf16 param."""
-
-_LANE_SLOTS = 3
-"""Device slots of the GPU lane (Note [gpu lane]): one chunk's state loading, one stepping, one
-writing back."""
-
-_GRAD_SLOTS = 2
-"""Chunk-sized pinned buffers a chunk's gradients are copied into just before it steps: the one
-being stepped and the next one's copy in flight."""
-
-_STOP = object()
-"""Tells the CPU worker to exit."""
-
-_PROGRESS_MIN_BYTES = 1 << 30
-"""Offloaded state of at least this many bytes shows a progress bar while it is set up (on a
-terminal; ~4 s per GiB on the H200 host, 54-82 s at 13B-20B); smaller set-ups show none."""
-
-
-def _state_numel(numel: int, moments_dtype: torch.dtype) -> int:
-    """fp32 elements of one chunk's state blob: the master, then both moments."""
-    return numel * (3 if moments_dtype == torch.float32 else 2)
-
-
-def _state_views(blob: torch.Tensor, numel: int, moments_dtype: torch.dtype):
-    """(master fp32, exp_avg, exp_avg_sq) views of a chunk's fp32 state blob."""
-    moments = blob[numel:].view(moments_dtype).view(2, numel)
-    return blob[:numel], moments[0], moments[1]
-
-
-def _fused_adam_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list,
-                 hp: dict) -> None:
-    """torch's fused Adam/AdamW (``hp``: a param group's hyper-parameters) on fp32 tensors, in
-    place, on the current stream; ``steps`` are the already incremented step tensors.
-
-    Raises:
-        RuntimeError: this torch has no fused Adam op (torch < 2.4).
-    """
-    fused = getattr(torch, "_fused_adamw_" if hp["adamw"] else "_fused_adam_", None)
-    if fused is None:
-        raise RuntimeError("HybridAdam needs torch._fused_adamw_ (torch >= 2.4)")
-    beta1, beta2 = hp["betas"]
-    fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hp["lr"], beta1=beta1, beta2=beta2,
-          weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False,
-          maximize=hp["maximize"], grad_scale=None, found_inf=None)
-
-
-@dataclass
-class _Group:
-    """Per param group: the split, the GPU-side state and the offloaded side's buffers.
-
-    ``params`` are the user's params; the plan, ``steps`` and every piece index refer to the
-    group's *local tensors*: the params themselves (one process), their local shards (FSDP2),
-    or the pieces of params in this rank's shard (``segments``, data parallel).
-    """
-
-    index: int
-    params: list[torch.Tensor]
-    plan: GroupPlan
-    steps: list[int]
-    n_local: int = 0
-    segments: list | None = None  # data parallel: _dist.Segment per local tensor
-    numels: list[int] = field(default_factory=list)  # per local tensor (for re-planning)
-    sizes: list[int] = field(default_factory=list)  # bytes per element, per local tensor
-    locals_in_bucket: dict[int, list[int]] = field(default_factory=dict)
-    # GPU side, one entry per GPU piece
-    gpu_views: list[torch.Tensor] = field(default_factory=list)
-    gpu_masters: list[torch.Tensor] = field(default_factory=list)
-    gpu_exp_avg: list[torch.Tensor] = field(default_factory=list)
-    gpu_exp_avg_sq: list[torch.Tensor] = field(default_factory=list)
-    gpu_steps: list[torch.Tensor] = field(default_factory=list)
-    # offloaded side
-    grad_key: Any = None
-    out_key: Any = None
-    grad_ring: list = field(default_factory=list)  # _GRAD_SLOTS chunk-sized gradient buffers
-    grad_next: int = 0
-    out_ring: list = field(default_factory=list)  # _OUT_SLOTS chunk-sized param-out buffers
-    out_events: list = field(default_factory=list)  # last H2D from each slot
-    out_next: int = 0
-    chunk_keys: list = field(default_factory=list)
 
 
 class HybridAdam(torch.optim.Optimizer):
@@ -212,7 +129,7 @@ class HybridAdam(torch.optim.Optimizer):
             moments live off the GPU, in [0.0, 1.0]; the last layers are offloaded first.
         state_tier: ``"cpu"`` (pinned host RAM), ``"nvme"`` (streamed through the store) or
             ``"split"``: a static placement by the store's cpu budget, see Note [split tier]
-            (needs ``store`` with an nvme tier).
+            in ``tiermem/optim/layout.py`` (needs ``store`` with an nvme tier).
         store: the TierStore to keep offloaded state in; ``None`` makes a private one sized for
             this optimizer (``state_tier="nvme"`` then needs ``nvme_dir``).
         nvme_dir: spill directory of the private store (with ``state_tier="nvme"``).
@@ -249,7 +166,7 @@ class HybridAdam(torch.optim.Optimizer):
             streaming their state through it (H2D, torch's fused Adam, D2H back; the state stays
             in the store), spread evenly over the gradient order, while the CPU steps the rest:
             the GPU's copy engines add their bandwidth to the CPU's, see Note [gpu lane].
-            Costs ``_LANE_SLOTS`` chunks of state and fp32 gradients in GPU memory.
+            Costs ``LANE_SLOTS`` chunks of state and fp32 gradients in GPU memory.
         param_sync: when the updated offloaded params are waited for: ``"step"`` (default: in
             ``step()``, like any torch optimizer) or ``"forward"`` (in the next forward, per
             module, see Note [forward sync]; one process, CUDA or CPU).
@@ -367,15 +284,6 @@ class HybridAdam(torch.optim.Optimizer):
         self.cpu_threads = cpu_threads
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
         self.gpu_step_fraction = float(gpu_step_fraction)
-        # Note [gpu lane]: offloaded chunks the GPU steps by streaming their state through it
-        self._lane_chunks: set[tuple[int, int]] = set()
-        self._lane_state: list[torch.Tensor] = []  # device slots: a chunk's state blob
-        self._lane_grad: list[torch.Tensor] = []  # device slots: a chunk's fp32 gradients
-        self._lane_free: list = []  # per slot: event after which the slot may be overwritten
-        self._lane_next = 0
-        self._lane_pending: collections.deque = collections.deque()  # (event, g, c) written back
-        self._lane_stream = None
-        self._lane_copier: Copier | None = None  # its own H2D/D2H streams (see _init_lane)
         self._zero = None
         self._norm_groups: list = []
         if self._mode == "zero":
@@ -402,60 +310,51 @@ class HybridAdam(torch.optim.Optimizer):
             else:
                 numels = [_dist.local_of(p).numel() for p in params]
                 sizes = [p.element_size() for p in params]
-            group = _Group(gi, params, plan_group(numels, sizes, self.offload_fraction, chunk_numel),
-                           [0] * len(numels), len(numels), segments, numels=numels, sizes=sizes)
+            group = Group(gi, params, plan_group(numels, sizes, self.offload_fraction, chunk_numel),
+                          [0] * len(numels), len(numels), segments, numels=numels, sizes=sizes)
             if segments is not None:
                 bucket_of = self._zero.groups[gi].bucket_of
                 for li, seg in enumerate(segments):
                     group.locals_in_bucket.setdefault(bucket_of[seg.param], []).append(li)
             self._groups.append(group)
         self._owns_store = store is None
-        self._store = store if store is not None else self._make_store(nvme_dir)
-        if store is not None:
-            self._check_room()
+        if store is None:
+            if state_tier == "nvme" and self._mode != "local":
+                nvme_dir = _dist.rank_dir(nvme_dir)  # ranks on one host never share spill files
+            store = private_store(self._groups, chunk_numel=chunk_numel,
+                                  moments_dtype=moments_dtype,
+                                  lookahead_chunks=nvme_lookahead_chunks, state_tier=state_tier,
+                                  device=self.device, nvme_dir=nvme_dir)
+        self._store = store
+        self._layout = StateLayout(self._groups, store, owner=id(self), device=self.device,
+                                   state_tier=state_tier, moments_dtype=moments_dtype,
+                                   overlap=overlap, nvme_lookahead_chunks=nvme_lookahead_chunks,
+                                   offload_fraction=self.offload_fraction, chunk_numel=chunk_numel)
+        if not self._owns_store:
+            self._layout.check_room()
         self._copier = Copier(self.device)
-        self._nvme_chunks: set[tuple[int, int]] = set()  # (group, chunk) streamed through NVMe
-        self._ram_held: list = []  # split: chunk keys held in the cpu tier for good
-        self._stats_lock = threading.Lock()
-        self._acc = self._new_stats()
-        self._last_stats = self._new_stats()
+        self._step = StepState()  # cross-thread step state: hooks, worker and caller share it
+        self._last_stats = new_stats()
         self._moved0: dict = {}
         # Note [trace placement]: record the first backward's gradient order, plan at step()
         self._trace_placement = (placement == "trace" and self._mode == "local" and overlap
                                  and self.offload_fraction > 0.0)
-        self._arrived: dict[tuple[int, int], int] = {}  # (g, i) -> arrival rank, first backward
+        self._arrived: dict[tuple[int, int], int] = {}  # (g, i) -> arrival rank, under _step.lock
         self._state_ready = False
+        self._read_ahead = ReadAhead(self._layout, self._step)
+        # Note [gpu lane]: offloaded chunks the GPU steps by streaming their state through it
+        self._lane = GpuLane(self._layout, self._step, self._read_ahead, self.param_groups,
+                             self.gpu_step_fraction, self._copier.cuda)
         if not self._trace_placement:
             self._init_state()
             self._state_ready = True
-        # cross-thread step state, guarded by _lock (hooks run on autograd threads)
-        self._lock = threading.Lock()
-        self._acc_count: dict[tuple[int, int], int] = {}
-        self._shipped: set[tuple[int, int]] = set()
-        self._shipped_versions: dict[tuple[int, int], tuple[int, int]] = {}
-        # (g, i) -> (flat gradient, event marking it complete) or None (no gradient this step)
-        self._grad_refs: dict[tuple[int, int], tuple | None] = {}
-        self._copies: dict[tuple[int, int], tuple] = {}  # worker only: chunks whose D2H is issued
-        self._chunk_missing: dict[tuple[int, int], int] = {}
-        self._queued: set[tuple[int, int]] = set()
-        self._read_ahead: set[tuple[int, int]] = set()  # NVMe chunks prefetched, not yet stepped
-        self._order_pos = None  # (expected chunk order, position of each chunk in it)
-        self._h2d_events: list = []
-        self._errors: list[BaseException] = []
-        self._outstanding = 0
-        self._idle = threading.Condition(self._lock)
-        self._compute_allowed = threading.Event()
-        self._clip_event: torch.cuda.Event | None = None
-        self._frozen_hp: list[dict] | None = None  # set by step(), see there
         # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
         self._pending = False
-        self._chunk_h2d: dict[tuple[int, int], Any] = {}  # stepped chunk -> its last H2D event
-        self._chunks_of = self._param_chunks()
-        self._queue: queue.Queue = queue.Queue()
-        me = weakref.ref(self)  # Note [lifetime]: threads and hooks never keep the optimizer alive
-        self._worker = threading.Thread(target=self._work, args=(me, self._queue),
-                                        name="tiermem-hybrid-adam", daemon=True)
-        self._worker.start()
+        self._chunks_of = self._layout.param_chunks()
+        # Note [lifetime]: threads and hooks never keep the optimizer alive
+        self._worker = ChunkWorker(self._layout, self._step, self._read_ahead, self._lane,
+                                   self._copier, self.param_groups, cpu_threads)
+        me = weakref.ref(self)
         self._hooks: list = []  # removed by close() or the finalizer
         if self._mode == "local":
             self._hooks += [  # count backward passes always; ship early only with overlap
@@ -475,8 +374,9 @@ class HybridAdam(torch.optim.Optimizer):
             self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
                 torch.compiler.disable(functools.partial(_call_weak_forward, me))))
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _release, self._queue, self._worker, self._hooks,
-                                           self._ram_held, self._store, self._owns_store,
+        self._finalizer = weakref.finalize(self, _release, self._worker.queue,
+                                           self._worker.thread, self._hooks,
+                                           self._layout.ram_held, self._store, self._owns_store,
                                            self._pid)
         self._begin_step()
 
@@ -503,18 +403,7 @@ class HybridAdam(torch.optim.Optimizer):
             return "zero", _dist.rank_prefix()
         return "local", "HybridAdam"
 
-    def _local(self, g: _Group, i: int) -> torch.Tensor:
-        """Flat (1-D) view of local tensor ``i`` of group ``g``: what this rank updates."""
-        if g.segments is not None:
-            s = g.segments[i]
-            return g.params[s.param].detach().view(-1)[s.start:s.start + s.numel]
-        return _dist.local_of(g.params[i]).view(-1)
-
-    def _param_of(self, g: _Group, i: int) -> int:
-        """Index in ``g.params`` of the param local tensor ``i`` belongs to."""
-        return g.segments[i].param if g.segments is not None else i
-
-    def _grad_of(self, g: _Group, i: int) -> torch.Tensor | None:
+    def _grad_of(self, g: Group, i: int) -> torch.Tensor | None:
         """Flat gradient of local tensor ``i`` (data parallel: the averaged shard gradient),
         or ``None`` when it has none this step."""
         if g.segments is not None:
@@ -525,80 +414,12 @@ class HybridAdam(torch.optim.Optimizer):
         grad = g.params[i].grad
         return None if grad is None else _dist.local_of(grad).view(-1)
 
-    def _has_grad(self, g: _Group, i: int) -> bool:
+    def _has_grad(self, g: Group, i: int) -> bool:
         if g.segments is not None:
             return self._zero.has_grad(g.index, g.segments[i].param)
         return g.params[i].grad is not None
 
-    def _refresh_views(self) -> None:
-        """FSDP2 may re-create a sharded param's local tensor (lazy init): re-take the views."""
-        for g in self._groups:
-            for k, piece in enumerate(g.plan.gpu_pieces):
-                view = self._local(g, piece.param)[piece.start:piece.start + piece.numel]
-                if g.gpu_masters[k] is g.gpu_views[k]:
-                    g.gpu_masters[k] = view
-                g.gpu_views[k] = view
-
     # ------------------------------------------------------------------ setup
-
-    def _offloaded_numel(self) -> int:
-        return sum(g.plan.cpu_numel for g in self._groups)
-
-    def _check_room(self) -> None:
-        """Refuse, at construction, a store whose free budgets cannot hold the offloaded state
-        (a lower bound: pool fragmentation can still make a put fail later).
-
-        Raises:
-            ValueError: names the tier, the bytes free and needed, and the fixes.
-        """
-        if not self._offloaded_numel():
-            return
-        rings, state, staging = self._host_bytes()
-        cfg = self._store.config
-        cpu_free = cfg.cpu_bytes - self._store.used_bytes("cpu")
-        nvme_free = cfg.nvme_bytes - self._store.used_bytes("nvme")
-        fix = ("raise the store's budgets (StoreConfig.cpu_bytes / nvme_bytes), lower "
-               "offload_fraction, use moments_dtype=torch.bfloat16, or state_tier='split'")
-        cpu_need = rings + (state if self.state_tier == "cpu" else staging)
-        if cpu_need > cpu_free:
-            raise ValueError(f"HybridAdam: the store's cpu tier has {cpu_free} bytes free; the "
-                             f"offloaded state needs {cpu_need} there (state_tier="
-                             f"{self.state_tier!r}, pinned rings and staging included): {fix}")
-        nvme_room = nvme_free + (cpu_free - cpu_need if self.state_tier == "split" else 0)
-        if self.state_tier != "cpu" and state > nvme_room:
-            raise ValueError(f"HybridAdam: the store's nvme tier has {nvme_free} bytes free; the "
-                             f"offloaded state needs {state} (state_tier={self.state_tier!r}"
-                             f"{', RAM included' if self.state_tier == 'split' else ''}): {fix}")
-
-    def _host_bytes(self) -> tuple[int, int, int]:
-        """Bytes the offloaded side needs: ``(pinned gradient and param-out rings, state of all
-        chunks, NVMe staging: nvme_lookahead_chunks + 3 chunk blobs)``."""
-        chunks = [c for g in self._groups for c in g.plan.chunks]
-        rings = sum(round_up(slots * max(c.numel for c in g.plan.chunks) * g.sizes[0])
-                    for g in self._groups if g.plan.chunks for slots in (_GRAD_SLOTS, _OUT_SLOTS))
-        state = sum(self._chunk_bytes(c) for c in chunks)
-        staging = max(map(self._chunk_bytes, chunks), default=0) * (self.nvme_lookahead_chunks + 3)
-        return rings, state, staging
-
-    def _make_store(self, nvme_dir: str | None) -> TierStore:
-        buf_bytes, state_bytes, staging = self._host_bytes()
-        chunk_bytes = round_up(4 * _state_numel(self.chunk_numel, self.moments_dtype))
-        if self.state_tier == "nvme" and self._mode != "local":
-            nvme_dir = _dist.rank_dir(nvme_dir)  # ranks on one host never share spill files
-        if self.state_tier == "cpu":
-            cpu_bytes = buf_bytes + state_bytes
-            nvme_bytes = 0
-        else:
-            cpu_bytes = buf_bytes + staging
-            # slack: chunk extents are freed on read and reallocated on write-back
-            nvme_bytes = state_bytes + staging
-        # slabs hold a whole number of chunks; slack for the buffers' partial slabs
-        slab_bytes = chunk_bytes * max(1, (1 << 30) // chunk_bytes)
-        cpu_bytes += 2 * chunk_bytes
-        return TierStore(StoreConfig(
-            gpu_bytes=0, cpu_bytes=cpu_bytes, nvme_bytes=nvme_bytes,
-            nvme_dir=nvme_dir if nvme_bytes else None, device=str(self.device),
-            pool_slab_bytes=min(slab_bytes, cpu_bytes)))
 
     def _init_state(self) -> None:
         """Allocate the state (GPU side, store buffers and chunks, the lane's slots); on any
@@ -608,212 +429,36 @@ class HybridAdam(torch.optim.Optimizer):
             TierFullError: the store has no room for a buffer or a chunk.
         """
         try:
-            self._alloc_state()
+            self._layout.alloc()
+            self._lane.init()
         except BaseException:
-            self._undo_state()
+            self._layout.undo()
+            self._lane.clear()
             raise
-
-    def _undo_state(self) -> None:
-        """Free everything a failed :meth:`_alloc_state` made: release what it holds, delete
-        this optimizer's keys from the store, forget the GPU side and the lane."""
-        held = [key for g in self._groups
-                for key, ring in ((g.grad_key, g.grad_ring), (g.out_key, g.out_ring)) if ring]
-        for key in held + list(self._ram_held):
-            try:
-                self._store.release(key)
-            except (KeyError, ValueError):  # already released (e.g. by _place_split)
-                pass
-        self._ram_held.clear()  # the same list as the finalizer's: cleared, not replaced
-        for key in self._store.keys():
-            if isinstance(key, tuple) and key[:2] == ("hybrid_adam", id(self)):
-                self._store.delete(key)
-        for g in self._groups:
-            for name in ("gpu_views", "gpu_masters", "gpu_exp_avg", "gpu_exp_avg_sq",
-                         "gpu_steps", "grad_ring", "out_ring", "out_events", "chunk_keys"):
-                getattr(g, name).clear()
-            g.grad_key = g.out_key = None
-        self._nvme_chunks.clear()
-        self._lane_chunks = set()
-        self._lane_state, self._lane_grad, self._lane_free = [], [], []
-
-    def _alloc_state(self) -> None:
-        chunks = [c for g in self._groups for c in g.plan.chunks]
-        state = sum(map(self._chunk_bytes, chunks))
-        if chunks:
-            logger.info("HybridAdam: setting up %d chunks (%.2f GiB) of offloaded state in the "
-                        "store's %s tier", len(chunks), state / 2**30, self.state_tier)
-        bar = progress(len(chunks), "HybridAdam: offloaded state", "chunk") \
-            if state >= _PROGRESS_MIN_BYTES else None
-        try:
-            self._alloc_groups(bar)
-            if self.state_tier == "split":
-                self._place_split(bar)
-        finally:
-            if bar is not None:
-                bar.close()
-        self._init_lane()
-
-    def _alloc_groups(self, bar) -> None:
-        """The GPU side of every group, its gradient and param-out rings and (but with
-        ``state_tier="split"``) its chunks; ``bar`` counts chunks (None: no bar)."""
-        for g in self._groups:
-            for piece in g.plan.gpu_pieces:
-                local = self._local(g, piece.param)
-                view = local[piece.start:piece.start + piece.numel]
-                g.gpu_views.append(view)
-                g.gpu_masters.append(view if local.dtype == torch.float32 else view.float())
-                g.gpu_exp_avg.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
-                g.gpu_exp_avg_sq.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
-                g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=self.device))
-            if not g.plan.cpu_numel:
-                continue
-            dtype = self._local(g, g.plan.cpu_pieces[0].param).dtype
-            if any(self._local(g, pc.param).dtype != dtype for pc in g.plan.cpu_pieces):
-                raise ValueError(f"HybridAdam: param group {g.index} mixes dtypes; put params of "
-                                 f"different dtypes in different param groups")
-            g.grad_key = ("hybrid_adam", id(self), g.index, "grad")
-            g.out_key = ("hybrid_adam", id(self), g.index, "out")
-            slot_numel = max(c.numel for c in g.plan.chunks)
-            self._store.put(g.grad_key, torch.empty(_GRAD_SLOTS, slot_numel, dtype=dtype), tier="cpu")
-            self._store.put(g.out_key, torch.empty(_OUT_SLOTS, slot_numel, dtype=dtype), tier="cpu")
-            g.grad_ring = list(self._store.get(g.grad_key, "cpu", hold=True))
-            g.out_ring = list(self._store.get(g.out_key, "cpu", hold=True))
-            g.out_events = [None] * _OUT_SLOTS
-            for chunk in g.plan.chunks:
-                if self.state_tier == "split":
-                    continue  # placed below, once every group's buffers are allocated
-                key = self._chunk_key(g.index, chunk.index)
-                self._store.put(key, self._initial_state(g, chunk), tier=self.state_tier)
-                g.chunk_keys.append(key)
-                if self.state_tier == "nvme":
-                    self._nvme_chunks.add((g.index, chunk.index))
-                if bar is not None:
-                    bar.update(1)
-
-    def _chunk_key(self, g: int, c: int) -> tuple:
-        """The store key of chunk ``c`` of group ``g``'s state blob."""
-        return ("hybrid_adam", id(self), g, "chunk", c)
-
-    def _chunk_bytes(self, chunk: Chunk) -> int:
-        return round_up(4 * _state_numel(chunk.numel, self.moments_dtype))
-
-    def _place_split(self, bar=None) -> None:
-        """Note [split tier]: a static placement of the offloaded chunks.
-
-        The CPU step visits every chunk once per step in the same (cyclic) order, so the
-        placement that minimises NVMe reads with a RAM budget of ``k`` chunks keeps a fixed set
-        of ``k`` chunks in RAM for good (Belady's rule on a cyclic trace: anything cached
-        dynamically would be evicted before its reuse). Which ``k``: the chunks stepped *last*
-        (with overlap, the first layers, whose gradients arrive at the very end of backward).
-        Their CPU step is on the critical path after backward, and a RAM chunk needs no read,
-        so the tail is pure compute; the chunks stepped first (the last layers) stream through
-        NVMe, and their reads are started in ``_begin_step``, i.e. hidden behind the forward
-        pass and the backward of the later layers. The budget is what the store's
-        ``cpu_bytes`` can still allocate (slab fragmentation included) once the staging room of
-        the NVMe stream is reserved (``nvme_lookahead_chunks + 3`` chunks: read-ahead, the chunk
-        being stepped, write-backs in flight): RAM takes chunks in that order until a put fails,
-        the rest go to NVMe. RAM chunks stay held in the store so its eviction never demotes
-        them.
-        """
-        order = [(g.index, c) for g in self._groups for c in range(len(g.plan.chunks))]
-        if not self.overlap:
-            order = order[::-1]  # stepped in forward order: the last chunks are stepped last
-        # order: RAM preference, first = stepped last
-        biggest = max((self._chunk_bytes(ch) for g in self._groups for ch in g.plan.chunks),
-                      default=0)
-        # the NVMe stream's staging is reserved for real first (the pool's slabs fragment, so
-        # counting bytes is not enough), then RAM takes chunks until an allocation fails
-        staging = [("hybrid_adam", id(self), "staging", k)
-                   for k in range(self.nvme_lookahead_chunks + 3)]
-        nvme, held = [], []
-        try:
-            for key in staging:
-                self._store.put(key, torch.empty(biggest, dtype=torch.uint8), tier="cpu")
-                self._store.get(key, "cpu", hold=True)  # never evicted to make room for RAM chunks
-                held.append(key)
-            full = False
-            for g, c in order:
-                group, chunk = self._groups[g], self._groups[g].plan.chunks[c]
-                key = self._chunk_key(g, chunk.index)
-                if not full:
-                    try:
-                        self._store.put(key, self._initial_state(group, chunk), tier="cpu")
-                        self._store.get(key, "cpu", hold=True)  # pinned in RAM for good
-                        self._ram_held.append(key)
-                        if bar is not None:
-                            bar.update(1)
-                        continue
-                    except TierFullError:
-                        full = True  # RAM is full: this chunk and the rest go to NVMe
-                nvme.append((g, c, key))
-        finally:
-            for key in held:
-                self._store.release(key)
-                self._store.delete(key)  # the staging room the NVMe stream needs from now on
-        for g, c, key in nvme:
-            self._store.put(key, self._initial_state(self._groups[g], self._groups[g].plan.chunks[c]),
-                            tier="nvme")
-            self._nvme_chunks.add((g, c))
-            if bar is not None:
-                bar.update(1)
-        for g in self._groups:
-            g.chunk_keys = [self._chunk_key(g.index, chunk.index) for chunk in g.plan.chunks]
-
-    def _initial_state(self, group: _Group, chunk: Chunk) -> torch.Tensor:
-        """A chunk's fp32 state blob at step 0: the master copied from the params, zero moments."""
-        state = torch.zeros(_state_numel(chunk.numel, self.moments_dtype))
-        master = state[:chunk.numel]
-        for pc in chunk.pieces:
-            lo = pc.flat_offset - chunk.flat_start
-            master[lo:lo + pc.numel].copy_(self._local(group, pc.param)[pc.start:pc.start + pc.numel])
-        return state
 
     def _ensure_state(self) -> None:
         """Note [trace placement]: plan from the recorded gradient order (when there is one)
         and allocate the state, once."""
         if self._state_ready:
             return
-        with self._lock:
+        with self._step.lock:
             arrived = dict(self._arrived)
-        for g in self._groups:
-            order = self._execution_order(g, arrived)
-            if order != list(range(g.n_local)):
-                g.plan = plan_group(g.numels, g.sizes, self.offload_fraction, self.chunk_numel,
-                                    order=order)
+        self._layout.replan(arrived)
         self._init_state()
         self._state_ready = True
-        with self._stats_lock:  # the step's I/O counts from here: allocation is not streaming
+        with self._step.stats_lock:  # the step's I/O counts from here: allocation is not streaming
             self._moved0 = dict(self._store.stats()["moved_bytes"])
-        self._chunks_of = self._param_chunks()
-        self._order_pos = None
-        with self._lock:
-            self._chunk_missing = self._params_per_chunk()
-        self._read_first_chunks()
-
-    @staticmethod
-    def _execution_order(g: _Group, arrived: dict[tuple[int, int], int]) -> list[int]:
-        """Group ``g``'s local tensors in execution order: reverse gradient arrival (the last
-        gradient belongs to the first layer); tensors without a gradient last, as given. The
-        given order when nothing was recorded or the group mixes dtypes (the split is by bytes,
-        so another order could change how many elements are offloaded)."""
-        seen = sorted((rank, i) for (gi, i), rank in arrived.items() if gi == g.index)
-        if not seen or len(set(g.sizes)) > 1:
-            return list(range(g.n_local))
-        order = [i for _, i in reversed(seen)]
-        got = set(order)
-        return order + [i for i in range(g.n_local) if i not in got]
-
-    def _param_chunks(self) -> dict[int, list[tuple[int, int]]]:
-        """``id(param)`` -> the offloaded chunks holding its elements."""
-        return {id(g.params[i]): [(g.index, c) for c in dict.fromkeys(chunks)]
-                for g in self._groups for i, chunks in g.plan.chunks_of_param.items()}
+        self._chunks_of = self._layout.param_chunks()
+        self._read_ahead.plan_changed()
+        with self._step.lock:
+            self._step.chunk_missing = self._layout.params_per_chunk()
+        self._read_ahead.first_chunks()
 
     def chunk_tiers(self) -> dict[str, int]:
         """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}`` (where each one lives for good
         with ``state_tier`` ``"cpu"``, ``"nvme"`` or ``"split"``)."""
         self._ensure_state()
-        n = sum(len(g.plan.chunks) for g in self._groups)
-        return {"cpu": n - len(self._nvme_chunks), "nvme": len(self._nvme_chunks)}
+        return self._layout.chunk_tiers()
 
     # ------------------------------------------------------------------ backward side
 
@@ -821,13 +466,13 @@ class HybridAdam(torch.optim.Optimizer):
         """Post-accumulate-grad hook of an offloaded param: ship its grad on the last micro-batch."""
         if self._pending:
             self._finish_step()  # a param unused in forward: its previous update completes first
-        with self._lock:
-            count = self._acc_count.get((g, i), 0) + 1
-            self._acc_count[(g, i)] = count
+        with self._step.lock:
+            count = self._step.acc_count.get((g, i), 0) + 1
+            self._step.acc_count[(g, i)] = count
             if not self._state_ready:  # Note [trace placement]: the first backward only records
                 self._arrived.setdefault((g, i), len(self._arrived))
                 return
-            if (not self.overlap or count < self.grad_accumulation_steps or (g, i) in self._shipped
+            if (not self.overlap or count < self.grad_accumulation_steps or (g, i) in self._step.shipped
                     or i not in self._groups[g].plan.chunks_of_param):
                 return
         self._ship(g, i)
@@ -836,9 +481,9 @@ class HybridAdam(torch.optim.Optimizer):
         """Post-accumulate-grad hook of every param with ``data_parallel``: on the last
         micro-batch, put its gradient in its reduce bucket; ship the shard pieces of the
         buckets that were reduced."""
-        with self._lock:
-            count = self._acc_count.get((g, i), 0) + 1
-            self._acc_count[(g, i)] = count
+        with self._step.lock:
+            count = self._step.acc_count.get((g, i), 0) + 1
+            self._step.acc_count[(g, i)] = count
             if not self.overlap or count < self.grad_accumulation_steps:
                 return
         launched = self._zero.grad_arrived(g, i, self._groups[g].params[i].grad)
@@ -853,13 +498,13 @@ class HybridAdam(torch.optim.Optimizer):
             for g, b in launched:
                 group = self._groups[g]
                 for li in group.locals_in_bucket.get(b, ()):
-                    if li in group.plan.chunks_of_param and (g, li) not in self._shipped:
+                    if li in group.plan.chunks_of_param and (g, li) not in self._step.shipped:
                         self._ship(g, li)
 
     def _ship(self, g: int, i: int) -> None:
         """Hand local tensor ``i``'s gradient to the CPU side: keep a reference and an event
-        marking it complete on the current stream (its D2H is issued by the worker, see
-        ``_copy_grads``), and queue the chunks it completes."""
+        marking it complete on the current stream (its D2H is issued by the chunk worker), and
+        queue the chunks it completes."""
         group = self._groups[g]
         grad = self._grad_of(group, i)
         ref = None
@@ -870,78 +515,32 @@ class HybridAdam(torch.optim.Optimizer):
                 ready.record(torch.cuda.current_stream(self.device))  # the D2H waits for the grad
             ref = (grad.detach(), ready)
         ready_chunks = []
-        with self._lock:
+        with self._step.lock:
             if self._mode == "local" and grad is not None:  # see _check_grads_untouched
-                self._shipped_versions[(g, i)] = (group.params[i].grad._version,
-                                                  group.params[i].grad.data_ptr())
-            self._shipped.add((g, i))
-            self._grad_refs[(g, i)] = ref
+                self._step.shipped_versions[(g, i)] = (group.params[i].grad._version,
+                                                       group.params[i].grad.data_ptr())
+            self._step.shipped.add((g, i))
+            self._step.grad_refs[(g, i)] = ref
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
-                self._chunk_missing[(g, c)] -= 1
-                if self._chunk_missing[(g, c)] == 0:
+                self._step.chunk_missing[(g, c)] -= 1
+                if self._step.chunk_missing[(g, c)] == 0:
                     ready_chunks.append((g, c))
         for item in ready_chunks:
-            self._enqueue(item)
-
-    def _enqueue(self, item: tuple[int, int]) -> None:
-        with self._lock:
-            if item in self._queued:
-                return
-            self._queued.add(item)
-            self._outstanding += 1
-        self._queue.put(item)
+            self._worker.enqueue(item)
 
     def _begin_step(self) -> None:
-        with self._lock:
-            self._acc_count.clear()
-            self._shipped.clear()
-            self._shipped_versions.clear()
-            self._grad_refs.clear()
-            self._chunk_h2d.clear()
-            self._queued.clear()
-            self._h2d_events = []
-            self._chunk_missing = self._params_per_chunk()
-        self._clip_event = None
-        self._frozen_hp = None
-        self._copies.clear()  # the worker is idle between steps
+        self._step.reset(self._layout.params_per_chunk())
+        self._worker.begin_step()
         if self._zero is not None:
             self._zero.begin_step()
         if self.max_grad_norm is None:
-            self._compute_allowed.set()
+            self._step.compute_allowed.set()
         else:
-            self._compute_allowed.clear()  # the CPU step needs the global norm first
-        with self._stats_lock:
-            self._acc = self._new_stats()
+            self._step.compute_allowed.clear()  # the CPU step needs the global norm first
+        with self._step.stats_lock:
+            self._step.stats = new_stats()
             self._moved0 = dict(self._store.stats()["moved_bytes"])
-        self._read_first_chunks()
-
-    def _params_per_chunk(self) -> dict[tuple[int, int], int]:
-        """``(group, chunk)`` -> how many local tensors' gradients the chunk waits for."""
-        return {(g.index, c): len({pc.param for pc in chunk.pieces})
-                for g in self._groups for c, chunk in enumerate(g.plan.chunks)}
-
-    def _read_first_chunks(self) -> None:
-        """Start reading the first NVMe chunks of the next step (hidden behind its forward)."""
-        if self._nvme_chunks:
-            first = self._nvme_order()[:self.nvme_lookahead_chunks]
-            with self._lock:
-                self._read_ahead = set(first)
-            for g, c in first:
-                self._store.prefetch(self._groups[g].chunk_keys[c], "cpu")
-
-    def _expected_order(self) -> list[tuple[int, int]]:
-        """Chunks in the order their gradients complete (reverse layer order with overlap)."""
-        order = [(g.index, c) for g in self._groups for c in range(len(g.plan.chunks))]
-        return order[::-1] if self.overlap else order
-
-    def _nvme_order(self) -> list[tuple[int, int]]:
-        """The NVMe-resident chunks in the order they are stepped."""
-        return [item for item in self._expected_order() if item in self._nvme_chunks]
-
-    @staticmethod
-    def _new_stats() -> dict:
-        return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
-                "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0}
+        self._read_ahead.first_chunks()
 
     def step_stats(self) -> dict:
         """Breakdown of the last completed ``step()`` (backward hooks included), reset each step.
@@ -957,346 +556,8 @@ class HybridAdam(torch.optim.Optimizer):
         ``stall_s``: time ``step()`` waited for the CPU worker after stepping the GPU side;
         ``step_s``: wall time of ``step()``; ``chunks``: offloaded chunks stepped.
         """
-        with self._stats_lock:
+        with self._step.stats_lock:
             return dict(self._last_stats)
-
-    # ------------------------------------------------------------------ the CPU worker
-
-    @staticmethod
-    def _work(ref: weakref.ref, work: queue.Queue) -> None:
-        """The CPU worker thread (Note [lifetime]): holds the optimizer only while it handles
-        an item, and waits for the next one through a weak reference, so a dropped optimizer is
-        collected and its finalizer's ``_STOP`` ends this thread."""
-        nxt = None
-        while True:
-            opt = ref()
-            if opt is None:
-                return
-            if nxt is None and opt._lane_pending and work.empty():
-                opt._reap_lane(block=True)  # nothing else to do: wait for a lane write-back
-                continue  # and look at the queue again
-            del opt
-            item = nxt if nxt is not None else work.get()
-            opt = ref()
-            if item is _STOP or opt is None:
-                while opt is not None and opt._lane_pending:
-                    opt._reap_lane(block=True)
-                return
-            nxt = opt._work_item(item)
-            del opt
-
-    def _work_item(self, item: tuple[int, int]) -> Any:
-        """Step one chunk (worker thread); return the next queue item if it took one early."""
-        nxt = None
-        t0 = time.perf_counter()
-        lane = item in self._lane_chunks  # done when its write-back is (see _reap_lane)
-        try:
-            if lane:
-                self._step_chunk_gpu(*item)
-            else:
-                copies = self._copy_grads(*item)
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    pass
-                if nxt is not None and nxt is not _STOP and nxt not in self._lane_chunks:
-                    try:
-                        self._copy_grads(*nxt)  # its D2H runs while this chunk steps
-                    except BaseException:
-                        pass  # raised again, and reported, when that chunk is stepped
-                self._step_chunk(*item, copies)
-        except BaseException as exc:  # surfaced by step()
-            lane = False  # nothing of it is pending: it is done (and failed) now
-            with self._lock:
-                self._errors.append(exc)
-        finally:
-            with self._stats_lock:
-                self._acc["worker_s"] += time.perf_counter() - t0
-            if not lane:
-                with self._idle:
-                    self._outstanding -= 1
-                    self._idle.notify_all()
-        self._reap_lane(block=False)
-        return nxt
-
-    def _chunk_grads(self, g: int, c: int) -> tuple[dict[int, tuple | None], list]:
-        """Chunk ``c``'s gradients once they may be read: ``({local tensor: (flat gradient,
-        event) or None}, the events a copy or step of them must wait for)`` -- the clip's, with
-        clipping, else each gradient's own. Blocks until ``step()`` has clipped (clipping)."""
-        self._compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
-        with self._lock:
-            refs = {pc.param: self._grad_refs.get((g, pc.param))
-                    for pc in self._groups[g].plan.chunks[c].pieces}
-        if self._clip_event is not None:
-            return refs, [self._clip_event]  # the clipped gradients are complete here
-        return refs, list(dict.fromkeys(ref[1] for ref in refs.values()
-                                        if ref is not None and ref[1] is not None))
-
-    def _step_hp(self, g: int) -> dict:
-        """Group ``g``'s hyper-parameters for the chunks being stepped: as of ``step()``."""
-        return self._frozen_hp[g] if self._frozen_hp is not None else self.param_groups[g]
-
-    def _copy_grads(self, g: int, c: int) -> tuple[torch.Tensor, dict[int, bool], Any]:
-        """Issue the D2H copy of chunk ``c``'s gradients into the group's next gradient slot
-        (once per chunk and step; worker thread only).
-
-        Returns ``(host gradient of the chunk, {local tensor: has a gradient}, the last copy's
-        event or None)``.
-        """
-        done = self._copies.get((g, c))
-        if done is not None:
-            return done
-        group = self._groups[g]
-        chunk: Chunk = group.plan.chunks[c]
-        refs, waits = self._chunk_grads(g, c)
-        slot = group.grad_next
-        group.grad_next = (slot + 1) % _GRAD_SLOTS  # the slot's last chunk has been stepped
-        buf = group.grad_ring[slot][:chunk.numel]
-        pairs, nbytes = [], 0
-        for pc in chunk.pieces:
-            if refs[pc.param] is None:
-                continue
-            rel = pc.flat_offset - chunk.flat_start
-            grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
-            pairs.append((buf[rel:rel + pc.numel], grad))
-            nbytes += pc.numel * buf.element_size()
-        last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
-        with self._stats_lock:
-            self._acc["d2h_bytes"] += nbytes
-        done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
-        self._copies[(g, c)] = done
-        return done
-
-    def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
-        group = self._groups[g]
-        chunk: Chunk = group.plan.chunks[c]
-        grad, has_grad, copied = copies
-        t_wait = time.perf_counter()
-        if copied is not None:
-            copied.synchronize()  # the CPU reads the gradient bytes of this chunk's D2H
-        wait_s = time.perf_counter() - t_wait
-        key = group.chunk_keys[c]
-        blob = self._store.get(key, "cpu", hold=True)
-        try:
-            master, exp_avg, exp_avg_sq = _state_views(blob, chunk.numel, self.moments_dtype)
-            self._prefetch_after(g, c)
-            lo = chunk.flat_start
-            t_wait = time.perf_counter()
-            out, slot = self._out_slot(group, chunk.numel)
-            wait_s += time.perf_counter() - t_wait
-            hp = self._step_hp(g)
-            beta1, beta2 = hp["betas"]
-            runs = self._runs(group, chunk, has_grad)
-            t0 = time.perf_counter()
-            for start, numel, step in runs:
-                adam_step_unchecked(master, grad, exp_avg, exp_avg_sq, step=step,
-                                    lr=float(hp["lr"]), beta1=beta1, beta2=beta2, eps=hp["eps"],
-                                    weight_decay=hp["weight_decay"], adamw=hp["adamw"],
-                                    maximize=hp["maximize"], param_out=out, offset=start,
-                                    numel=numel, num_threads=self.cpu_threads)
-            adam_s = time.perf_counter() - t0
-            pairs, h2d = [], 0
-            for pc in chunk.pieces:
-                if not has_grad[pc.param]:
-                    continue  # no gradient this step: param and state untouched, like torch
-                rel = pc.flat_offset - lo
-                pairs.append((self._local(group, pc.param)[pc.start:pc.start + pc.numel],
-                              out[rel:rel + pc.numel]))
-                h2d += pc.numel * out.element_size()
-            last = self._copier.h2d_many(pairs)
-            with self._stats_lock:
-                self._acc["cpu_adam_s"] += adam_s
-                self._acc["copy_wait_s"] += wait_s
-                self._acc["h2d_bytes"] += h2d
-                self._acc["chunks"] += 1
-            group.out_events[slot] = last
-        finally:
-            self._store.release(key)
-        if (g, c) in self._nvme_chunks:
-            self._store.evict(key, "nvme")  # write-back overlaps the next chunk's compute
-        with self._idle:
-            if last is not None:
-                self._h2d_events.append(last)
-            self._chunk_h2d[(g, c)] = last
-            self._idle.notify_all()  # a forward may wait for this chunk (Note [forward sync])
-
-    @staticmethod
-    def _out_slot(group: _Group, numel: int) -> tuple[torch.Tensor, int]:
-        """The next param-out ring slot (``numel`` elements) and its index; worker thread only."""
-        slot = group.out_next
-        group.out_next = (slot + 1) % _OUT_SLOTS
-        if group.out_events[slot] is not None:
-            group.out_events[slot].synchronize()  # the slot's last H2D must finish before reuse
-        return group.out_ring[slot][:numel], slot
-
-    def _runs(self, group: _Group, chunk: Chunk, has_grad: dict) -> list[tuple[int, int, int]]:
-        """(start in chunk, numel, step) runs of consecutive pieces that have gradients."""
-        runs: list[list[int]] = []
-        for pc in chunk.pieces:
-            if not has_grad[pc.param]:
-                continue
-            step = group.steps[pc.param] + 1
-            start = pc.flat_offset - chunk.flat_start
-            if runs and runs[-1][2] == step and runs[-1][0] + runs[-1][1] == start:
-                runs[-1][1] += pc.numel
-            else:
-                runs.append([start, pc.numel, step])
-        return [tuple(r) for r in runs]
-
-    def _prefetch_after(self, g: int, c: int) -> None:
-        if not self._nvme_chunks:
-            return
-        if self._order_pos is None:  # the plan and the tiers are fixed: index the order once
-            order = self._expected_order()
-            self._order_pos = (order, {item: k for k, item in enumerate(order)})
-        order, pos = self._order_pos
-        with self._lock:  # chunks whose gradients came early were stepped already
-            self._read_ahead.discard((g, c))
-            room = self.nvme_lookahead_chunks - len(self._read_ahead)  # bounded: never evicted
-            later = list(itertools.islice(
-                (item for item in itertools.islice(order, pos[(g, c)] + 1, None)
-                 if item in self._nvme_chunks and item not in self._queued
-                 and item not in self._read_ahead), max(0, room)))
-            self._read_ahead.update(later)
-        for gg, cc in later:
-            self._store.prefetch(self._groups[gg].chunk_keys[cc], "cpu")
-
-    # ------------------------------------------------------------------ the GPU lane
-
-    def _init_lane(self) -> None:
-        """Pick the lane's chunks (``gpu_step_fraction`` of the offloaded chunks, spread evenly
-        over the order they are stepped in) and allocate its device slots."""
-        self._lane_chunks = set()
-        if self.gpu_step_fraction == 0.0:
-            return
-        order = self._expected_order()
-        share = self.gpu_step_fraction
-        self._lane_chunks = {item for k, item in enumerate(order)
-                             if int((k + 1) * share) > int(k * share)}
-        if not self._lane_chunks:
-            return
-        chunks = [self._groups[g].plan.chunks[c] for g, c in self._lane_chunks]
-        numel = max(c.numel for c in chunks)
-        self._lane_state = [torch.empty(_state_numel(numel, self.moments_dtype),
-                                        dtype=torch.float32, device=self.device)
-                            for _ in range(_LANE_SLOTS)]
-        self._lane_grad = [torch.empty(numel, dtype=torch.float32, device=self.device)
-                           for _ in range(_LANE_SLOTS)]
-        self._lane_free = [None] * _LANE_SLOTS
-        # own copy streams: a lane copy waits for lane work, which must never hold up the CPU
-        # chunks' gradient and param copies queued behind it on shared streams
-        self._lane_copier = Copier(self.device)
-        if self._copier.cuda:
-            self._lane_stream = torch.cuda.Stream(self.device)
-
-    def _step_chunk_gpu(self, g: int, c: int) -> None:
-        """Note [gpu lane]: step chunk ``c`` on the GPU: its state H2D into a device slot, the
-        fused Adam on the lane stream with the gradients where backward left them, the updated
-        params cast into the model, the state D2H back into its blob. Issues and returns; the
-        blob stays held until ``_reap_lane`` sees the write-back done."""
-        group = self._groups[g]
-        chunk: Chunk = group.plan.chunks[c]
-        refs, waits = self._chunk_grads(g, c)
-        has_grad = {p: ref is not None for p, ref in refs.items()}
-        key = group.chunk_keys[c]
-        blob = self._store.get(key, "cpu", hold=True)
-        loaded = None
-        try:
-            self._prefetch_after(g, c)
-            slot = self._lane_next
-            self._lane_next = (slot + 1) % _LANE_SLOTS
-            state = self._lane_state[slot][:_state_numel(chunk.numel, self.moments_dtype)]
-            grads = self._lane_grad[slot]
-            loaded = self._lane_copier.h2d_many([(state, blob)], after=self._lane_free[slot])
-            cuda = self._lane_stream is not None
-            with torch.cuda.stream(self._lane_stream) if cuda else _nullcontext():
-                if cuda:
-                    self._lane_stream.wait_event(loaded)  # the state is on the device
-                    for ev in waits:
-                        self._lane_stream.wait_event(ev)  # the gradients are complete
-                master, exp_avg, exp_avg_sq = _state_views(state, chunk.numel, self.moments_dtype)
-                lo = chunk.flat_start
-                for pc in chunk.pieces:
-                    if has_grad[pc.param]:
-                        rel = pc.flat_offset - lo
-                        src = refs[pc.param][0][pc.start:pc.start + pc.numel]
-                        grads[rel:rel + pc.numel].copy_(src)  # widened to fp32
-                hp = self._step_hp(g)
-                runs = self._runs(group, chunk, has_grad)
-                if runs:
-                    self._fused_runs(master, grads, exp_avg, exp_avg_sq, runs, hp)
-                for pc in chunk.pieces:
-                    if has_grad[pc.param]:
-                        rel = pc.flat_offset - lo
-                        self._local(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
-                            master[rel:rel + pc.numel])
-                stepped = None
-                if cuda:
-                    stepped = torch.cuda.Event()
-                    stepped.record(self._lane_stream)  # params updated; the state may go back
-            written = self._lane_copier.d2h_many([(blob, state)], after=stepped)
-        except BaseException:  # error path: let what was issued finish before the blob goes
-            if loaded is not None:
-                loaded.synchronize()  # the state load has read the blob
-            if self._lane_stream is not None:
-                self._lane_stream.synchronize()  # nothing queued still uses the slot
-            self._store.release(key)
-            raise
-        self._lane_free[slot] = written
-        with self._stats_lock:  # the lane's PCIe traffic is the state, both ways
-            self._acc["h2d_bytes"] += state.numel() * 4
-            self._acc["d2h_bytes"] += state.numel() * 4
-            self._acc["chunks"] += 1
-            self._acc["gpu_chunks"] += 1
-        with self._idle:
-            if stepped is not None:
-                self._h2d_events.append(stepped)
-            self._chunk_h2d[(g, c)] = stepped
-            self._lane_pending.append((written, g, c))
-            self._idle.notify_all()  # a forward may wait for this chunk (Note [forward sync])
-
-    def _fused_runs(self, master: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, runs: list[tuple[int, int, int]], hp: dict) -> None:
-        """torch's fused Adam on the ``(start, numel, step)`` runs of a chunk in place (on the
-        current stream); bf16 moments are widened to fp32 and rounded back, as the CPU kernel."""
-        sl = [slice(start, start + numel) for start, numel, _ in runs]
-        ms = [exp_avg[k] for k in sl]
-        vs = [exp_avg_sq[k] for k in sl]
-        wide = self.moments_dtype != torch.float32
-        m32 = [m.float() for m in ms] if wide else ms
-        v32 = [v.float() for v in vs] if wide else vs
-        steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)
-                 for _, _, step in runs]
-        _fused_adam_([master[k] for k in sl], [grads[k] for k in sl], m32, v32, steps, hp)
-        if wide:
-            for m, v, a, b in zip(ms, vs, m32, v32):
-                m.copy_(a)
-                v.copy_(b)
-
-    def _reap_lane(self, block: bool) -> None:
-        """Release the blobs of lane chunks whose state is back in the store (with ``block``,
-        after waiting for the oldest); each counts as done for ``step()`` only then. Worker
-        thread only."""
-        while self._lane_pending:
-            written, g, c = self._lane_pending[0]
-            if written is not None and not block and not written.query():
-                return
-            block = False
-            self._lane_pending.popleft()
-            try:
-                if written is not None:
-                    written.synchronize()  # the host blob holds the updated state after this
-                key = self._groups[g].chunk_keys[c]
-                self._store.release(key)
-                if (g, c) in self._nvme_chunks:
-                    self._store.evict(key, "nvme")  # write-back overlaps the next chunks
-            except BaseException as exc:  # surfaced by step()
-                with self._lock:
-                    self._errors.append(exc)
-            finally:
-                with self._idle:
-                    self._outstanding -= 1
-                    self._idle.notify_all()
 
     # ------------------------------------------------------------------ step
 
@@ -1331,35 +592,37 @@ class HybridAdam(torch.optim.Optimizer):
             raise
         # chunks stepped from now on use this step's hyper-parameters, even when an LR
         # scheduler changes them before the worker is done (param_sync="forward")
-        self._frozen_hp = [{k: v for k, v in hp.items() if k != "params"}
-                           for hp in self.param_groups]
-        with self._lock:
-            extra = [k for k, n in self._acc_count.items() if n > self.grad_accumulation_steps]
+        self._step.frozen_hp = [{k: v for k, v in hp.items() if k != "params"}
+                                for hp in self.param_groups]
+        with self._step.lock:
+            extra = [(k, n) for k, n in self._step.acc_count.items()
+                     if n > self.grad_accumulation_steps]
         if extra:
             raise RuntimeError(
-                f"{self._who}: {self._acc_count[extra[0]]} backward passes accumulated into a "
+                f"{self._who}: {extra[0][1]} backward passes accumulated into a "
                 f"parameter before step(), but grad_accumulation_steps="
                 f"{self.grad_accumulation_steps}: gradients were copied off the GPU after pass "
                 f"{self.grad_accumulation_steps}; set grad_accumulation_steps to the number of "
                 f"backward passes per step")
         self._check_grads_untouched()
         if self._mode == "fsdp":
-            self._refresh_views()
+            self._layout.refresh_views()
         if self._zero is not None:  # buckets not reduced in backward, then the has-grad flags
             self._ship_buckets(self._zero.flush(lambda g, i: self._groups[g].params[i].grad))
         with self._zero.on_stream() if self._zero is not None else _nullcontext():
             for g in self._groups:
                 for i in g.plan.chunks_of_param:
-                    if (g.index, i) not in self._shipped:
+                    if (g.index, i) not in self._step.shipped:
                         self._ship(g.index, i)  # not shipped by a hook (no overlap / no grad / early step)
         if self._zero is not None:
             self._zero.join_stream()  # the GPU side and clipping read the reduced gradients
         if self.max_grad_norm is not None:
-            self._clip(self.max_grad_norm)  # no gradient has been copied yet (_copy_grads waits)
+            self._clip(self.max_grad_norm)  # no gradient has been copied yet (the copies wait)
             if self._copier.cuda:
-                self._clip_event = torch.cuda.Event()
-                self._clip_event.record(self._copier.consumer_stream())  # D2H copies clipped grads
-        self._compute_allowed.set()
+                clip_event = torch.cuda.Event()
+                clip_event.record(self._copier.consumer_stream())  # D2H copies clipped grads
+                self._step.clip_event = clip_event
+        self._step.compute_allowed.set()
         for g in self._groups:
             self._step_gpu_side(g)
         self._t_step = t_step
@@ -1421,11 +684,12 @@ class HybridAdam(torch.optim.Optimizer):
                   for item in self._chunks_of.get(id(p), ())]
         if not chunks:
             return
-        with self._idle:
-            while any(item not in self._chunk_h2d for item in chunks) and not self._errors:
-                self._idle.wait()  # the worker has not stepped this module's chunks yet
-            events = [self._chunk_h2d.get(item) for item in chunks]
-            done = len(self._chunk_h2d) == len(self._chunk_missing) or bool(self._errors)
+        step = self._step
+        with step.idle:
+            while any(item not in step.chunk_h2d for item in chunks) and not step.errors:
+                step.idle.wait()  # the worker has not stepped this module's chunks yet
+            events = [step.chunk_h2d.get(item) for item in chunks]
+            done = len(step.chunk_h2d) == len(step.chunk_missing) or bool(step.errors)
         if done:
             self._finish_step()
             return
@@ -1440,11 +704,12 @@ class HybridAdam(torch.optim.Optimizer):
         self._pending = False
         t_step = self._t_step
         t_wait = time.perf_counter()
-        with self._idle:
-            while self._outstanding:
-                self._idle.wait()  # the CPU step of every offloaded chunk has to finish
-            errors, self._errors = self._errors, []
-            events = self._h2d_events
+        step = self._step
+        with step.idle:
+            while step.outstanding:
+                step.idle.wait()  # the CPU step of every offloaded chunk has to finish
+            errors, step.errors = step.errors, []
+            events = step.h2d_events
         stall = time.perf_counter() - t_wait
         if self._zero is not None and self._zero.any_failed(bool(errors)) and not errors:
             self._begin_step()  # the optimizer takes the next step; this one is lost
@@ -1459,14 +724,14 @@ class HybridAdam(torch.optim.Optimizer):
         for event in events if consumer is not None else ():
             consumer.wait_event(event)  # the next forward reads the parameters copied H2D
         if self._zero is not None:  # every rank gets every rank's updated shard
-            self._zero.gather(lambda g: ([self._local(self._groups[g], i)
+            self._zero.gather(lambda g: ([local_view(self._groups[g], i)
                                           for i in range(self._groups[g].n_local)],
                                          self._groups[g].params))
         for g, i in self._stepped:
             g.steps[i] += 1  # after the worker: it steps chunks with steps[i] + 1
         moved = self._store.stats()["moved_bytes"]
-        with self._stats_lock:
-            done = dict(self._acc, stall_s=stall, step_s=time.perf_counter() - t_step)
+        with self._step.stats_lock:
+            done = dict(self._step.stats, stall_s=stall, step_s=time.perf_counter() - t_step)
             done["nvme_read_bytes"] = moved.get("nvme->cpu", 0) - self._moved0.get("nvme->cpu", 0)
             done["nvme_write_bytes"] = moved.get("cpu->nvme", 0) - self._moved0.get("cpu->nvme", 0)
             self._last_stats = done
@@ -1484,8 +749,8 @@ class HybridAdam(torch.optim.Optimizer):
         Raises:
             RuntimeError: a gradient was modified in place or replaced after it was shipped.
         """
-        with self._lock:
-            shipped = dict(self._shipped_versions)
+        with self._step.lock:
+            shipped = dict(self._step.shipped_versions)
         for (g, i), (version, ptr) in shipped.items():
             grad = self._groups[g].params[i].grad
             if grad is None or grad._version != version or grad.data_ptr() != ptr:
@@ -1497,7 +762,7 @@ class HybridAdam(torch.optim.Optimizer):
                     f"so gradients are copied in step(). This step was not applied consistently: "
                     f"restart from a checkpoint")
 
-    def _step_gpu_side(self, g: _Group) -> None:
+    def _step_gpu_side(self, g: Group) -> None:
         hp = self.param_groups[g.index]
         idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._has_grad(g, pc.param)]
         if not idx:
@@ -1510,7 +775,7 @@ class HybridAdam(torch.optim.Optimizer):
         masters = [g.gpu_masters[k] for k in idx]
         steps = [g.gpu_steps[k] for k in idx]
         torch._foreach_add_(steps, 1)
-        _fused_adam_(masters, grads, [g.gpu_exp_avg[k] for k in idx],
+        fused_adam_(masters, grads, [g.gpu_exp_avg[k] for k in idx],
                      [g.gpu_exp_avg_sq[k] for k in idx], steps, hp)
         for k in idx:
             if g.gpu_views[k] is not g.gpu_masters[k]:
@@ -1555,117 +820,6 @@ class HybridAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state dict
 
-    def _drain(self) -> None:
-        with self._idle:
-            while self._outstanding:
-                self._idle.wait()  # state must not change while it is read or written
-
-    def _param_states(self) -> list[list[dict]]:
-        """Per-param state in torch's format: step, exp_avg, exp_avg_sq (+ master).
-
-        One process: full-size CPU tensors. FSDP2: DTensors like the params (local shard on
-        the CPU). Data parallel: full-size CPU tensors on every rank (collective)."""
-        local = self._local_states()
-        if self._mode == "zero":
-            return self._gather_states(local)
-        out = []
-        for g, states in zip(self._groups, local):
-            group_out = []
-            for i, st in enumerate(states):
-                p = g.params[i]
-                shape = _dist.local_of(p).shape
-                full = {"step": torch.tensor(float(st["step"]))}
-                for name in ("exp_avg", "exp_avg_sq", "master"):
-                    if name in st:
-                        t = st[name].view(shape)
-                        full[name] = _dist.to_dtensor(t, p) if self._mode == "fsdp" else t
-                group_out.append(full)
-            out.append(group_out)
-        return out
-
-    def _gather_states(self, local: list[list[dict]]) -> list[list[dict]]:
-        """Data parallel: assemble every param's full state from the ranks' shards (an
-        all-reduce of disjoint pieces, staged through bounded buffers on the params' device)."""
-        zero = self._zero
-        out = []
-        for g, states in zip(self._groups, local):
-            zg = zero.groups[g.index]
-            names = ["exp_avg", "exp_avg_sq"]
-            if g.params and g.params[0].dtype != torch.float32:
-                names.append("master")
-            full = {name: torch.zeros(zg.total, dtype=torch.float32) for name in names}
-            for seg, st in zip(zg.segments, states):
-                for name in names:
-                    full[name][seg.flat_offset:seg.flat_offset + seg.numel] = st[name]
-            stage = 1 << 24
-            for name in names:
-                for lo in range(0, zg.total, stage):
-                    piece = full[name][lo:lo + stage].to(self.device)
-                    torch.distributed.all_reduce(piece, group=zero.pg)
-                    full[name][lo:lo + stage] = piece.cpu()
-            steps = torch.zeros(len(g.params), dtype=torch.int64)
-            for seg, st in zip(zg.segments, states):
-                steps[seg.param] = max(int(steps[seg.param]), st["step"])
-            steps = steps.to(self.device)
-            torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX, group=zero.pg)
-            steps = steps.cpu()
-            group_out = []
-            for i, p in enumerate(g.params):
-                sl = slice(zg.offsets[i], zg.offsets[i + 1])
-                st = {"step": torch.tensor(float(steps[i]))}
-                for name in names:
-                    st[name] = full[name][sl].view(p.shape)
-                group_out.append(st)
-            out.append(group_out)
-        return out
-
-    def _local_states(self) -> list[list[dict]]:
-        """Per local tensor: flat CPU ``exp_avg``, ``exp_avg_sq`` (+ ``master`` for non-fp32
-        params) and the int ``step``, gathered from GPU, RAM and NVMe."""
-        out = []
-        for g in self._groups:
-            states = []
-            for i in range(g.n_local):
-                local = self._local(g, i)
-                st = {"step": g.steps[i],
-                      "exp_avg": torch.zeros(local.numel(), dtype=torch.float32),
-                      "exp_avg_sq": torch.zeros(local.numel(), dtype=torch.float32)}
-                if local.dtype != torch.float32:
-                    st["master"] = local.float().cpu()
-                states.append(st)
-            for k, pc in enumerate(g.plan.gpu_pieces):
-                st = states[pc.param]
-                sl = slice(pc.start, pc.start + pc.numel)
-                st["exp_avg"].view(-1)[sl] = g.gpu_exp_avg[k].cpu()
-                st["exp_avg_sq"].view(-1)[sl] = g.gpu_exp_avg_sq[k].cpu()
-                if "master" in st:
-                    st["master"].view(-1)[sl] = g.gpu_masters[k].cpu()
-            for pc, sl, (master, exp_avg, exp_avg_sq) in self._offloaded_pieces(g):
-                st = states[pc.param]
-                st["exp_avg"].view(-1)[sl] = exp_avg
-                st["exp_avg_sq"].view(-1)[sl] = exp_avg_sq
-                if "master" in st:
-                    st["master"].view(-1)[sl] = master
-            out.append(states)
-        return out
-
-    def _offloaded_pieces(self, g: _Group):
-        """Yield ``(piece, slice of the local tensor, (master, exp_avg, exp_avg_sq) views of the
-        piece's state)`` for every offloaded piece of ``g``, chunk by chunk; a chunk's state is
-        held in RAM while its pieces are visited and written back to NVMe after."""
-        for chunk, key in zip(g.plan.chunks, g.chunk_keys):
-            blob = self._store.get(key, "cpu", hold=True)
-            try:
-                views = _state_views(blob, chunk.numel, self.moments_dtype)
-                for pc in chunk.pieces:
-                    rel = pc.flat_offset - chunk.flat_start
-                    yield (pc, slice(pc.start, pc.start + pc.numel),
-                           tuple(v[rel:rel + pc.numel] for v in views))
-            finally:
-                self._store.release(key)
-            if (g.index, chunk.index) in self._nvme_chunks:
-                self._store.evict(key, "nvme").wait()
-
     def state_dict(self) -> dict:
         """Return the state in torch.optim's format (``exp_avg``/``exp_avg_sq``/``step`` per
         param, plus ``master`` for non-fp32 params), gathered from GPU, RAM and NVMe.
@@ -1684,8 +838,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._check_process()
         self.synchronize()
         self._ensure_state()
-        self._drain()
-        states = self._param_states()
+        self._step.drain()
+        states = param_states(self._layout, self._mode, self._zero, self.device)
         flat_state, index, groups = {}, 0, []
         for g, hp in zip(states, self.param_groups):
             ids = list(range(index, index + len(g)))
@@ -1709,7 +863,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._check_process()
         self.synchronize()
         self._ensure_state()
-        self._drain()
+        self._step.drain()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{self._who}.load_state_dict: the state has {len(groups)} param "
@@ -1732,49 +886,10 @@ class HybridAdam(torch.optim.Optimizer):
             hp.update({k: v for k, v in saved.items() if k != "params"})
         for saved, g in zip(groups, self._groups):
             sts = [state_dict["state"].get(sid) for sid in saved["params"]]
-            self._scatter(g, sts)
-
-    def _scatter(self, g: _Group, param_sts: list[dict | None]) -> None:
-        self._check_grads_untouched()
-        if self._mode == "fsdp":
-            self._refresh_views()
-        sts = [param_sts[self._param_of(g, i)] for i in range(g.n_local)]
-
-        def local_src(i: int, name: str) -> torch.Tensor:
-            """This rank's part of saved tensor ``name`` of local tensor ``i``, flat."""
-            t = sts[i][name]
-            p = g.params[self._param_of(g, i)]
+            self._check_grads_untouched()
             if self._mode == "fsdp":
-                return _dist.local_state(t, p, name, self._who).reshape(-1)
-            if g.segments is not None:
-                seg = g.segments[i]
-                return t.reshape(-1)[seg.start:seg.start + seg.numel]
-            return t.reshape(-1)
-
-        def master_of(i):
-            st = sts[i]
-            if st is not None and "master" in st:
-                return local_src(i, "master").float()
-            return self._local(g, i).float().cpu()
-
-        for i, st in enumerate(sts):
-            g.steps[i] = int(float(st["step"])) if st is not None else 0
-        for k, pc in enumerate(g.plan.gpu_pieces):
-            st = sts[pc.param]
-            sl = slice(pc.start, pc.start + pc.numel)
-            zero = torch.zeros(pc.numel)
-            g.gpu_exp_avg[k].copy_(local_src(pc.param, "exp_avg")[sl] if st else zero)
-            g.gpu_exp_avg_sq[k].copy_(local_src(pc.param, "exp_avg_sq")[sl] if st else zero)
-            g.gpu_steps[k].fill_(float(g.steps[pc.param]))
-            if g.gpu_masters[k] is not g.gpu_views[k]:
-                g.gpu_masters[k].copy_(master_of(pc.param)[sl])
-        for pc, sl, (master, exp_avg, exp_avg_sq) in self._offloaded_pieces(g):
-            master.copy_(master_of(pc.param)[sl])
-            for moment, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
-                if sts[pc.param]:
-                    moment.copy_(local_src(pc.param, name)[sl])
-                else:
-                    moment.zero_()
+                self._layout.refresh_views()
+            scatter(self._layout, g, sts, self._mode, self._who)
 
     # ------------------------------------------------------------------ misc
 
@@ -1798,11 +913,7 @@ class HybridAdam(torch.optim.Optimizer):
     def memory_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes per place: ``{"gpu": ..., "cpu": ..., "nvme": ...}``."""
         self._ensure_state()
-        gpu = sum(t.numel() * 4 for g in self._groups
-                  for t in g.gpu_exp_avg + g.gpu_exp_avg_sq) + sum(
-            m.numel() * 4 for g in self._groups for m, v in zip(g.gpu_masters, g.gpu_views)
-            if m is not v) + sum(t.numel() * t.element_size()
-                                  for t in self._lane_state + self._lane_grad)
+        gpu = self._layout.gpu_state_bytes() + self._lane.device_bytes()
         s = self._store.stats()
         return {"gpu": gpu, "cpu": s["cpu"]["used_bytes"], "nvme": s["nvme"]["used_bytes"]}
 
@@ -1848,9 +959,7 @@ def _release(work: queue.Queue, worker: threading.Thread, hooks: list, ram_held:
         if owns_store:
             store.close()  # Note [fork] of the store: the parent's files stay
         return
-    work.put(_STOP)
-    if worker is not threading.current_thread():  # the worker may drop the last reference
-        worker.join()
+    stop_thread(work, worker)
     for handle in hooks:
         handle.remove()
     hooks.clear()

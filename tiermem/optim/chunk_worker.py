@@ -1,0 +1,236 @@
+"""HybridAdam's chunk worker: the thread that steps each offloaded chunk once all its gradients
+are complete (Note [hybrid step] in hybrid_adam.py). Per chunk it copies the gradients D2H into
+the group's pinned gradient ring (the next chunk's copy runs while this one steps), runs the
+native CPU Adam into the pinned param-out ring, copies the params H2D, and writes NVMe chunks
+back; chunks of the GPU lane are handed to it instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from tiermem.optim.cpu_adam import adam_step_unchecked
+from tiermem.optim.gpu_lane import GpuLane
+from tiermem.optim.layout import (GRAD_SLOTS, OUT_SLOTS, Group, StateLayout, local_view, runs,
+                                  state_views)
+from tiermem.optim.partition import Chunk
+from tiermem.optim.read_ahead import ReadAhead
+from tiermem.optim.step_state import StepState
+from tiermem.store.transfer import Copier
+
+_STOP = object()
+"""Tells the worker thread to exit."""
+
+
+def stop_thread(work: queue.Queue, thread: threading.Thread) -> None:
+    """Stop a :class:`ChunkWorker`'s thread (its ``queue`` and ``thread``) once it has finished
+    the chunk in hand; holds no reference to the worker (Note [lifetime] in hybrid_adam.py).
+
+    Raises:
+        Nothing.
+    """
+    work.put(_STOP)
+    if thread is not threading.current_thread():  # a collection on the worker thread may call us
+        thread.join()
+
+
+class ChunkWorker:
+    """The worker thread and what only it touches: the chunks' gradient copies, the CPU step,
+    the param-out ring and the write-back of NVMe chunks.
+
+    Attributes:
+        queue: chunks ``(group, chunk)`` ready to step, in the order they became ready.
+        thread: the worker thread (named ``tiermem-hybrid-adam``, a daemon).
+    """
+
+    def __init__(self, layout: StateLayout, step: StepState, read_ahead: ReadAhead,
+                 lane: GpuLane, copier: Copier, param_groups: list[dict],
+                 cpu_threads: int | None) -> None:
+        """Start the thread. Args: the optimizer's layout, step state, read-ahead and GPU lane,
+        the Copier of the gradients' D2H and the params' H2D, its ``param_groups`` (the live
+        hyper-parameters) and the CPU step's threads (None: torch's).
+
+        Raises:
+            RuntimeError: the thread could not be started.
+        """
+        self._layout = layout
+        self._step = step
+        self._read_ahead = read_ahead
+        self._lane = lane
+        self._copier = copier
+        self._param_groups = param_groups
+        self._cpu_threads = cpu_threads
+        self._copies: dict[tuple[int, int], tuple] = {}  # chunks whose D2H is issued
+        self.queue: queue.Queue = queue.Queue()
+        # Note [lifetime] (hybrid_adam.py): the thread refers to this worker weakly, never to the
+        # optimizer
+        self.thread = threading.Thread(target=self._run, args=(weakref.ref(self), self.queue),
+                                       name="tiermem-hybrid-adam", daemon=True)
+        self.thread.start()
+
+    def enqueue(self, item: tuple[int, int]) -> None:
+        """Hand chunk ``item`` to the worker, once per step (hooks or the caller's thread).
+
+        Raises:
+            Nothing.
+        """
+        step = self._step
+        with step.lock:
+            if item in step.queued:
+                return
+            step.queued.add(item)
+            step.outstanding += 1
+        self.queue.put(item)
+
+    def begin_step(self) -> None:
+        """Forget the last step's gradient copies (caller's thread; the worker is idle between
+        steps).
+
+        Raises:
+            Nothing.
+        """
+        self._copies.clear()
+
+    @staticmethod
+    def _run(ref: weakref.ref, work: queue.Queue) -> None:
+        """The worker thread (Note [lifetime] in hybrid_adam.py): holds the worker only while it handles an item,
+        and waits for the next one through a weak reference, so a dropped optimizer is
+        collected and its finalizer's ``_STOP`` ends this thread."""
+        nxt = None
+        while True:
+            worker = ref()
+            if worker is None:
+                return
+            if nxt is None and worker._lane.pending and work.empty():
+                worker._lane.reap(block=True)  # nothing else to do: wait for a lane write-back
+                continue  # and look at the queue again
+            del worker
+            item = nxt if nxt is not None else work.get()
+            worker = ref()
+            if item is _STOP or worker is None:
+                while worker is not None and worker._lane.pending:
+                    worker._lane.reap(block=True)
+                return
+            nxt = worker._work_item(item)
+            del worker
+
+    def _work_item(self, item: tuple[int, int]) -> Any:
+        """Step one chunk (worker thread); return the next queue item if it took one early."""
+        nxt = None
+        t0 = time.perf_counter()
+        lane = item in self._lane.chunks  # done when its write-back is (see GpuLane.reap)
+        try:
+            if lane:
+                self._lane.step(*item)
+            else:
+                copies = self._copy_grads(*item)
+                try:
+                    nxt = self.queue.get_nowait()
+                except queue.Empty:
+                    pass
+                if nxt is not None and nxt is not _STOP and nxt not in self._lane.chunks:
+                    try:
+                        self._copy_grads(*nxt)  # its D2H runs while this chunk steps
+                    except BaseException:
+                        pass  # raised again, and reported, when that chunk is stepped
+                self._step_chunk(*item, copies)
+        except BaseException as exc:  # surfaced by step()
+            lane = False  # nothing of it is pending: it is done (and failed) now
+            self._step.fail(exc)
+        finally:
+            self._step.add_stats(worker_s=time.perf_counter() - t0)
+            if not lane:
+                self._step.chunk_done()
+        self._lane.reap(block=False)
+        return nxt
+
+    def _copy_grads(self, g: int, c: int) -> tuple[torch.Tensor, dict[int, bool], Any]:
+        """Issue the D2H copy of chunk ``c``'s gradients into the group's next gradient slot
+        (once per chunk and step; worker thread only).
+
+        Returns ``(host gradient of the chunk, {local tensor: has a gradient}, the last copy's
+        event or None)``.
+        """
+        done = self._copies.get((g, c))
+        if done is not None:
+            return done
+        group = self._layout.groups[g]
+        chunk: Chunk = group.plan.chunks[c]
+        refs, waits = self._step.chunk_grads(g, chunk)
+        slot = group.grad_next
+        group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
+        buf = group.grad_ring[slot][:chunk.numel]
+        pairs, nbytes = [], 0
+        for pc in chunk.pieces:
+            if refs[pc.param] is None:
+                continue
+            rel = pc.flat_offset - chunk.flat_start
+            grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
+            pairs.append((buf[rel:rel + pc.numel], grad))
+            nbytes += pc.numel * buf.element_size()
+        last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
+        self._step.add_stats(d2h_bytes=nbytes)
+        done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
+        self._copies[(g, c)] = done
+        return done
+
+    def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
+        layout = self._layout
+        group = layout.groups[g]
+        chunk: Chunk = group.plan.chunks[c]
+        grad, has_grad, copied = copies
+        t_wait = time.perf_counter()
+        if copied is not None:
+            copied.synchronize()  # the CPU reads the gradient bytes of this chunk's D2H
+        wait_s = time.perf_counter() - t_wait
+        key = group.chunk_keys[c]
+        blob = layout.store.get(key, "cpu", hold=True)
+        try:
+            master, exp_avg, exp_avg_sq = state_views(blob, chunk.numel, layout.moments_dtype)
+            self._read_ahead.after(g, c)
+            lo = chunk.flat_start
+            t_wait = time.perf_counter()
+            out, slot = self._out_slot(group, chunk.numel)
+            wait_s += time.perf_counter() - t_wait
+            hp = self._step.hyperparams(g, self._param_groups)
+            beta1, beta2 = hp["betas"]
+            chunk_runs = runs(group, chunk, has_grad)
+            t0 = time.perf_counter()
+            for start, numel, step in chunk_runs:
+                adam_step_unchecked(master, grad, exp_avg, exp_avg_sq, step=step,
+                                    lr=float(hp["lr"]), beta1=beta1, beta2=beta2, eps=hp["eps"],
+                                    weight_decay=hp["weight_decay"], adamw=hp["adamw"],
+                                    maximize=hp["maximize"], param_out=out, offset=start,
+                                    numel=numel, num_threads=self._cpu_threads)
+            adam_s = time.perf_counter() - t0
+            pairs, h2d = [], 0
+            for pc in chunk.pieces:
+                if not has_grad[pc.param]:
+                    continue  # no gradient this step: param and state untouched, like torch
+                rel = pc.flat_offset - lo
+                pairs.append((local_view(group, pc.param)[pc.start:pc.start + pc.numel],
+                              out[rel:rel + pc.numel]))
+                h2d += pc.numel * out.element_size()
+            last = self._copier.h2d_many(pairs)
+            self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1)
+            group.out_events[slot] = last
+        finally:
+            layout.store.release(key)
+        if (g, c) in layout.nvme_chunks:
+            layout.store.evict(key, "nvme")  # write-back overlaps the next chunk's compute
+        self._step.chunk_issued((g, c), last)
+
+    @staticmethod
+    def _out_slot(group: Group, numel: int) -> tuple[torch.Tensor, int]:
+        """The next param-out ring slot (``numel`` elements) and its index; worker thread only."""
+        slot = group.out_next
+        group.out_next = (slot + 1) % OUT_SLOTS
+        if group.out_events[slot] is not None:
+            group.out_events[slot].synchronize()  # the slot's last H2D must finish before reuse
+        return group.out_ring[slot][:numel], slot

@@ -1,0 +1,237 @@
+"""HybridAdam's GPU lane (Note [gpu lane] in hybrid_adam.py): offloaded chunks the GPU steps by
+streaming their state through ``LANE_SLOTS`` device slots, and torch's fused Adam, which the
+lane and the GPU side both step with.
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import nullcontext as _nullcontext
+
+import torch
+
+from tiermem.optim.layout import LANE_SLOTS, StateLayout, local_view, runs, state_numel, state_views
+from tiermem.optim.partition import Chunk
+from tiermem.optim.read_ahead import ReadAhead
+from tiermem.optim.step_state import StepState
+from tiermem.store.transfer import Copier
+
+
+def fused_adam_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list,
+                hp: dict) -> None:
+    """torch's fused Adam/AdamW (``hp``: a param group's hyper-parameters) on fp32 tensors, in
+    place, on the current stream; ``steps`` are the already incremented step tensors.
+
+    Raises:
+        RuntimeError: this torch has no fused Adam op (torch < 2.4).
+    """
+    fused = getattr(torch, "_fused_adamw_" if hp["adamw"] else "_fused_adam_", None)
+    if fused is None:
+        raise RuntimeError("HybridAdam needs torch._fused_adamw_ (torch >= 2.4)")
+    beta1, beta2 = hp["betas"]
+    fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hp["lr"], beta1=beta1, beta2=beta2,
+          weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False,
+          maximize=hp["maximize"], grad_scale=None, found_inf=None)
+
+
+class GpuLane:
+    """The chunks the GPU steps, its device slots and streams; ``step`` issues a chunk and
+    ``reap`` releases the chunks whose state is back in the store (worker thread only, but
+    ``init``/``clear`` on the caller's thread while the worker is idle).
+
+    Attributes:
+        chunks: ``(group, chunk)`` the lane steps (empty: no lane).
+    """
+
+    def __init__(self, layout: StateLayout, step: StepState, read_ahead: ReadAhead,
+                 param_groups: list[dict], fraction: float, cuda: bool) -> None:
+        """Args: the optimizer's layout, step state and read-ahead, its ``param_groups`` (the
+        live hyper-parameters), ``gpu_step_fraction`` and whether the device is CUDA.
+
+        Raises:
+            Nothing: slots are allocated by :meth:`init`.
+        """
+        self._layout = layout
+        self._step = step
+        self._read_ahead = read_ahead
+        self._param_groups = param_groups
+        self._fraction = fraction
+        self._cuda = cuda
+        self.chunks: set[tuple[int, int]] = set()
+        self._state: list[torch.Tensor] = []  # device slots: a chunk's state blob
+        self._grad: list[torch.Tensor] = []  # device slots: a chunk's fp32 gradients
+        self._free: list = []  # per slot: event after which the slot may be overwritten
+        self._next = 0
+        self._pending: collections.deque = collections.deque()  # (event, g, c) written back
+        self._stream = None
+        self._copier: Copier | None = None  # its own H2D/D2H streams (see init)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a lane chunk's write-back has not been reaped yet.
+
+        Raises:
+            Nothing.
+        """
+        return bool(self._pending)
+
+    def device_bytes(self) -> int:
+        """Bytes of the lane's device slots (state and fp32 gradients).
+
+        Raises:
+            Nothing.
+        """
+        return sum(t.numel() * t.element_size() for t in self._state + self._grad)
+
+    def init(self) -> None:
+        """Pick the lane's chunks (``gpu_step_fraction`` of the offloaded chunks, spread evenly
+        over the order they are stepped in) and allocate its device slots.
+
+        Raises:
+            torch.OutOfMemoryError: no room on the device for the slots.
+        """
+        self.chunks = set()
+        if self._fraction == 0.0:
+            return
+        order = self._layout.expected_order()
+        share = self._fraction
+        self.chunks = {item for k, item in enumerate(order)
+                       if int((k + 1) * share) > int(k * share)}
+        if not self.chunks:
+            return
+        groups = self._layout.groups
+        chunks = [groups[g].plan.chunks[c] for g, c in self.chunks]
+        numel = max(c.numel for c in chunks)
+        device = self._layout.device
+        self._state = [torch.empty(state_numel(numel, self._layout.moments_dtype),
+                                   dtype=torch.float32, device=device)
+                       for _ in range(LANE_SLOTS)]
+        self._grad = [torch.empty(numel, dtype=torch.float32, device=device)
+                      for _ in range(LANE_SLOTS)]
+        self._free = [None] * LANE_SLOTS
+        # own copy streams: a lane copy waits for lane work, which must never hold up the CPU
+        # chunks' gradient and param copies queued behind it on shared streams
+        self._copier = Copier(device)
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device)
+
+    def clear(self) -> None:
+        """Forget the chunks and the slots (a failed state allocation is undone).
+
+        Raises:
+            Nothing.
+        """
+        self.chunks = set()
+        self._state, self._grad, self._free = [], [], []
+
+    def step(self, g: int, c: int) -> None:
+        """Step chunk ``c`` on the GPU (Note [gpu lane] in hybrid_adam.py): its state H2D into a device slot, the
+        fused Adam on the lane stream with the gradients where backward left them, the updated
+        params cast into the model, the state D2H back into its blob. Issues and returns; the
+        blob stays held until :meth:`reap` sees the write-back done.
+
+        Raises:
+            Exception: from the store or a copy; what was issued has finished and the blob is
+                released.
+        """
+        layout, moments_dtype = self._layout, self._layout.moments_dtype
+        group = layout.groups[g]
+        chunk: Chunk = group.plan.chunks[c]
+        refs, waits = self._step.chunk_grads(g, chunk)
+        has_grad = {p: ref is not None for p, ref in refs.items()}
+        key = group.chunk_keys[c]
+        blob = layout.store.get(key, "cpu", hold=True)
+        loaded = None
+        try:
+            self._read_ahead.after(g, c)
+            slot = self._next
+            self._next = (slot + 1) % LANE_SLOTS
+            state = self._state[slot][:state_numel(chunk.numel, moments_dtype)]
+            grads = self._grad[slot]
+            loaded = self._copier.h2d_many([(state, blob)], after=self._free[slot])
+            cuda = self._stream is not None
+            with torch.cuda.stream(self._stream) if cuda else _nullcontext():
+                if cuda:
+                    self._stream.wait_event(loaded)  # the state is on the device
+                    for ev in waits:
+                        self._stream.wait_event(ev)  # the gradients are complete
+                master, exp_avg, exp_avg_sq = state_views(state, chunk.numel, moments_dtype)
+                lo = chunk.flat_start
+                for pc in chunk.pieces:
+                    if has_grad[pc.param]:
+                        rel = pc.flat_offset - lo
+                        src = refs[pc.param][0][pc.start:pc.start + pc.numel]
+                        grads[rel:rel + pc.numel].copy_(src)  # widened to fp32
+                hp = self._step.hyperparams(g, self._param_groups)
+                chunk_runs = runs(group, chunk, has_grad)
+                if chunk_runs:
+                    self._fused_runs(master, grads, exp_avg, exp_avg_sq, chunk_runs, hp)
+                for pc in chunk.pieces:
+                    if has_grad[pc.param]:
+                        rel = pc.flat_offset - lo
+                        local_view(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
+                            master[rel:rel + pc.numel])
+                stepped = None
+                if cuda:
+                    stepped = torch.cuda.Event()
+                    stepped.record(self._stream)  # params updated; the state may go back
+            written = self._copier.d2h_many([(blob, state)], after=stepped)
+        except BaseException:  # error path: let what was issued finish before the blob goes
+            if loaded is not None:
+                loaded.synchronize()  # the state load has read the blob
+            if self._stream is not None:
+                self._stream.synchronize()  # nothing queued still uses the slot
+            layout.store.release(key)
+            raise
+        self._free[slot] = written
+        # the lane's PCIe traffic is the state, both ways
+        self._step.add_stats(h2d_bytes=state.numel() * 4, d2h_bytes=state.numel() * 4,
+                             chunks=1, gpu_chunks=1)
+        self._step.chunk_issued((g, c), stepped)
+        self._pending.append((written, g, c))
+
+    def _fused_runs(self, master: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, chunk_runs: list[tuple[int, int, int]],
+                    hp: dict) -> None:
+        """torch's fused Adam on the ``(start, numel, step)`` runs of a chunk in place (on the
+        current stream); bf16 moments are widened to fp32 and rounded back, as the CPU kernel."""
+        sl = [slice(start, start + numel) for start, numel, _ in chunk_runs]
+        ms = [exp_avg[k] for k in sl]
+        vs = [exp_avg_sq[k] for k in sl]
+        wide = self._layout.moments_dtype != torch.float32
+        m32 = [m.float() for m in ms] if wide else ms
+        v32 = [v.float() for v in vs] if wide else vs
+        steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)
+                 for _, _, step in chunk_runs]
+        fused_adam_([master[k] for k in sl], [grads[k] for k in sl], m32, v32, steps, hp)
+        if wide:
+            for m, v, a, b in zip(ms, vs, m32, v32):
+                m.copy_(a)
+                v.copy_(b)
+
+    def reap(self, block: bool) -> None:
+        """Release the blobs of lane chunks whose state is back in the store (with ``block``,
+        after waiting for the oldest); each counts as done for ``step()`` only then. Worker
+        thread only.
+
+        Raises:
+            Nothing: errors are recorded for ``step()``.
+        """
+        layout = self._layout
+        while self._pending:
+            written, g, c = self._pending[0]
+            if written is not None and not block and not written.query():
+                return
+            block = False
+            self._pending.popleft()
+            try:
+                if written is not None:
+                    written.synchronize()  # the host blob holds the updated state after this
+                key = layout.groups[g].chunk_keys[c]
+                layout.store.release(key)
+                if (g, c) in layout.nvme_chunks:
+                    layout.store.evict(key, "nvme")  # write-back overlaps the next chunks
+            except BaseException as exc:  # surfaced by step()
+                self._step.fail(exc)
+            finally:
+                self._step.chunk_done()

@@ -1,0 +1,559 @@
+"""Where HybridAdam's state lives: its param groups, the fp32 state blob of an offloaded chunk
+and its views, the slots of the pinned rings, the host bytes all of it needs, the placement of
+each chunk (cpu, nvme, or by the cpu budget: Note [split tier]) and the state at step 0.
+
+The planner sizes HybridAdam's host memory with :func:`ring_bytes` (the pinned gradient and
+param-out rings) and :func:`nvme_staging_bytes` (the NVMe stream's read-ahead and write-back
+room), the same functions HybridAdam allocates by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiermem._log import logger, progress
+from tiermem.config import StoreConfig
+from tiermem.optim import distributed as _dist
+from tiermem.optim.partition import Chunk, GroupPlan, plan_group
+from tiermem.store.pool import round_up
+from tiermem.store.store import TierFullError, TierStore
+
+GRAD_SLOTS = 2
+"""Chunk-sized pinned buffers a chunk's gradients are copied into just before it steps: the one
+being stepped and the next one's copy in flight."""
+
+OUT_SLOTS = 4
+"""Chunk-sized pinned buffers the CPU step writes updated params into before their H2D copy:
+a ring, so param staging costs 4 chunks instead of 2 bytes per offloaded bf16 param."""
+
+LANE_SLOTS = 3
+"""Device slots of the GPU lane (Note [gpu lane] in hybrid_adam.py): one chunk's state loading,
+one stepping, one writing back."""
+
+NVME_EXTRA_CHUNKS = 3
+"""Chunk blobs the NVMe stream stages in RAM beyond its ``nvme_lookahead_chunks`` read-ahead:
+the chunk being stepped and the write-backs in flight."""
+
+_PROGRESS_MIN_BYTES = 1 << 30
+"""Offloaded state of at least this many bytes shows a progress bar while it is set up (on a
+terminal; ~4 s per GiB on the H200 host, 54-82 s at 13B-20B); smaller set-ups show none."""
+
+
+def state_numel(numel: int, moments_dtype: torch.dtype) -> int:
+    """fp32 elements of one chunk's state blob: the master, then both moments.
+
+    Raises:
+        Nothing.
+    """
+    return numel * (3 if moments_dtype == torch.float32 else 2)
+
+
+def state_views(blob: torch.Tensor, numel: int, moments_dtype: torch.dtype):
+    """(master fp32, exp_avg, exp_avg_sq) views of a chunk's fp32 state blob.
+
+    Raises:
+        Nothing.
+    """
+    moments = blob[numel:].view(moments_dtype).view(2, numel)
+    return blob[:numel], moments[0], moments[1]
+
+
+def chunk_state_bytes(numel: int, moments_dtype: torch.dtype) -> int:
+    """Bytes of the state blob of a chunk of ``numel`` elements in the store (4 KiB blocks).
+
+    Raises:
+        Nothing.
+    """
+    return round_up(4 * state_numel(numel, moments_dtype))
+
+
+def ring_bytes(chunk_numel: int, element_bytes: int) -> int:
+    """Pinned bytes of one param group's gradient ring (``GRAD_SLOTS`` chunks) and param-out
+    ring (``OUT_SLOTS`` chunks), each rounded up to the store's 4 KiB blocks.
+
+    Args:
+        chunk_numel: elements of the group's largest offloaded chunk.
+        element_bytes: bytes per element of the group's params (the model dtype).
+
+    Raises:
+        Nothing: plain arithmetic.
+    """
+    return sum(round_up(slots * chunk_numel * element_bytes) for slots in (GRAD_SLOTS, OUT_SLOTS))
+
+
+def nvme_staging_bytes(chunk_numel: int, moments_dtype: torch.dtype, lookahead_chunks: int) -> int:
+    """Pinned bytes the NVMe stream stages state in: ``lookahead_chunks`` chunks read ahead
+    plus ``NVME_EXTRA_CHUNKS`` (the chunk being stepped, write-backs in flight), each a state
+    blob of ``chunk_numel`` elements (12 B/element with fp32 moments, 8 with bf16).
+
+    Args:
+        chunk_numel: elements of the largest offloaded chunk.
+        moments_dtype: ``torch.float32`` or ``torch.bfloat16``, as HybridAdam's.
+        lookahead_chunks: HybridAdam's ``nvme_lookahead_chunks``.
+
+    Raises:
+        Nothing: plain arithmetic.
+    """
+    return chunk_state_bytes(chunk_numel, moments_dtype) * (lookahead_chunks + NVME_EXTRA_CHUNKS)
+
+
+@dataclass
+class Group:
+    """Per param group: the split, the GPU-side state and the offloaded side's buffers.
+
+    ``params`` are the user's params; the plan, ``steps`` and every piece index refer to the
+    group's *local tensors*: the params themselves (one process), their local shards (FSDP2),
+    or the pieces of params in this rank's shard (``segments``, data parallel).
+    """
+
+    index: int
+    params: list[torch.Tensor]
+    plan: GroupPlan
+    steps: list[int]
+    n_local: int = 0
+    segments: list | None = None  # data parallel: _dist.Segment per local tensor
+    numels: list[int] = field(default_factory=list)  # per local tensor (for re-planning)
+    sizes: list[int] = field(default_factory=list)  # bytes per element, per local tensor
+    locals_in_bucket: dict[int, list[int]] = field(default_factory=dict)
+    # GPU side, one entry per GPU piece
+    gpu_views: list[torch.Tensor] = field(default_factory=list)
+    gpu_masters: list[torch.Tensor] = field(default_factory=list)
+    gpu_exp_avg: list[torch.Tensor] = field(default_factory=list)
+    gpu_exp_avg_sq: list[torch.Tensor] = field(default_factory=list)
+    gpu_steps: list[torch.Tensor] = field(default_factory=list)
+    # offloaded side
+    grad_key: Any = None
+    out_key: Any = None
+    grad_ring: list = field(default_factory=list)  # GRAD_SLOTS chunk-sized gradient buffers
+    grad_next: int = 0
+    out_ring: list = field(default_factory=list)  # OUT_SLOTS chunk-sized param-out buffers
+    out_events: list = field(default_factory=list)  # last H2D from each slot
+    out_next: int = 0
+    chunk_keys: list = field(default_factory=list)
+
+
+def local_view(g: Group, i: int) -> torch.Tensor:
+    """Flat (1-D) view of local tensor ``i`` of group ``g``: what this rank updates.
+
+    Raises:
+        Nothing.
+    """
+    if g.segments is not None:
+        s = g.segments[i]
+        return g.params[s.param].detach().view(-1)[s.start:s.start + s.numel]
+    return _dist.local_of(g.params[i]).view(-1)
+
+
+def param_index(g: Group, i: int) -> int:
+    """Index in ``g.params`` of the param local tensor ``i`` belongs to.
+
+    Raises:
+        Nothing.
+    """
+    return g.segments[i].param if g.segments is not None else i
+
+
+def runs(group: Group, chunk: Chunk, has_grad: dict) -> list[tuple[int, int, int]]:
+    """(start in chunk, numel, step) runs of consecutive pieces that have gradients.
+
+    Raises:
+        Nothing.
+    """
+    out: list[list[int]] = []
+    for pc in chunk.pieces:
+        if not has_grad[pc.param]:
+            continue
+        step = group.steps[pc.param] + 1
+        start = pc.flat_offset - chunk.flat_start
+        if out and out[-1][2] == step and out[-1][0] + out[-1][1] == start:
+            out[-1][1] += pc.numel
+        else:
+            out.append([start, pc.numel, step])
+    return [tuple(r) for r in out]
+
+
+def execution_order(g: Group, arrived: dict[tuple[int, int], int]) -> list[int]:
+    """Group ``g``'s local tensors in execution order: reverse gradient arrival (the last
+    gradient belongs to the first layer); tensors without a gradient last, as given. The
+    given order when nothing was recorded or the group mixes dtypes (the split is by bytes,
+    so another order could change how many elements are offloaded).
+
+    Raises:
+        Nothing.
+    """
+    seen = sorted((rank, i) for (gi, i), rank in arrived.items() if gi == g.index)
+    if not seen or len(set(g.sizes)) > 1:
+        return list(range(g.n_local))
+    order = [i for _, i in reversed(seen)]
+    got = set(order)
+    return order + [i for i in range(g.n_local) if i not in got]
+
+
+def host_bytes(groups: list[Group], moments_dtype: torch.dtype,
+               lookahead_chunks: int) -> tuple[int, int, int]:
+    """Bytes the offloaded side needs: ``(pinned gradient and param-out rings, state of all
+    chunks, NVMe staging: lookahead_chunks + NVME_EXTRA_CHUNKS chunk blobs)``.
+
+    Raises:
+        Nothing.
+    """
+    chunks = [c for g in groups for c in g.plan.chunks]
+    rings = sum(ring_bytes(max(c.numel for c in g.plan.chunks), g.sizes[0])
+                for g in groups if g.plan.chunks)
+    state = sum(chunk_state_bytes(c.numel, moments_dtype) for c in chunks)
+    staging = nvme_staging_bytes(max(c.numel for c in chunks), moments_dtype,
+                                 lookahead_chunks) if chunks else 0
+    return rings, state, staging
+
+
+def private_store(groups: list[Group], *, chunk_numel: int, moments_dtype: torch.dtype,
+                  lookahead_chunks: int, state_tier: str, device: torch.device,
+                  nvme_dir: str | None) -> TierStore:
+    """A TierStore sized for this state alone: the rings, and the state (``"cpu"``) or the
+    NVMe staging in RAM and the state in spill files under ``nvme_dir``.
+
+    Raises:
+        ValueError: the store refuses the sizes or ``nvme_dir``.
+        OSError: the spill directory cannot be made.
+    """
+    buf_bytes, state_bytes, staging = host_bytes(groups, moments_dtype, lookahead_chunks)
+    chunk_bytes = chunk_state_bytes(chunk_numel, moments_dtype)
+    if state_tier == "cpu":
+        cpu_bytes = buf_bytes + state_bytes
+        nvme_bytes = 0
+    else:
+        cpu_bytes = buf_bytes + staging
+        # slack: chunk extents are freed on read and reallocated on write-back
+        nvme_bytes = state_bytes + staging
+    # slabs hold a whole number of chunks; slack for the buffers' partial slabs
+    slab_bytes = chunk_bytes * max(1, (1 << 30) // chunk_bytes)
+    cpu_bytes += 2 * chunk_bytes
+    return TierStore(StoreConfig(
+        gpu_bytes=0, cpu_bytes=cpu_bytes, nvme_bytes=nvme_bytes,
+        nvme_dir=nvme_dir if nvme_bytes else None, device=str(device),
+        pool_slab_bytes=min(slab_bytes, cpu_bytes)))
+
+
+class StateLayout:
+    """HybridAdam's state and where it lives: the groups (GPU side, pinned rings, chunk keys),
+    which chunks stream through NVMe, which RAM chunks are held for good; allocates it, frees
+    a failed allocation, and re-plans the split from a recorded gradient order.
+
+    Attributes:
+        groups: the :class:`Group` of every param group (shared with HybridAdam).
+        store: the TierStore holding the rings and the offloaded chunks.
+        nvme_chunks: ``(group, chunk)`` streamed through NVMe.
+        ram_held: with ``state_tier="split"``, the keys of chunks held in the cpu tier for good
+            (also the finalizer's list: cleared, never replaced).
+    """
+
+    def __init__(self, groups: list[Group], store: TierStore, *, owner: int,
+                 device: torch.device, state_tier: str, moments_dtype: torch.dtype,
+                 overlap: bool, nvme_lookahead_chunks: int, offload_fraction: float,
+                 chunk_numel: int) -> None:
+        """Args: ``owner`` (the optimizer's ``id``, in every store key it makes) and the
+        HybridAdam arguments of the same names; allocates nothing (see :meth:`alloc`).
+
+        Raises:
+            Nothing: the arguments were checked by HybridAdam.
+        """
+        self.groups = groups
+        self.store = store
+        self.owner = owner
+        self.device = device
+        self.state_tier = state_tier
+        self.moments_dtype = moments_dtype
+        self.overlap = overlap
+        self.nvme_lookahead_chunks = nvme_lookahead_chunks
+        self.offload_fraction = offload_fraction
+        self.chunk_numel = chunk_numel
+        self.nvme_chunks: set[tuple[int, int]] = set()
+        self.ram_held: list = []
+
+    # ------------------------------------------------------------------ sizing
+
+    def check_room(self) -> None:
+        """Refuse, at construction, a store whose free budgets cannot hold the offloaded state
+        (a lower bound: pool fragmentation can still make a put fail later).
+
+        Raises:
+            ValueError: names the tier, the bytes free and needed, and the fixes.
+        """
+        if not sum(g.plan.cpu_numel for g in self.groups):
+            return
+        rings, state, staging = host_bytes(self.groups, self.moments_dtype,
+                                           self.nvme_lookahead_chunks)
+        cfg = self.store.config
+        cpu_free = cfg.cpu_bytes - self.store.used_bytes("cpu")
+        nvme_free = cfg.nvme_bytes - self.store.used_bytes("nvme")
+        fix = ("raise the store's budgets (StoreConfig.cpu_bytes / nvme_bytes), lower "
+               "offload_fraction, use moments_dtype=torch.bfloat16, or state_tier='split'")
+        cpu_need = rings + (state if self.state_tier == "cpu" else staging)
+        if cpu_need > cpu_free:
+            raise ValueError(f"HybridAdam: the store's cpu tier has {cpu_free} bytes free; the "
+                             f"offloaded state needs {cpu_need} there (state_tier="
+                             f"{self.state_tier!r}, pinned rings and staging included): {fix}")
+        nvme_room = nvme_free + (cpu_free - cpu_need if self.state_tier == "split" else 0)
+        if self.state_tier != "cpu" and state > nvme_room:
+            raise ValueError(f"HybridAdam: the store's nvme tier has {nvme_free} bytes free; the "
+                             f"offloaded state needs {state} (state_tier={self.state_tier!r}"
+                             f"{', RAM included' if self.state_tier == 'split' else ''}): {fix}")
+
+    def gpu_state_bytes(self) -> int:
+        """Bytes of the GPU side's state: fp32 moments, and masters of non-fp32 params.
+
+        Raises:
+            Nothing.
+        """
+        return sum(t.numel() * 4 for g in self.groups
+                   for t in g.gpu_exp_avg + g.gpu_exp_avg_sq) + sum(
+            m.numel() * 4 for g in self.groups for m, v in zip(g.gpu_masters, g.gpu_views)
+            if m is not v)
+
+    def chunk_tiers(self) -> dict[str, int]:
+        """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}``.
+
+        Raises:
+            Nothing.
+        """
+        n = sum(len(g.plan.chunks) for g in self.groups)
+        return {"cpu": n - len(self.nvme_chunks), "nvme": len(self.nvme_chunks)}
+
+    # ------------------------------------------------------------------ order
+
+    def replan(self, arrived: dict[tuple[int, int], int]) -> None:
+        """Re-split every group whose execution order, from the recorded gradient ``arrived``
+        order, differs from the given one (Note [trace placement] in hybrid_adam.py).
+
+        Raises:
+            Nothing.
+        """
+        for g in self.groups:
+            order = execution_order(g, arrived)
+            if order != list(range(g.n_local)):
+                g.plan = plan_group(g.numels, g.sizes, self.offload_fraction, self.chunk_numel,
+                                    order=order)
+
+    def expected_order(self) -> list[tuple[int, int]]:
+        """Chunks in the order their gradients complete (reverse layer order with overlap).
+
+        Raises:
+            Nothing.
+        """
+        order = [(g.index, c) for g in self.groups for c in range(len(g.plan.chunks))]
+        return order[::-1] if self.overlap else order
+
+    def nvme_order(self) -> list[tuple[int, int]]:
+        """The NVMe-resident chunks in the order they are stepped.
+
+        Raises:
+            Nothing.
+        """
+        return [item for item in self.expected_order() if item in self.nvme_chunks]
+
+    def param_chunks(self) -> dict[int, list[tuple[int, int]]]:
+        """``id(param)`` -> the offloaded chunks holding its elements.
+
+        Raises:
+            Nothing.
+        """
+        return {id(g.params[i]): [(g.index, c) for c in dict.fromkeys(chunks)]
+                for g in self.groups for i, chunks in g.plan.chunks_of_param.items()}
+
+    def params_per_chunk(self) -> dict[tuple[int, int], int]:
+        """``(group, chunk)`` -> how many local tensors' gradients the chunk waits for.
+
+        Raises:
+            Nothing.
+        """
+        return {(g.index, c): len({pc.param for pc in chunk.pieces})
+                for g in self.groups for c, chunk in enumerate(g.plan.chunks)}
+
+    def refresh_views(self) -> None:
+        """FSDP2 may re-create a sharded param's local tensor (lazy init): re-take the views.
+
+        Raises:
+            Nothing.
+        """
+        for g in self.groups:
+            for k, piece in enumerate(g.plan.gpu_pieces):
+                view = local_view(g, piece.param)[piece.start:piece.start + piece.numel]
+                if g.gpu_masters[k] is g.gpu_views[k]:
+                    g.gpu_masters[k] = view
+                g.gpu_views[k] = view
+
+    # ------------------------------------------------------------------ allocation
+
+    def chunk_key(self, g: int, c: int) -> tuple:
+        """The store key of chunk ``c`` of group ``g``'s state blob.
+
+        Raises:
+            Nothing.
+        """
+        return ("hybrid_adam", self.owner, g, "chunk", c)
+
+    def _chunk_bytes(self, chunk: Chunk) -> int:
+        return chunk_state_bytes(chunk.numel, self.moments_dtype)
+
+    def alloc(self) -> None:
+        """Allocate the GPU side, the rings and every chunk (logged; a progress bar from
+        ``_PROGRESS_MIN_BYTES`` on a terminal). On failure call :meth:`undo`.
+
+        Raises:
+            TierFullError: the store has no room for a buffer or a chunk.
+            ValueError: a param group mixes dtypes.
+        """
+        chunks = [c for g in self.groups for c in g.plan.chunks]
+        state = sum(map(self._chunk_bytes, chunks))
+        if chunks:
+            logger.info("HybridAdam: setting up %d chunks (%.2f GiB) of offloaded state in the "
+                        "store's %s tier", len(chunks), state / 2**30, self.state_tier)
+        bar = progress(len(chunks), "HybridAdam: offloaded state", "chunk") \
+            if state >= _PROGRESS_MIN_BYTES else None
+        try:
+            self._alloc_groups(bar)
+            if self.state_tier == "split":
+                self._place_split(bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def undo(self) -> None:
+        """Free everything a failed :meth:`alloc` made: release what it holds, delete the
+        owner's keys from the store, forget the GPU side.
+
+        Raises:
+            StoreClosedError: the store was closed.
+        """
+        held = [key for g in self.groups
+                for key, ring in ((g.grad_key, g.grad_ring), (g.out_key, g.out_ring)) if ring]
+        for key in held + list(self.ram_held):
+            try:
+                self.store.release(key)
+            except (KeyError, ValueError):  # already released (e.g. by _place_split)
+                pass
+        self.ram_held.clear()  # the same list as the finalizer's: cleared, not replaced
+        for key in self.store.keys():
+            if isinstance(key, tuple) and key[:2] == ("hybrid_adam", self.owner):
+                self.store.delete(key)
+        for g in self.groups:
+            for name in ("gpu_views", "gpu_masters", "gpu_exp_avg", "gpu_exp_avg_sq",
+                         "gpu_steps", "grad_ring", "out_ring", "out_events", "chunk_keys"):
+                getattr(g, name).clear()
+            g.grad_key = g.out_key = None
+        self.nvme_chunks.clear()
+
+    def _alloc_groups(self, bar) -> None:
+        """The GPU side of every group, its gradient and param-out rings and (but with
+        ``state_tier="split"``) its chunks; ``bar`` counts chunks (None: no bar)."""
+        for g in self.groups:
+            for piece in g.plan.gpu_pieces:
+                local = local_view(g, piece.param)
+                view = local[piece.start:piece.start + piece.numel]
+                g.gpu_views.append(view)
+                g.gpu_masters.append(view if local.dtype == torch.float32 else view.float())
+                g.gpu_exp_avg.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
+                g.gpu_exp_avg_sq.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
+                g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=self.device))
+            if not g.plan.cpu_numel:
+                continue
+            dtype = local_view(g, g.plan.cpu_pieces[0].param).dtype
+            if any(local_view(g, pc.param).dtype != dtype for pc in g.plan.cpu_pieces):
+                raise ValueError(f"HybridAdam: param group {g.index} mixes dtypes; put params of "
+                                 f"different dtypes in different param groups")
+            g.grad_key = ("hybrid_adam", self.owner, g.index, "grad")
+            g.out_key = ("hybrid_adam", self.owner, g.index, "out")
+            slot_numel = max(c.numel for c in g.plan.chunks)
+            self.store.put(g.grad_key, torch.empty(GRAD_SLOTS, slot_numel, dtype=dtype), tier="cpu")
+            self.store.put(g.out_key, torch.empty(OUT_SLOTS, slot_numel, dtype=dtype), tier="cpu")
+            g.grad_ring = list(self.store.get(g.grad_key, "cpu", hold=True))
+            g.out_ring = list(self.store.get(g.out_key, "cpu", hold=True))
+            g.out_events = [None] * OUT_SLOTS
+            for chunk in g.plan.chunks:
+                if self.state_tier == "split":
+                    continue  # placed below, once every group's buffers are allocated
+                key = self.chunk_key(g.index, chunk.index)
+                self.store.put(key, self.initial_state(g, chunk), tier=self.state_tier)
+                g.chunk_keys.append(key)
+                if self.state_tier == "nvme":
+                    self.nvme_chunks.add((g.index, chunk.index))
+                if bar is not None:
+                    bar.update(1)
+
+    def _place_split(self, bar=None) -> None:
+        """Note [split tier]: a static placement of the offloaded chunks.
+
+        The CPU step visits every chunk once per step in the same (cyclic) order, so the
+        placement that minimises NVMe reads with a RAM budget of ``k`` chunks keeps a fixed set
+        of ``k`` chunks in RAM for good (Belady's rule on a cyclic trace: anything cached
+        dynamically would be evicted before its reuse). Which ``k``: the chunks stepped *last*
+        (with overlap, the first layers, whose gradients arrive at the very end of backward).
+        Their CPU step is on the critical path after backward, and a RAM chunk needs no read,
+        so the tail is pure compute; the chunks stepped first (the last layers) stream through
+        NVMe, and their reads are started when a step begins (``ReadAhead.first_chunks``), i.e.
+        hidden behind the forward pass and the backward of the later layers. The budget is what the store's
+        ``cpu_bytes`` can still allocate (slab fragmentation included) once the staging room of
+        the NVMe stream is reserved (``nvme_lookahead_chunks + 3`` chunks: read-ahead, the chunk
+        being stepped, write-backs in flight): RAM takes chunks in that order until a put fails,
+        the rest go to NVMe. RAM chunks stay held in the store so its eviction never demotes
+        them.
+        """
+        order = [(g.index, c) for g in self.groups for c in range(len(g.plan.chunks))]
+        if not self.overlap:
+            order = order[::-1]  # stepped in forward order: the last chunks are stepped last
+        # order: RAM preference, first = stepped last
+        biggest = max((self._chunk_bytes(ch) for g in self.groups for ch in g.plan.chunks),
+                      default=0)
+        # the NVMe stream's staging is reserved for real first (the pool's slabs fragment, so
+        # counting bytes is not enough), then RAM takes chunks until an allocation fails
+        staging = [("hybrid_adam", self.owner, "staging", k)
+                   for k in range(self.nvme_lookahead_chunks + NVME_EXTRA_CHUNKS)]
+        nvme, held = [], []
+        try:
+            for key in staging:
+                self.store.put(key, torch.empty(biggest, dtype=torch.uint8), tier="cpu")
+                self.store.get(key, "cpu", hold=True)  # never evicted to make room for RAM chunks
+                held.append(key)
+            full = False
+            for g, c in order:
+                group, chunk = self.groups[g], self.groups[g].plan.chunks[c]
+                key = self.chunk_key(g, chunk.index)
+                if not full:
+                    try:
+                        self.store.put(key, self.initial_state(group, chunk), tier="cpu")
+                        self.store.get(key, "cpu", hold=True)  # pinned in RAM for good
+                        self.ram_held.append(key)
+                        if bar is not None:
+                            bar.update(1)
+                        continue
+                    except TierFullError:
+                        full = True  # RAM is full: this chunk and the rest go to NVMe
+                nvme.append((g, c, key))
+        finally:
+            for key in held:
+                self.store.release(key)
+                self.store.delete(key)  # the staging room the NVMe stream needs from now on
+        for g, c, key in nvme:
+            self.store.put(key, self.initial_state(self.groups[g], self.groups[g].plan.chunks[c]),
+                           tier="nvme")
+            self.nvme_chunks.add((g, c))
+            if bar is not None:
+                bar.update(1)
+        for g in self.groups:
+            g.chunk_keys = [self.chunk_key(g.index, chunk.index) for chunk in g.plan.chunks]
+
+    def initial_state(self, group: Group, chunk: Chunk) -> torch.Tensor:
+        """A chunk's fp32 state blob at step 0: the master copied from the params, zero moments.
+
+        Raises:
+            Nothing.
+        """
+        state = torch.zeros(state_numel(chunk.numel, self.moments_dtype))
+        master = state[:chunk.numel]
+        for pc in chunk.pieces:
+            lo = pc.flat_offset - chunk.flat_start
+            master[lo:lo + pc.numel].copy_(local_view(group, pc.param)[pc.start:pc.start + pc.numel])
+        return state

@@ -1,0 +1,177 @@
+"""The mutable state of one HybridAdam step that several threads share: the caller's thread
+(``step()``, ``_begin_step``, the forward pre-hook), autograd's threads (the gradient hooks) and
+the chunk worker thread. Every field says which thread writes it and under which lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiermem.optim.partition import Chunk
+
+
+def new_stats() -> dict:
+    """A step's counters at zero (seconds, bytes, chunks: see ``HybridAdam.step_stats``).
+
+    Raises:
+        Nothing.
+    """
+    return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
+            "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0}
+
+
+@dataclass
+class StepState:
+    """One step's cross-thread state; ``reset`` (caller's thread, worker idle) starts the next.
+
+    Threads: *caller* (the one calling ``step()``, ``zero_grad``, ``state_dict``, the forward
+    pre-hook), *hooks* (autograd's, running the post-accumulate-grad hooks; on the caller's
+    thread in ``step()`` for gradients no hook shipped), *worker* (the chunk worker thread).
+    """
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards every field below marked "under lock"; also HybridAdam's ``_arrived``."""
+    idle: threading.Condition = field(init=False)
+    """On ``lock``: notified when ``outstanding`` drops or a chunk's params are issued H2D."""
+    compute_allowed: threading.Event = field(default_factory=threading.Event)
+    """Written by the caller: set when gradients may be read (with ``max_grad_norm``, once
+    ``step()`` has clipped them); the worker waits on it before touching a chunk's gradients."""
+    acc_count: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Under lock; hooks write: backward passes accumulated per ``(group, local tensor)``."""
+    shipped: set[tuple[int, int]] = field(default_factory=set)
+    """Under lock; hooks write: local tensors whose gradient was handed to the offloaded side."""
+    shipped_versions: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    """Under lock; hooks write: a shipped gradient's ``(_version, data_ptr)`` (one process)."""
+    grad_refs: dict[tuple[int, int], tuple | None] = field(default_factory=dict)
+    """Under lock; hooks write, the worker reads: ``(g, i)`` -> (flat gradient, event marking it
+    complete) or None (no gradient this step)."""
+    chunk_missing: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Under lock; hooks write: gradients each ``(group, chunk)`` still waits for."""
+    queued: set[tuple[int, int]] = field(default_factory=set)
+    """Under lock; hooks write, the worker reads: chunks handed to the worker this step."""
+    read_ahead: set[tuple[int, int]] = field(default_factory=set)
+    """Under lock; the caller (first chunks) and the worker write: NVMe chunks prefetched,
+    not yet stepped."""
+    outstanding: int = 0
+    """Under lock; hooks add a queued chunk, the worker takes away a finished one."""
+    errors: list[BaseException] = field(default_factory=list)
+    """Under lock; the worker appends, the caller takes them in ``_finish_step``."""
+    h2d_events: list = field(default_factory=list)
+    """Under lock; the worker appends: events of the updated params' H2D copies (and lane
+    steps) the caller's stream waits on."""
+    chunk_h2d: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """Under lock; the worker writes: stepped chunk -> its last H2D event (Note [forward sync]
+    in hybrid_adam.py)."""
+    clip_event: Any = None
+    """No lock; the caller writes it before setting ``compute_allowed``, the worker reads it
+    after waiting on that: the clip's event, the gradients' copies wait for it."""
+    frozen_hp: list[dict] | None = None
+    """No lock; the caller writes in ``step()``, the worker reads: each group's
+    hyper-parameters as of ``step()`` (None before it: the live ``param_groups``)."""
+    stats_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards ``stats``."""
+    stats: dict = field(default_factory=new_stats)
+    """Under stats_lock; the worker adds to it, the caller replaces it: this step's counters."""
+
+    def __post_init__(self) -> None:
+        self.idle = threading.Condition(self.lock)
+
+    def reset(self, chunk_missing: dict[tuple[int, int], int]) -> None:
+        """Start a step (caller's thread, worker idle): clear the per-step fields under the
+        lock, with ``chunk_missing`` the gradients each chunk waits for; drop the clip event and
+        the frozen hyper-parameters.
+
+        Raises:
+            Nothing.
+        """
+        with self.lock:
+            self.acc_count.clear()
+            self.shipped.clear()
+            self.shipped_versions.clear()
+            self.grad_refs.clear()
+            self.chunk_h2d.clear()
+            self.queued.clear()
+            self.h2d_events = []
+            self.chunk_missing = chunk_missing
+        self.clip_event = None
+        self.frozen_hp = None
+
+    def chunk_grads(self, g: int, chunk: Chunk) -> tuple[dict[int, tuple | None], list]:
+        """Chunk ``chunk`` of group ``g``'s gradients once they may be read: ``({local tensor:
+        (flat gradient, event) or None}, the events a copy or step of them must wait for)`` --
+        the clip's, with clipping, else each gradient's own. Blocks until ``step()`` has
+        clipped (clipping). Worker thread.
+
+        Raises:
+            Nothing.
+        """
+        self.compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
+        with self.lock:
+            refs = {pc.param: self.grad_refs.get((g, pc.param)) for pc in chunk.pieces}
+        if self.clip_event is not None:
+            return refs, [self.clip_event]  # the clipped gradients are complete here
+        return refs, list(dict.fromkeys(ref[1] for ref in refs.values()
+                                        if ref is not None and ref[1] is not None))
+
+    def hyperparams(self, g: int, live: list[dict]) -> dict:
+        """Group ``g``'s hyper-parameters for the chunks being stepped: as of ``step()``, else
+        ``live[g]`` (the optimizer's ``param_groups``).
+
+        Raises:
+            Nothing.
+        """
+        return self.frozen_hp[g] if self.frozen_hp is not None else live[g]
+
+    def add_stats(self, **deltas: float) -> None:
+        """Add ``deltas`` (seconds, bytes, chunks) to this step's counters (any thread).
+
+        Raises:
+            Nothing.
+        """
+        with self.stats_lock:
+            for name, value in deltas.items():
+                self.stats[name] += value
+
+    def fail(self, exc: BaseException) -> None:
+        """Record a worker error; ``step()`` raises it (worker thread).
+
+        Raises:
+            Nothing.
+        """
+        with self.lock:
+            self.errors.append(exc)
+
+    def chunk_done(self) -> None:
+        """One queued chunk is finished (worker thread): wake whoever waits for them all.
+
+        Raises:
+            Nothing.
+        """
+        with self.idle:
+            self.outstanding -= 1
+            self.idle.notify_all()
+
+    def chunk_issued(self, item: tuple[int, int], event: Any) -> None:
+        """Chunk ``item``'s params are updated once ``event`` (None: already) is reached
+        (worker thread): the caller's stream will wait on it.
+
+        Raises:
+            Nothing.
+        """
+        with self.idle:
+            if event is not None:
+                self.h2d_events.append(event)
+            self.chunk_h2d[item] = event
+            self.idle.notify_all()  # a forward may wait for this chunk (Note [forward sync])
+
+    def drain(self) -> None:
+        """Wait until the worker has finished every queued chunk (caller's thread).
+
+        Raises:
+            Nothing.
+        """
+        with self.idle:
+            while self.outstanding:
+                self.idle.wait()  # state must not change while it is read or written
