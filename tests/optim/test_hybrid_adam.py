@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 
 import pytest
@@ -408,6 +409,36 @@ def test_store_checks(tmp_path):
     with pytest.raises(ValueError, match="store.s cpu tier has .* free; the offloaded state needs"):
         HybridAdam(make_models().parameters(), store=small, chunk_numel=1024)
     small.close()
+    store.close()
+
+
+@pytest.mark.parametrize("state_tier", ["cpu", "split"])
+@pytest.mark.parametrize("ending", ["close", "drop"])
+def test_optimizers_one_after_another_on_a_callers_store(tmp_path, state_tier, ending):
+    """Note [lifetime]: an optimizer on a caller's store frees every key it made when closed or
+    dropped (the store's budget is the caller's again, its other keys stay), and the next
+    optimizer, which may get the dead one's ``id``, trains from a clean slate (H200: the next
+    one's first step hit a still-held ring key of a dead one)."""
+    cpu_bytes = "1MiB" if state_tier == "cpu" else "448KiB"  # split: part of it spills
+    store = TierStore(StoreConfig(cpu_bytes=cpu_bytes, nvme_dir=str(tmp_path), nvme_bytes="4MiB",
+                                  pool_slab_bytes="64KiB"))
+    store.put("mine", torch.ones(8))
+    losses = []
+    for _ in range(4):
+        model = make_models()
+        opt = HybridAdam(model.parameters(), lr=1e-2, store=store, chunk_numel=1024,
+                         state_tier=state_tier)
+        losses.append(train(model, opt, 3, accum=1))
+        tiers = opt.chunk_tiers()
+        assert any(isinstance(k, tuple) and k[0] == "hybrid_adam" for k in store.keys())
+        assert state_tier == "cpu" or "nvme" in str(tiers), tiers
+        if ending == "close":
+            opt.close()
+        del opt
+        gc.collect()
+        assert store.keys() == ["mine"]
+        assert sum(store.used_bytes(t) for t in ("gpu", "cpu", "nvme")) == 32  # "mine" alone
+    assert all(losses_i == losses[0] for losses_i in losses), losses
     store.close()
 
 

@@ -84,7 +84,12 @@ a chunk, and which holds no reference to the optimizer), and the gradient and fo
 it through weak references, so dropping the last
 reference collects it even while the model lives on. Its ``weakref.finalize`` (also run by
 ``close()`` and at interpreter exit) stops the worker, removes the hooks, releases held RAM
-chunks and closes a private store, which removes its spill directory and I/O threads. In a
+chunks and closes a private store, which removes its spill directory and I/O threads; on a
+caller's store it releases and deletes every key the optimizer made (``free_owner_keys``: its
+state goes with it, and the cpu budget it took is the caller's again). Keys carry an owner
+number drawn once per optimizer, never ``id()``: an ``id`` is reused once its object is
+collected, and a later optimizer then met a dead one's keys (found on the H200: a ring key still
+held, "the key is held by a caller" at the next optimizer's first step). In a
 child forked from the process that made it, ``step()``, ``state_dict()`` and
 ``load_state_dict()`` refuse (the worker thread does not exist there).
 """
@@ -92,6 +97,7 @@ child forked from the process that made it, ``step()``, ``state_dict()`` and
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import queue
 import threading
@@ -105,12 +111,12 @@ import torch
 from tiermem.optim import distributed as _dist
 from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
 from tiermem.optim.gpu_lane import GpuLane, fused_adam_
-from tiermem.optim.layout import Group, StateLayout, local_view, private_store
+from tiermem.optim.layout import Group, StateLayout, free_owner_keys, local_view, private_store
 from tiermem.optim.partition import auto_chunk_numel, plan_group
 from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.state_dict import param_states, scatter
 from tiermem.optim.step_state import StepState, new_stats
-from tiermem.store.store import TierStore
+from tiermem.store.store import StoreClosedError, TierStore
 from tiermem.store.transfer import Copier
 
 
@@ -326,7 +332,7 @@ class HybridAdam(torch.optim.Optimizer):
                                   lookahead_chunks=nvme_lookahead_chunks, state_tier=state_tier,
                                   device=self.device, nvme_dir=nvme_dir)
         self._store = store
-        self._layout = StateLayout(self._groups, store, owner=id(self), device=self.device,
+        self._layout = StateLayout(self._groups, store, owner=next(_OWNERS), device=self.device,
                                    state_tier=state_tier, moments_dtype=moments_dtype,
                                    overlap=overlap, nvme_lookahead_chunks=nvme_lookahead_chunks,
                                    offload_fraction=self.offload_fraction, chunk_numel=chunk_numel)
@@ -377,7 +383,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, _release, self._worker.queue,
                                            self._worker.thread, self._hooks,
                                            self._layout.ram_held, self._store, self._owns_store,
-                                           self._pid)
+                                           self._pid, self._layout.owner)
         self._begin_step()
 
     # ------------------------------------------------------------------ modes and local tensors
@@ -934,6 +940,9 @@ class HybridAdam(torch.optim.Optimizer):
             finalizer()
 
 
+_OWNERS = itertools.count()  # Note [lifetime]: the owner number in a HybridAdam's store keys
+
+
 def _grad_hook(ref: weakref.ref, method: str, g: int, i: int, param: torch.Tensor) -> None:
     """A post-accumulate-grad hook's body: ``method(g, i)`` of the optimizer if it still exists
     (Note [lifetime])."""
@@ -950,11 +959,12 @@ def _call_weak_forward(ref: weakref.ref, module: torch.nn.Module, args: Any) -> 
 
 
 def _release(work: queue.Queue, worker: threading.Thread, hooks: list, ram_held: list,
-             store: TierStore, owns_store: bool, pid: int) -> None:
+             store: TierStore, owns_store: bool, pid: int, owner: int) -> None:
     """Finalizer of a HybridAdam (and the end of ``close()``): stop the worker, remove the
-    hooks, release held RAM chunks, close a private store. Runs once; holds no reference to
-    the optimizer (Note [lifetime]). In a forked child (no worker there, its queue's lock may
-    have been copied held) it only lets a private store forget the child's copy."""
+    hooks, release held RAM chunks, then close a private store or free this optimizer's keys in
+    a caller's. Runs once; holds no reference to the optimizer (Note [lifetime]). In a forked
+    child (no worker there, its queue's lock may have been copied held) it only lets a private
+    store forget the child's copy."""
     if os.getpid() != pid:
         if owns_store:
             store.close()  # Note [fork] of the store: the parent's files stay
@@ -971,3 +981,10 @@ def _release(work: queue.Queue, worker: threading.Thread, hooks: list, ram_held:
     ram_held.clear()
     if owns_store:
         store.close()
+        return
+    if store.device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(store.device)  # no copy still reads or writes a blob freed below
+    try:
+        free_owner_keys(store, owner)
+    except StoreClosedError:
+        pass  # the caller closed its store first: nothing is left to free

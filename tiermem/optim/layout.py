@@ -254,8 +254,9 @@ class StateLayout:
                  device: torch.device, state_tier: str, moments_dtype: torch.dtype,
                  overlap: bool, nvme_lookahead_chunks: int, offload_fraction: float,
                  chunk_numel: int) -> None:
-        """Args: ``owner`` (the optimizer's ``id``, in every store key it makes) and the
-        HybridAdam arguments of the same names; allocates nothing (see :meth:`alloc`).
+        """Args: ``owner`` (the optimizer's number, unique in the process, in every store key
+        it makes: Note [lifetime]) and the HybridAdam arguments of the same names; allocates
+        nothing (see :meth:`alloc`).
 
         Raises:
             Nothing: the arguments were checked by HybridAdam.
@@ -428,17 +429,8 @@ class StateLayout:
         Raises:
             StoreClosedError: the store was closed.
         """
-        held = [key for g in self.groups
-                for key, ring in ((g.grad_key, g.grad_ring), (g.out_key, g.out_ring)) if ring]
-        for key in held + list(self.ram_held):
-            try:
-                self.store.release(key)
-            except (KeyError, ValueError):  # already released (e.g. by _place_split)
-                pass
         self.ram_held.clear()  # the same list as the finalizer's: cleared, not replaced
-        for key in self.store.keys():
-            if isinstance(key, tuple) and key[:2] == ("hybrid_adam", self.owner):
-                self.store.delete(key)
+        free_owner_keys(self.store, self.owner)
         for g in self.groups:
             for name in ("gpu_views", "gpu_masters", "gpu_exp_avg", "gpu_exp_avg_sq",
                          "gpu_steps", "grad_ring", "out_ring", "out_events", "chunk_keys"):
@@ -557,3 +549,20 @@ class StateLayout:
             lo = pc.flat_offset - chunk.flat_start
             master[lo:lo + pc.numel].copy_(local_view(group, pc.param)[pc.start:pc.start + pc.numel])
         return state
+
+
+def free_owner_keys(store: TierStore, owner: int) -> None:
+    """Release every hold on, then delete, each key the optimizer numbered ``owner`` made in
+    ``store`` (its rings, chunks, staging); keys of anyone else are never touched.
+
+    Raises:
+        StoreClosedError: the store is closed.
+    """
+    for key in store.keys():
+        if isinstance(key, tuple) and key[:2] == ("hybrid_adam", owner):
+            while True:  # every hold is this optimizer's (rings, RAM chunks, staging)
+                try:
+                    store.release(key)
+                except ValueError:  # not held any more
+                    break
+            store.delete(key)
