@@ -246,15 +246,21 @@ def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", **fixtures) 
         _REFERENCE.clear()
         runs = [_train(None, opt, dtype, ckpt, fixtures["spill_dir"], fixtures["act_store"],
                        fixtures["opt_store"], compile_) for _ in range(REFERENCE_RUNS)]
-        a, others = runs[0], runs[1:]
-        _REFERENCE[key] = Reference(
-            a,
-            loss_noise=max((a.losses - b.losses).abs().max().item() for b in others),
-            param_noise=max((a.params - b.params).norm().item() for b in others),
-            grad_noise=max([grad_noise(dtype, ckpt, compile_)]
-                           + [(a.grads0 - b.grads0).norm().item() for b in others]),
-            final_losses=[round(r.losses[-1].item(), 5) for r in runs])
+        _REFERENCE[key] = summarise(runs, grad_noise(dtype, ckpt, compile_))
     return _REFERENCE[key]
+
+
+def summarise(runs: list[Run], first_step_noise: float = 0.0) -> Reference:
+    """A :class:`Reference` of no-offload ``runs`` (the first kept, the rest reduced to their
+    differences from it); ``first_step_noise``: a separately sampled first-step gradient noise."""
+    a, others = runs[0], runs[1:]
+    return Reference(
+        a,
+        loss_noise=max((a.losses - b.losses).abs().max().item() for b in others),
+        param_noise=max((a.params - b.params).norm().item() for b in others),
+        grad_noise=max([first_step_noise] + [(a.grads0 - b.grads0).norm().item()
+                                             for b in others]),
+        final_losses=[round(r.losses[-1].item(), 5) for r in runs])
 
 
 def assert_parity(got: Run, ref: Reference, label: str) -> None:
