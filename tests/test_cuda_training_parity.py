@@ -216,9 +216,8 @@ _GRAD_NOISE: dict[tuple, float] = {}
 
 
 def grad_noise(dtype: str, ckpt: bool, compile_: str) -> float:
-    """The largest first-step gradient difference (L2) between ``GRAD_NOISE_RUNS`` forward and
-    backward passes of the no-offload model on the first batch (the step before any
-    optimizer: the kernels' noise alone; the distinct results are kept on the GPU)."""
+    """The first-step gradient noise (:func:`first_step_noise`) of the no-offload model on the
+    first batch: the step before any optimizer, the kernels' noise alone."""
     key = (dtype, ckpt, compile_)
     if key not in _GRAD_NOISE:
         model = _model(DTYPES[dtype], ckpt)
@@ -226,17 +225,27 @@ def grad_noise(dtype: str, ckpt: bool, compile_: str) -> float:
             for block in model.blocks:
                 block.compile()
         run_model = torch.compile(model) if compile_ == "whole" else model
-        seen: list[torch.Tensor] = []
-        for _ in range(GRAD_NOISE_RUNS):
+        def step_grads() -> torch.Tensor:
             run_model(*_batch(0))[1].backward()
             g = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
             model.zero_grad(set_to_none=True)
-            if not any(torch.equal(g, s) for s in seen):
-                seen.append(g)
-        _GRAD_NOISE[key] = max([(a - b).norm().item() for a in seen for b in seen] + [0.0])
-        del model, run_model, seen
+            return g
+
+        _GRAD_NOISE[key] = first_step_noise(step_grads)
+        del model, run_model
         torch.cuda.empty_cache()
     return _GRAD_NOISE[key]
+
+
+def first_step_noise(step_grads) -> float:
+    """The largest L2 distance between the distinct results of ``step_grads()`` (flat first-step
+    gradients on the GPU) over ``GRAD_NOISE_RUNS`` calls: the kernels' discrete noise."""
+    seen: list[torch.Tensor] = []
+    for _ in range(GRAD_NOISE_RUNS):
+        g = step_grads()
+        if not any(torch.equal(g, s) for s in seen):
+            seen.append(g)
+    return max([(a - b).norm().item() for a in seen for b in seen] + [0.0])
 
 
 def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", **fixtures) -> Reference:
