@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.names import resolve_device
 from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
                             apply_overrides, from_dict, load_config)
 from tiermem.offload import offload_activations
@@ -215,21 +216,6 @@ def rss_bytes() -> int:
         return 0
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` -> CUDA if present else CPU; otherwise ``torch.device(name)``.
-
-    Raises:
-        ValueError: CUDA asked for but not available.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available here; use "
-                         f"train.device=auto or cpu")
-    return device
-
-
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups in execution order: matrices decay, biases/norms/embeddings' 1-D do not."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -361,7 +347,7 @@ def train(cfg: RunConfig, *, offload: bool, data: MarkovText,
         RuntimeError: the optimizer's CPU step failed.
     """
     t = cfg.train
-    device = resolve_device(t.device)
+    device = resolve_device(t.device, "train.device")
     name = name or ("offload" if offload else "baseline")
     model = build_model(cfg, device)
     params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -554,7 +540,7 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print
         f"{act.num_layers if act.num_layers is not None else 'auto'} of "
         f"{cfg.model.n_layers} blocks -> {act.tier}")
     log(f"model: GPT {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
-        f"{n / 1e6:.2f}M params, {t.dtype}, device {resolve_device(t.device)}")
+        f"{n / 1e6:.2f}M params, {t.dtype}, device {resolve_device(t.device, 'train.device')}")
     log(f"data: Markov chain over {cfg.model.vocab} tokens, {t.markov_branching} successors each "
         f"(entropy {data.entropy:.3f} nats; untrained ~{math.log(cfg.model.vocab):.3f}); "
         f"{t.steps} steps x {t.grad_accumulation_steps} x {t.micro_batch} x {cfg.seq_len} tokens")
@@ -577,7 +563,7 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     """The demo's run config: a small GPT sized for a 2-core CPU, changed by the flags."""
     tolerance = args.tolerance
     if tolerance is None:
-        tolerance = 1e-6 if resolve_device(args.device).type == "cpu" else 1e-4
+        tolerance = 1e-6 if resolve_device(args.device, "--device").type == "cpu" else 1e-4
     tree: dict[str, Any] = {
         "model": {"n_layers": args.layers, "d_model": args.d_model, "n_heads": args.heads,
                   "seq_len": args.seq, "vocab": args.vocab},

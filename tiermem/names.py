@@ -194,6 +194,30 @@ def check_device(who: str, field: str, value: Any) -> str:
     return value
 
 
+def resolve_device(value: Any, field: str = "device") -> torch.device:
+    """The ``torch.device`` that a device name means here: ``"auto"`` is the current CUDA device
+    when CUDA is present, else the CPU; ``"cuda"`` gets the current device's index.
+
+    Args:
+        value: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+        field: the setting's name for the error message (``"StoreConfig.device"``).
+
+    Raises:
+        ValueError: CUDA asked for but not available here.
+    """
+    if str(value) == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(value)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{field}={str(value)!r} but CUDA is not available here; use "
+                             f"{field}='auto' or 'cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def dtype_name(who: str, field: str, value: Any, choices: tuple = MODEL_DTYPES) -> str:
     """Return the canonical name (``"float32"``, ``"bfloat16"``) of a dtype given in any spelling.
 

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from _faults import check_budgets
 from tiermem import StoreConfig, TierFullError, TierStore
-from tiermem.store.pool import round_up
+from tiermem.store.pool import block_bytes
 
 GPU, CPU, NVME = 1 << 20, 2 << 20, 64 << 20
 EXAMPLES = int(os.environ.get("TIERMEM_CASCADE_EXAMPLES", 50))
@@ -114,7 +114,7 @@ class StoreMachine(RuleBasedStateMachine):
         the key fits the tier's budget and, to or from nvme, a whole cpu staging block."""
         if any(self.holds.values()):
             return False  # held keys can neither move nor be moved around: room may be stuck
-        staged = round_up(nbytes)
+        staged = block_bytes(nbytes)
         if tier == "gpu":
             old = self.store.nbytes_of(key) if src is None and key in self.model \
                 and self.store.tier_of(key) == "gpu" else 0  # a replaced key stays until placed
@@ -195,7 +195,7 @@ class StoreMachine(RuleBasedStateMachine):
                 "gpu", "cpu", "nvme"].index(src), str(exc)
             return
         except TierFullError as exc:
-            assert any(self.holds.values()) or round_up(self.model[key].nbytes) > CPU, \
+            assert any(self.holds.values()) or block_bytes(self.model[key].nbytes) > CPU, \
                 f"evict({key}, {tier}) from {src} refused with room: {exc}"
             return
         assert self.store.tier_of(key) == tier

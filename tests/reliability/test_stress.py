@@ -17,7 +17,7 @@ import torch
 
 from _faults import check_budgets, small_store
 from tiermem import TierFullError
-from tiermem.store.pool import round_up
+from tiermem.store.pool import block_bytes
 
 N_OPS = int(os.environ.get("TIERMEM_STRESS_OPS", 100_000))
 N_THREADS = int(os.environ.get("TIERMEM_STRESS_THREADS", 4))
@@ -123,7 +123,7 @@ def test_threads_random_ops_keep_bytes_and_budgets(tmp_path):
     expect = {"gpu": 0, "cpu": 0, "nvme": 0}
     for key in store.keys():
         n, tier = store.nbytes_of(key), store.tier_of(key)
-        expect[tier] += n if tier == "gpu" else round_up(n)
+        expect[tier] += n if tier == "gpu" else block_bytes(n)
     assert {t: store.used_bytes(t) for t in expect} == expect
     for key in store.keys():
         check_value(key, store.get(key, "cpu"))

@@ -5,12 +5,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.store.extents import ExtentAllocator, round_up
+from tiermem.store.pool import block_bytes
 
 A = 4096
 
 
 def test_round_up():
     assert [round_up(n, A) for n in (0, 1, 4095, 4096, 4097)] == [0, A, A, A, 2 * A]
+    # a pool block is never empty: one page at 0 bytes
+    assert [block_bytes(n) for n in (0, 1, 4095, 4096, 4097)] == [A, A, A, A, 2 * A]
 
 
 def test_first_fit_and_coalescing():

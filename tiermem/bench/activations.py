@@ -49,7 +49,8 @@ from typing import Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.parity import noise_of, verdict
+from tiermem.bench.common import bench_device, gib, mib, sync
+from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.config import StoreConfig, parse_bytes
 from tiermem.offload import default_store_config, offload_activations
 from tiermem.store import TierStore
@@ -159,11 +160,6 @@ def _spans(layers: list[int]) -> str:
     return ",".join(out) or "none"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # benchmark timing only: the step must have finished
-
-
 def _batches(args, vocab: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A different batch for every step, plus one after the last (the same for every setup);
     the target of a token is a fixed function of it, so the loss can fall."""
@@ -184,14 +180,14 @@ def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tupl
     times, losses, moved, peak = [], [], None, None
     for step, (idx, targets) in enumerate(batches[:-1]):
         before = ctx.stats()["put_bytes"] if hasattr(ctx, "stats") else 0
-        _sync(device)
+        sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # the fwd+bwd window only
         t0 = time.perf_counter()
         with ctx:
             _, loss = model(idx, targets)
             loss.backward()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         if device.type == "cuda" and step >= args.warmup:  # the optimizer's state excluded
             state = sum(t.nbytes for st in opt.state.values() for t in st.values()
@@ -209,7 +205,7 @@ def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tupl
 
 def run(args, log=print) -> list[Row]:
     """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
@@ -247,7 +243,7 @@ def run(args, log=print) -> list[Row]:
                 if name == _AGAIN:  # the baseline's noise: every run against the first
                     noise = max(noise_of(baseline[0], r) for r in baseline[1:] + runs)
                 verdicts = [verdict(r, baseline[0], noise) for r in runs]
-                parity = next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
+                parity = worst_verdict(verdicts)
             plan = getattr(ctx, "plan", None)
             if plan is not None:  # layers="auto": say what it chose
                 name = f"{name} ({len(plan['layers'])} blocks: {_spans(plan['layers'])})"
@@ -271,8 +267,7 @@ def format_table(rows: list[Row]) -> str:
              f"{'moved MiB':>9}  parity"]
     for r in rows:
         x = f"{r.ms_per_step / ref:.2f}x" if ref else "-"
-        peak = f"{r.peak_bytes / 2**30:.2f}" if r.peak_bytes is not None else "-"
-        moved = f"{r.moved_bytes / 2**20:.2f}" if r.moved_bytes is not None else "-"
+        peak, moved = gib(r.peak_bytes), mib(r.moved_bytes)
         spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
         lines.append(f"{r.setup:<{width}}  {r.ms_per_step:>9.1f}  {spread:>13}  {x:>6}  "
                      f"{peak:>8}  {moved:>9}  {r.parity}")
@@ -297,12 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    wrong = [r.setup for r in rows if r.parity.startswith("WRONG")]
-    if wrong:
-        print(f"error: these setups did not train as without offload: {', '.join(wrong)}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return report_wrong([r.setup for r in rows if r.parity.startswith("WRONG")], sys.stderr)
 
 
 if __name__ == "__main__":

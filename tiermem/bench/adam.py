@@ -30,13 +30,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from tiermem import _native
 from tiermem._log import logger, progress
+from tiermem.bench.common import time_s
 from tiermem.optim.cpu_adam import adam_step_, native_available
 
 __all__ = ["run", "main", "copy_bandwidth_bytes_per_s", "inplace_bandwidth_bytes_per_s",
@@ -59,16 +59,6 @@ _BYTES = {
 }
 
 
-def _time_s(fn: Callable[[], None], repeats: int) -> list[float]:
-    fn()  # warm-up: page faults, thread pool start
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Host memory copy bandwidth with ``dst.copy_(src)`` on torch's threads.
 
@@ -84,7 +74,7 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float
         ValueError: if ``nbytes`` < 4096 or ``repeats`` < 1.
     """
     src, dst = _bandwidth_buffers(nbytes, repeats)
-    return 2 * src.numel() * 4 / statistics.median(_time_s(lambda: dst.copy_(src), repeats))
+    return 2 * src.numel() * 4 / statistics.median(time_s(lambda: dst.copy_(src), repeats))
 
 
 def inplace_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -104,7 +94,7 @@ def inplace_bandwidth_bytes_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> fl
         ValueError: if ``nbytes`` < 4096 or ``repeats`` < 1.
     """
     a, b = _bandwidth_buffers(nbytes, repeats)
-    return 3 * a.numel() * 4 / statistics.median(_time_s(lambda: a.add_(b), repeats))
+    return 3 * a.numel() * 4 / statistics.median(time_s(lambda: a.add_(b), repeats))
 
 
 def _bandwidth_buffers(nbytes: int, repeats: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +203,7 @@ def _run(numel: int, repeats: int) -> list[dict]:
     results = []
     bar = progress(total=len(rows), desc="bench adam", unit="row")
     for name, fn in rows:
-        times = _time_s(fn, repeats)
+        times = time_s(fn, repeats)
         t = statistics.median(times)
         rate = numel / t / 1e9
         results.append(dict(name=name, numel=numel, threads=nthreads, repeats=repeats,

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.bench.parity import noise_of, verdict
+from tiermem.bench.common import bench_device, gib, mib, sync
+from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, set_checkpointing)
 from tiermem.offload import default_store_config, offload_activations
@@ -105,11 +106,6 @@ def _parse_args(argv):
     return args
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # benchmark timing only: the step must have finished
-
-
 def _optimizer(model, name: str) -> torch.optim.Optimizer:
     params = adapter_parameters(model)
     if name == "hybrid":
@@ -136,14 +132,14 @@ def _run(model, init: list[torch.Tensor], batches: list[torch.Tensor], args, ckp
         for step, ids in enumerate(batches[:-1]):
             if step == args.warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)  # the timed steps only
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             with ctx:
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss.detach())
         if device.type == "cuda":
@@ -167,7 +163,7 @@ def run(args, log=print) -> list[Row]:
     Raises:
         ImportError: transformers or peft is missing.
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SHAPES[args.preset]
     if args.layers is not None:
@@ -201,7 +197,7 @@ def run(args, log=print) -> list[Row]:
                     if name == _AGAIN:  # the baseline's noise: every run against the first
                         noise = max(noise_of(baseline[0], r) for r in baseline[1:] + runs)
                     verdicts = [verdict(r, baseline[0], noise) for r in runs]
-                    parity = next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
+                    parity = worst_verdict(verdicts)
                 rows.append(Row(seq, name, statistics.median(medians),
                                 (min(medians), max(medians)), peak, moved, parity))
                 log(f"  seq {seq} {name}: {rows[-1].ms_per_step:.1f} ms/step, {parity}")
@@ -221,8 +217,7 @@ def format_table(rows: list[Row]) -> str:
              f"{'peak GiB':>8}  {'moved MiB':>9}  parity"]
     for r in rows:
         x = f"{r.ms_per_step / ref[r.seq]:.2f}x" if ref.get(r.seq) else "-"
-        peak = f"{r.peak_bytes / 2**30:.2f}" if r.peak_bytes is not None else "-"
-        moved = f"{r.moved_bytes / 2**20:.2f}" if r.moved_bytes is not None else "-"
+        peak, moved = gib(r.peak_bytes), mib(r.moved_bytes)
         spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
         lines.append(f"{r.seq:>6}  {r.setup:<{width}}  {r.ms_per_step:>9.1f}  {spread:>15}  "
                      f"{x:>6}  {peak:>8}  {moved:>9}  {r.parity}")
@@ -247,12 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    wrong = [f"{r.setup} (seq {r.seq})" for r in rows if r.parity.startswith("WRONG")]
-    if wrong:
-        print(f"error: these setups did not train as without offload: {', '.join(wrong)}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return report_wrong([f"{r.setup} (seq {r.seq})" for r in rows
+                         if r.parity.startswith("WRONG")], sys.stderr)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import time
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.parity import noise_of, verdict
+from tiermem.bench.common import bench_device
+from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.optim import HybridAdam
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -241,7 +242,7 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
     Raises:
         ValueError: an unknown setup name.
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for accum in accums:
@@ -261,7 +262,7 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[str], steps:
                     noise = max(noise_of(base[0], r["losses"]) for r in runs)
                     noise = max([noise] + [noise_of(base[0], b) for b in base[1:]])
                 verdicts = [verdict(*_aligned(r["losses"], base[0]), noise, trade) for r in runs]
-                parity = next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
+                parity = worst_verdict(verdicts)
             last = runs[-1]
             label = _label("gpu", device) + " again (noise)" if name == _AGAIN \
                 else _label(name, device)
@@ -347,12 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                    args.nvme_steps, args.repeats,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(rows))
-    wrong = [r["setup"] for r in rows if r["parity"].startswith("WRONG")]
-    if wrong:
-        print(f"error: these setups did not train as the baseline: {', '.join(wrong)}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return report_wrong([r["setup"] for r in rows if r["parity"].startswith("WRONG")],
+                        sys.stderr, "the baseline")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.multiprocessing as mp
 
+from tiermem.bench.common import gib
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.bench.optim import HP
 from tiermem.optim import HybridAdam
@@ -417,10 +418,6 @@ def run(cfg: GPTConfig, batch: int, accums: list[int], setups: list[Setup], step
     return rows
 
 
-def _gib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
-
-
 def format_table(rows: list[dict], header: bool = True) -> str:
     """Render rows as a fixed-width table (GiB = 2**30 bytes; see the module docstring)."""
     lines = [(f"{'setup':<30}{'tokens/step':>12}{'ms/step':>10}{'x':>8}{'peak GiB':>10}"
@@ -429,8 +426,8 @@ def format_table(rows: list[dict], header: bool = True) -> str:
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         lines.append(f"{r['setup']:<30}{r['tokens']:>12}{r['ms']:>10.1f}{r['x']:>7.2f}x"
-                     f"{peak:>10}{_gib(r['gpu_bytes']):>11}{_gib(r['off_bytes']):>11}"
-                     f"{_gib(r['unsharded_bytes']):>11}{r['share']:>7.3f}{r['loss']:>9.4f}")
+                     f"{peak:>10}{gib(r['gpu_bytes']):>11}{gib(r['off_bytes']):>11}"
+                     f"{gib(r['unsharded_bytes']):>11}{r['share']:>7.3f}{r['loss']:>9.4f}")
     return "\n".join(lines)
 
 

@@ -51,3 +51,17 @@ def verdict(losses: Sequence[float], baseline: Sequence[float], noise: float,
     if trade:
         return f"differs: {trade} (d={worst:.1e})"
     return f"WRONG (d={worst:.1e})"
+
+
+def worst_verdict(verdicts: Sequence[str]) -> str:
+    """A setup's parity over its runs: the first ``WRONG`` one, else the last run's."""
+    return next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
+
+
+def report_wrong(labels: Sequence[str], stream, baseline: str = "without offload") -> int:
+    """Exit status of a benchmark: 1 (and a line on ``stream``) when the setups ``labels``
+    did not train as ``baseline``, else 0."""
+    if not labels:
+        return 0
+    print(f"error: these setups did not train as {baseline}: {', '.join(labels)}", file=stream)
+    return 1

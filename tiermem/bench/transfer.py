@@ -19,25 +19,8 @@ import time
 import torch
 
 from tiermem import StoreConfig, TierStore
+from tiermem.bench.common import time_s
 from tiermem.config import parse_bytes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` runs of ``fn()`` after one warm-up."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _rates(nbytes: int, times: list[float]) -> tuple[float, float, float]:
@@ -73,9 +56,9 @@ def run(nbytes: int, repeats: int = 10) -> list[dict]:
         raw("d2h", 1)
 
     rows = []
-    raw_h2d = _rates(nbytes, _time(lambda: raw("h2d"), device, repeats))
-    raw_d2h = _rates(nbytes, _time(lambda: raw("d2h"), device, repeats))
-    raw_bi = _rates(2 * nbytes, _time(raw_both, device, repeats))
+    raw_h2d = _rates(nbytes, time_s(lambda: raw("h2d"), repeats, device))
+    raw_d2h = _rates(nbytes, time_s(lambda: raw("d2h"), repeats, device))
+    raw_bi = _rates(2 * nbytes, time_s(raw_both, repeats, device))
     del dev
 
     store = TierStore(StoreConfig(gpu_bytes=4 * nbytes, cpu_bytes=4 * nbytes,
@@ -113,7 +96,7 @@ def run(nbytes: int, repeats: int = 10) -> list[dict]:
             f1.wait()
             f2.wait()
 
-        st_bi = _rates(2 * nbytes, _time(store_both, device, repeats))
+        st_bi = _rates(2 * nbytes, time_s(store_both, repeats, device))
     finally:
         store.close()
     for what, raw_bps, st_bps in (("H2D (host -> device)", raw_h2d, st_h2d),

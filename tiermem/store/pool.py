@@ -12,14 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.store.extents import ExtentAllocator
+from tiermem.store.extents import ExtentAllocator, round_up
 
 ALIGN_BYTES = 4096
 
 
-def round_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
-    """Return ``nbytes`` rounded up to a multiple of ``align`` (at least one ``align``)."""
-    return max(align, -(-nbytes // align) * align)
+def block_bytes(nbytes: int) -> int:
+    """The bytes a pool block (or a slab) of ``nbytes`` takes: whole ``ALIGN_BYTES`` pages, at
+    least one."""
+    return round_up(max(nbytes, 1), ALIGN_BYTES)
 
 
 class _Slab:
@@ -58,7 +59,7 @@ class HostPool:
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.capacity_bytes = capacity_bytes
-        self.slab_bytes = round_up(slab_bytes)
+        self.slab_bytes = block_bytes(slab_bytes)
         self.pin = pin
         self._slabs: list[_Slab] = []
         self.used_bytes = 0
@@ -76,7 +77,7 @@ class HostPool:
         Raises:
             RuntimeError: pinning failed (no CUDA or the OS refused).
         """
-        alloc_bytes = round_up(nbytes)
+        alloc_bytes = block_bytes(nbytes)
         if self.used_bytes + alloc_bytes > self.capacity_bytes:
             return None
         block = self._alloc_in_slabs(nbytes, alloc_bytes)

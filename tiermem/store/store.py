@@ -46,10 +46,11 @@ from typing import Any, Callable, Hashable, Iterator
 import torch
 
 from tiermem.config import TIERS, StoreConfig
+from tiermem.names import resolve_device
 from tiermem.store.io import make_backend
 from tiermem.store.nvme import Extent, SpillFull, SpillSpace
 from tiermem.store.policies import make_policy
-from tiermem.store.pool import HostBlock, HostPool, round_up
+from tiermem.store.pool import HostBlock, HostPool, block_bytes
 from tiermem.store.prefetch import Prefetcher
 from tiermem.store.transfer import Copier, TransferFuture
 
@@ -110,20 +111,6 @@ class _Move:
     started_s: float = 0.0  # perf_counter() at the start (set only with a recorder)
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"StoreConfig.device={name!r} but CUDA is not available here; "
-                             f"use device='auto' or 'cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class TierStore:
     """A three-tier tensor store with byte budgets, eviction and asynchronous prefetch.
 
@@ -155,7 +142,7 @@ class TierStore:
         if not isinstance(config, StoreConfig):
             raise TypeError(f"config must be a tiermem.StoreConfig, got {type(config).__name__}")
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device, "StoreConfig.device")
         pin = self.device.type == "cuda" if config.pin_memory == "auto" else config.pin_memory
         if pin and not torch.cuda.is_available():
             raise ValueError("StoreConfig.pin_memory=True needs CUDA, which is not available "
@@ -673,7 +660,7 @@ class TierStore:
         if tier == "nvme" and self._spill is None:
             return (f"nvme tier: off (StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir to "
                     f"spill {key!r}")
-        staged = round_up(nbytes)  # pool blocks and spill extents are whole 4096-byte pages
+        staged = block_bytes(nbytes)  # pool blocks and spill extents are whole 4096-byte pages
         need = nbytes if tier == "gpu" else staged
         if need > self._budget[tier]:
             return (f"{tier} tier: {nbytes} bytes for {key!r} exceed its budget "
@@ -894,7 +881,7 @@ class TierStore:
         if self._refusal is not None:
             why.append(f"its victims cannot move down: {self._refusal}")
         free = self._budget[tier] - self.used_bytes(tier)
-        if tier == "cpu" and free >= round_up(nbytes):
+        if tier == "cpu" and free >= block_bytes(nbytes):
             why.append(f"{free} bytes are free but not in one run (fragmented)")
         elif tier == "cpu":
             why.append("the rest is staging of moves in progress")

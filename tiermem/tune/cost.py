@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermem.names import resolve_device
 from tiermem.schedule.layers import best_time_s, copy_bandwidths, disk_bandwidths
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
@@ -184,8 +185,7 @@ class CostModel:
 
         if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
             raise ValueError(f"CostModel.measure: probes={probes!r} must be an int >= 1")
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") \
-            if str(device) == "auto" else torch.device(device)
+        device = resolve_device(device, "CostModel.measure device")
         p, g, m, v = (torch.rand(adam_params) for _ in range(4))
         steps = itertools.count(1)
         seen: dict[str, list[float]] = {n: [] for n in RATES}
