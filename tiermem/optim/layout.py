@@ -18,7 +18,7 @@ from tiermem._log import logger, progress
 from tiermem.config import StoreConfig
 from tiermem.optim import distributed as _dist
 from tiermem.optim.partition import Chunk, GroupPlan, plan_group
-from tiermem.store.pool import round_up
+from tiermem.store.pool import block_bytes
 from tiermem.store.store import TierFullError, TierStore
 
 GRAD_SLOTS = 2
@@ -67,7 +67,7 @@ def chunk_state_bytes(numel: int, moments_dtype: torch.dtype) -> int:
     Raises:
         Nothing.
     """
-    return round_up(4 * state_numel(numel, moments_dtype))
+    return block_bytes(4 * state_numel(numel, moments_dtype))
 
 
 def ring_bytes(chunk_numel: int, element_bytes: int) -> int:
@@ -81,7 +81,7 @@ def ring_bytes(chunk_numel: int, element_bytes: int) -> int:
     Raises:
         Nothing: plain arithmetic.
     """
-    return sum(round_up(slots * chunk_numel * element_bytes) for slots in (GRAD_SLOTS, OUT_SLOTS))
+    return sum(block_bytes(slots * chunk_numel * element_bytes) for slots in (GRAD_SLOTS, OUT_SLOTS))
 
 
 def nvme_staging_bytes(chunk_numel: int, moments_dtype: torch.dtype, lookahead_chunks: int) -> int:
