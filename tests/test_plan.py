@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tiermem import cli
-from tiermem.demo import SavedBytesCounter
+from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.models import MoE, MoEConfig
 from tiermem.models.gpt import GPT, Block, GPTConfig
 from tiermem.models.moe import MoEBlock

@@ -41,6 +41,7 @@ import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.names import resolve_device
+from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
                             apply_overrides, from_dict, load_config)
 from tiermem.offload import offload_activations
@@ -222,39 +223,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
-
-
-class SavedBytesCounter:
-    """``saved_tensors_hooks`` that count the bytes of the unique storages autograd saves.
-
-    Parameters (storages in ``exclude``) are not counted. ``forward_bytes`` is the count since
-    the last :meth:`reset`. Used by the baseline only (hooks do not nest with the offloader).
-    """
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.seen: set[int] = set()
-        self.forward_bytes = 0
-
-    def reset(self) -> None:
-        self.seen.clear()
-        self.forward_bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.layout == torch.strided:
-            s = t.untyped_storage()
-            ptr = s.data_ptr()
-            if ptr not in self.exclude and ptr not in self.seen:
-                self.seen.add(ptr)
-                self.forward_bytes += s.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 # ---------------------------------------------------------------------------------- training

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tiermem.config import parse_bytes
+from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.tune.results import Trial
 
 
@@ -19,33 +20,16 @@ def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -
     """Return the bytes autograd saves in one forward of ``model`` (each storage once,
     parameters not counted), and those first saved inside one of ``model.blocks``, per block
     (the mean; what offloading one block moves)."""
-    seen: dict[int, int] = {}
-    in_block: set[int] = set()
-    inside = [False]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen[s.data_ptr()] = s.nbytes()
-            if inside[0]:
-                in_block.add(s.data_ptr())
-        return t
-
-    hooks = [h for b in model.blocks for h in (
-        b.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True)),
-        b.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False)))]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    counter = SavedBytesCounter({p.untyped_storage().data_ptr() for p in model.parameters()},
+                                model.blocks)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter.hooks():
             loss = model(idx, tgt)[1]
         loss.backward()
     finally:
-        for h in hooks:
-            h.remove()
+        counter.close()
     model.zero_grad(set_to_none=True)
-    total = sum(n for ptr, n in seen.items() if ptr not in params)
-    blocks = sum(seen[ptr] for ptr in in_block if ptr not in params)
-    return total, blocks // max(1, len(model.blocks))
+    return counter.forward_bytes, counter.block_bytes // max(1, len(model.blocks))
 
 
 def act_gpu_bytes(value: float | str, block_bytes: int) -> int:
