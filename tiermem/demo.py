@@ -40,10 +40,10 @@ from typing import Any, Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.names import resolve_device
+from tiermem.names import format_bytes, resolve_device
 from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
-                            apply_overrides, from_dict, load_config)
+                            apply_overrides, from_tree, load_config)
 from tiermem.offload import offload_activations
 from tiermem.optim import HybridAdam
 from tiermem.store import TierStore
@@ -101,23 +101,7 @@ class RunConfig:
                 bad value (naming the field).
             TypeError: a value of the wrong type, or a section that is not a mapping.
         """
-        if not isinstance(tree, dict):
-            raise TypeError(f"a run config is a mapping of sections, got {type(tree).__name__}")
-        unknown = sorted(set(tree) - set(SECTIONS))
-        if unknown:
-            raise ValueError(f"unknown section(s) {', '.join(unknown)}; valid sections: "
-                             f"{', '.join(SECTIONS)}")
-        parts = {}
-        for name, cls_ in SECTIONS.items():
-            section = tree.get(name)
-            if section is not None and not isinstance(section, dict):
-                raise TypeError(f"section {name!r} must be a mapping of fields, got "
-                                f"{type(section).__name__} {section!r}")
-            try:
-                parts[name] = from_dict(cls_, section, name)
-            except TypeError as exc:  # e.g. a field given a value of the wrong type
-                raise TypeError(f"{name}: {exc}") from None
-        return cls(**parts)
+        return cls(**from_tree(tree, SECTIONS, where="the run config"))
 
     @classmethod
     def load(cls, path: str | os.PathLike | None, overrides: list[str] = ()) -> "RunConfig":
@@ -195,17 +179,6 @@ class MarkovText:
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def format_bytes(n: float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units); None -> ``"-"``."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def rss_bytes() -> int:

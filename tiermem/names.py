@@ -285,3 +285,24 @@ def parse_bytes(value: int | float | str, field: str) -> int:
     if float(value) != int(value):
         raise ValueError(f"{field}={value!r} is not a whole number of bytes")
     return int(value)
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units); None -> ``"-"``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def gib(nbytes: float | None, digits: int = 2) -> str:
+    """``nbytes`` as GiB (2^30 bytes) with ``digits`` decimals and no unit; None -> ``"-"``."""
+    return "-" if nbytes is None else f"{nbytes / 2**30:.{digits}f}"
+
+
+def mib(nbytes: float | None, digits: int = 2) -> str:
+    """``nbytes`` as MiB (2^20 bytes) with ``digits`` decimals and no unit; None -> ``"-"``."""
+    return "-" if nbytes is None else f"{nbytes / 2**20:.{digits}f}"

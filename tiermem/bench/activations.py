@@ -49,7 +49,8 @@ from typing import Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.common import bench_device, gib, mib, sync
+from tiermem.bench.common import bench_device, sync
+from tiermem.names import gib, mib
 from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.config import StoreConfig, parse_bytes
 from tiermem.offload import default_store_config, offload_activations

@@ -1,5 +1,5 @@
-"""What every ``tiermem bench`` shares: the device it runs on, timing that waits for the device,
-and the byte columns of its tables (GiB = 2^30 bytes, MiB = 2^20 bytes)."""
+"""What every ``tiermem bench`` shares: the device it runs on and timing that waits for the
+device (the byte columns are :func:`tiermem.names.gib` / :func:`tiermem.names.mib`)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,3 @@ def time_s(fn: Callable[[], object], repeats: int, device: torch.device | None =
         once()
         times.append(time.perf_counter() - t0)
     return times
-
-
-def gib(nbytes: float | None) -> str:
-    """``nbytes`` as GiB with two decimals, ``"-"`` for None."""
-    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
-
-
-def mib(nbytes: float | None) -> str:
-    """``nbytes`` as MiB with two decimals, ``"-"`` for None."""
-    return "-" if nbytes is None else f"{nbytes / 2**20:.2f}"

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.bench.common import bench_device, gib, mib, sync
+from tiermem.bench.common import bench_device, sync
+from tiermem.names import gib, mib
 from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, set_checkpointing)

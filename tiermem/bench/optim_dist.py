@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.multiprocessing as mp
 
-from tiermem.bench.common import gib
+from tiermem.names import gib
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.bench.optim import HP
 from tiermem.optim import HybridAdam

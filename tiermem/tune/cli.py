@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from tiermem.names import OFFLOAD_TIERS, POLICIES, check_choice
 from tiermem.tune.cost import CostModel
-from tiermem.tune.report import mib
+from tiermem.names import mib
 from tiermem.tune.runner import tune
 from tiermem.tune.workload import act_gpu_bytes, gpt_factory
 
@@ -100,11 +101,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     for t in args.state_tier:
-        if t not in ("cpu", "nvme"):
-            raise ValueError(f"--state-tier: {t!r} is not cpu or nvme")
+        check_choice("", "--state-tier", t, OFFLOAD_TIERS)
     for pol in args.policy:
-        if pol not in ("lru", "trace"):
-            raise ValueError(f"--policy: {pol!r} is not lru or trace")
+        check_choice("", "--policy", pol, POLICIES)
     return args
 
 
@@ -171,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tiermem tune: GPT {cfg.n_layers}x{cfg.d_model}, {cfg.num_params() / 1e6:.2f}M "
               f"params ({str(dtype).removeprefix('torch.')}), batch {args.batch}x{cfg.seq_len} on "
               f"{device}; {len(settings)} settings x {args.steps} steps; saved activations "
-              f"{mib(factory.saved_bytes)} MiB per step, {mib(factory.block_bytes)} MiB per "
+              f"{mib(factory.saved_bytes, 1)} MiB per step, {mib(factory.block_bytes, 1)} MiB per "
               f"block", flush=True)
         if model is not None:
             print(f"cost model: {model.describe()} (median of 3 probes, their range in "

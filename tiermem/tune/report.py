@@ -9,13 +9,9 @@ import os
 from collections.abc import Mapping, Sequence
 
 from tiermem.config import TIERS
+from tiermem.names import mib
 from tiermem.tune.cost import DISAGREE_FACTOR
 from tiermem.tune.results import Result, setting_labels
-
-
-def mib(n: int) -> str:
-    """Return ``n`` bytes as MiB with one decimal (``"1.5"``; no unit)."""
-    return f"{n / 2**20:.1f}"
 
 
 def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = None) -> str:
@@ -35,8 +31,8 @@ def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = 
                       "-" if r.predicted_range_s is None else
                       f"{r.predicted_range_s[0] * 1e3:.1f}-{r.predicted_range_s[1] * 1e3:.1f}",
                       f"{r.stall_s * 1e3:.2f}"]
-            cells += [mib(r.peak_bytes.get(t, 0)) for t in TIERS]
-            cells += [mib(n) for n in r.link_bytes().values()]
+            cells += [mib(r.peak_bytes.get(t, 0), 1) for t in TIERS]
+            cells += [mib(n, 1) for n in r.link_bytes().values()]
             cells.append(("yes *" if r.best else "yes") if r.fits else "no")
         rows.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
@@ -55,12 +51,12 @@ def format_table(results: Sequence[Result], budgets: Mapping[str, int] | None = 
         lines.append(f"measured vs predicted off by more than {DISAGREE_FACTOR:g}x: " + "; ".join(
             f"{label} ({r.step_s * 1e3:.1f} vs {r.predicted_s * 1e3:.1f} ms)" for label, r in off))
     if budgets:
-        lines.append("budgets: " + ", ".join(f"{t} {mib(b)} MiB" for t, b in budgets.items())
+        lines.append("budgets: " + ", ".join(f"{t} {mib(b, 1)} MiB" for t, b in budgets.items())
                      + "; * = fastest setting that fits")
     for label, r in zip(setting_labels([r.setting for r in results]), results):
         if r.counters:  # per timed step; byte counts in MiB
             lines.append(f"{label}: " + ", ".join(
-                f"{k.removesuffix('_bytes')} {mib(v)} MiB" if k.endswith("_bytes")
+                f"{k.removesuffix('_bytes')} {mib(v, 1)} MiB" if k.endswith("_bytes")
                 else f"{k} {v:g}" for k, v in r.counters.items()) + " per step")
     return "\n".join(lines)
 

@@ -30,7 +30,8 @@ import torch
 from tiermem._log import logger, progress
 from tiermem.config import TIERS, parse_bytes
 from tiermem.tune.cost import DISAGREE_FACTOR, CostModel, link_bytes
-from tiermem.tune.report import format_table, mib, write_telemetry
+from tiermem.names import mib
+from tiermem.tune.report import format_table, write_telemetry
 from tiermem.tune.results import Result, Trial, expand_grid, setting_labels
 
 
@@ -154,7 +155,7 @@ def tune(step_fn_factory: Callable[[dict], Trial | Callable[[], Any]],
             bar.clear()
             print(f"tune: {len(results)}/{len(settings)} {label}: " + (
                 result.error or f"{result.step_s * 1e3:.1f} ms/step, stall "
-                f"{result.stall_s * 1e3:.2f} ms, moved {mib(sum(result.moved_bytes.values()))} "
+                f"{result.stall_s * 1e3:.2f} ms, moved {mib(sum(result.moved_bytes.values()), 1)} "
                 f"MiB"), file=stream, flush=True)
         if telemetry_dir is not None and result.telemetry:  # rewritten once all have run
             write_telemetry(results, telemetry_dir, budgets)
