@@ -326,9 +326,9 @@ def test_backward_after_the_with_block_and_one_private_store_for_every_step(tmp_
     for step in range(3):  # entered again: the same private store (pinned blocks reused)
         with off:
             model(*make_batch(step))[1].backward()
-    assert off.store is store and not store._closed
+    assert off.store is store and not store.closed
     off.close()
-    assert store._closed
+    assert store.closed
 
 
 def test_a_dropped_offloader_closes_its_private_store():
@@ -339,7 +339,7 @@ def test_a_dropped_offloader_closes_its_private_store():
     store = off.store
     del off
     gc.collect()
-    assert store._closed
+    assert store.closed
 
 
 # ---------------------------------------------------------------------------------- loops

@@ -310,7 +310,7 @@ class BudgetWatch(TracePolicy):
     checks = 0
 
     def _check(self):
-        if self._store is not None and not self._store._closed:
+        if self._store is not None and not self._store.closed:
             check_budgets(self._store)
             BudgetWatch.checks += 1
 

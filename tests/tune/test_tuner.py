@@ -95,7 +95,7 @@ def test_tune_measures_marks_fastest_that_fits_and_reports_failures():
     assert len(best) == 1 and best[0].setting["sleep_ms"] == 1
     text = out.getvalue()
     assert "ms/step" in text and "pred ms" in text and "yes *" in text and "no: ValueError" in text
-    assert all(s._closed for s in stores)
+    assert all(s.closed for s in stores)
     with pytest.raises(ValueError, match="steps"):
         tune(factory, {"sleep_ms": [1], "gpu": [1]}, steps=0)
     with pytest.raises(ValueError, match="unknown tier"):

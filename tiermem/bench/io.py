@@ -40,7 +40,7 @@ from tiermem._files import make_private_dir
 from tiermem.config import parse_bytes
 from tiermem.store.extents import round_up
 from tiermem.store.io import make_backend
-from tiermem.store.io.kvikio_backend import _set_kvikio_threads, kvikio_usable
+from tiermem.store.io.kvikio_backend import set_kvikio_threads, kvikio_usable
 from tiermem.store.io.posix import host_view, open_flags, pread_all, pwrite_all
 from tiermem.store.nvme import ALIGN_BYTES, SpillSpace, aligned_empty
 
@@ -137,7 +137,7 @@ def bench_kvikio_direct(workdir: str, src: torch.Tensor, dst: torch.Tensor, thre
     """
     import kvikio  # noqa: PLC0415  (optional dependency)
 
-    _set_kvikio_threads(kvikio, threads)
+    set_kvikio_threads(kvikio, threads)
     path = os.path.join(workdir, f"kvikio-{threads}.bin")
     os.close(os.open(path, open_flags(create=True, o_direct=False), 0o600))
     nbytes = src.numel()

@@ -599,7 +599,7 @@ class ActivationOffloader:
             raise RuntimeError("offload_activations: another offload context is active; nested "
                                "use is not supported: exit it first, or give one context all "
                                "blocks (layers=[...] picks which are offloaded)")
-        if self._own_store and (self._store is None or self._store._closed):
+        if self._own_store and (self._store is None or self._store.closed):
             self._store = TierStore(default_store_config())
             # one private store for the offloader's life: pinned memory is allocated once, not
             # every step; closed by close() or when the offloader is dropped

@@ -189,6 +189,11 @@ class TierStore:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (a closed store refuses every operation)."""
+        return self._closed
+
     def put(self, key: Hashable, tensor: torch.Tensor, tier: str | None = None) -> None:
         """Store ``tensor`` under ``key``, replacing any old value once the new one is placed.
 

@@ -53,9 +53,17 @@ def kvikio_usable() -> tuple[bool, str]:
     return True, ""
 
 
-def _set_kvikio_threads(kvikio, threads: int) -> None:
+def set_kvikio_threads(kvikio, threads: int) -> None:
     """Set kvikio's global thread pool size (``defaults.set`` in kvikio >= 25.04, else the
-    older ``num_threads_reset``)."""
+    older ``num_threads_reset``); the backend and ``tiermem bench io`` call it.
+
+    Args:
+        kvikio: the imported ``kvikio`` module.
+        threads: the pool's size (>= 1).
+
+    Raises:
+        Nothing of its own: kvikio's errors pass through.
+    """
     defaults = importlib.import_module("kvikio.defaults")  # a submodule: not imported by kvikio
     if hasattr(defaults, "set"):
         defaults.set("num_threads", threads)
@@ -99,7 +107,7 @@ class KvikioBackend(IOBackend):
 
         self._kvikio = kvikio
         self.threads = threads
-        _set_kvikio_threads(kvikio, threads)
+        set_kvikio_threads(kvikio, threads)
         # Waiters block in IOFuture.get() (GIL released) until kvikio's pool finishes a request.
         self._waiters = ThreadPoolExecutor(max_workers=max(2, threads),
                                            thread_name_prefix="tiermem-kvikio-wait")
