@@ -49,9 +49,9 @@ from typing import Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.common import bench_device, sync
+from tiermem.bench.common import bench_device, bench_main, sync
 from tiermem.names import gib, mib
-from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
+from tiermem.bench.parity import noise_of, verdict, worst_verdict
 from tiermem.config import StoreConfig, parse_bytes
 from tiermem.offload import default_store_config, offload_activations
 from tiermem.store import TierStore
@@ -278,22 +278,13 @@ def format_table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the exit code (0 ok, 1 a setup's losses
     differ from the baseline's, 2 bad input)."""
-    try:
-        args = _parse_args(argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"tiermem bench activations: layers={args.layers} d_model={args.d_model} "
-          f"heads={args.heads} seq={args.seq} batch={args.batch} vocab={args.vocab} "
-          f"steps={args.steps} repeats={args.repeats} (median ms/step after {args.warmup} "
-          f"warm-up)", flush=True)
-    try:
-        rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    return report_wrong([r.setup for r in rows if r.parity.startswith("WRONG")], sys.stderr)
+    return bench_main(
+        argv, _parse_args,
+        lambda a: (f"tiermem bench activations: layers={a.layers} d_model={a.d_model} "
+                   f"heads={a.heads} seq={a.seq} batch={a.batch} vocab={a.vocab} "
+                   f"steps={a.steps} repeats={a.repeats} (median ms/step after {a.warmup} "
+                   f"warm-up)"),
+        run, format_table, lambda rows: [r.setup for r in rows if r.parity.startswith("WRONG")])
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ device (the byte columns are :func:`tiermem.names.gib` / :func:`tiermem.names.mi
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable
 
 import torch
 
+from tiermem.bench.parity import report_wrong
 from tiermem.names import resolve_device
 
 
@@ -39,3 +41,28 @@ def time_s(fn: Callable[[], object], repeats: int, device: torch.device | None =
         once()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def bench_main(argv: list[str] | None, parse_args: Callable, header: Callable, run: Callable,
+               format_table: Callable, wrong: Callable | None = None,
+               errors: tuple[type[BaseException], ...] = (ValueError,)) -> int:
+    """The ``main`` of a table benchmark: parse, print ``header(args)``, ``run(args, log)``
+    (progress lines on stderr), print ``format_table(rows)``.
+
+    Returns the exit code: 2 when parsing or the run raises one of ``errors`` (the message on
+    stderr), 1 when ``wrong(rows)`` names setups whose losses were not the baseline's
+    (:func:`tiermem.bench.parity.report_wrong`), else 0.
+    """
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(header(args), flush=True)
+    try:
+        rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    return report_wrong(wrong(rows), sys.stderr) if wrong is not None else 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem._files import make_private_dir
+from tiermem.bench.common import bench_main
 from tiermem.config import parse_bytes
 from tiermem.store.extents import round_up
 from tiermem.store.io import make_backend
@@ -326,17 +327,12 @@ def run(args: argparse.Namespace, log=print) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the process exit code (0 ok, 2 bad input)."""
-    args = _parse_args(argv)
-    print(f"tiermem bench io: dir={args.dir} nbytes={args.nbytes} extent={args.extent_bytes} "
-          f"chunk={args.chunk_bytes} repeat={args.repeat} (GB/s = 1e9 B/s, median of the "
-          f"repeats, spread in brackets)", flush=True)
-    try:
-        rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    return 0
+    return bench_main(
+        argv, _parse_args,
+        lambda a: (f"tiermem bench io: dir={a.dir} nbytes={a.nbytes} extent={a.extent_bytes} "
+                   f"chunk={a.chunk_bytes} repeat={a.repeat} (GB/s = 1e9 B/s, median of the "
+                   f"repeats, spread in brackets)"),
+        run, format_table)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.bench.common import bench_device, sync
+from tiermem.bench.common import bench_device, bench_main, sync
 from tiermem.names import gib, mib
-from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
+from tiermem.bench.parity import noise_of, verdict, worst_verdict
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, set_checkpointing)
 from tiermem.offload import default_store_config, offload_activations
@@ -228,23 +228,15 @@ def format_table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the exit code (0 ok, 1 a setup's losses
     differ from the baseline's, 2 bad input or transformers/peft missing)."""
-    try:
-        args = _parse_args(argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"tiermem bench lora: preset={args.preset} layers={args.layers or 'preset'} "
-          f"seqs={','.join(map(str, args.seqs))} batch={args.batch} rank={args.rank} "
-          f"optimizer={args.optimizer} steps={args.steps} repeats={args.repeats} (median "
-          f"ms/step after {args.warmup} warm-up)", flush=True)
-    try:
-        rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
-    except ImportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    return report_wrong([f"{r.setup} (seq {r.seq})" for r in rows
-                         if r.parity.startswith("WRONG")], sys.stderr)
+    return bench_main(
+        argv, _parse_args,
+        lambda a: (f"tiermem bench lora: preset={a.preset} layers={a.layers or 'preset'} "
+                   f"seqs={','.join(map(str, a.seqs))} batch={a.batch} rank={a.rank} "
+                   f"optimizer={a.optimizer} steps={a.steps} repeats={a.repeats} (median "
+                   f"ms/step after {a.warmup} warm-up)"),
+        run, format_table,
+        lambda rows: [f"{r.setup} (seq {r.seq})" for r in rows if r.parity.startswith("WRONG")],
+        errors=(ImportError,))
 
 
 if __name__ == "__main__":
