@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import io
+import re
 
 import pytest
 import torch
 
 from models import TinyGPT, make_batch
 from tiermem import StoreConfig, TierStore
+from tiermem.config import OptimizerConfig
 from tiermem.optim import HybridAdam
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -132,7 +135,7 @@ def test_param_sync_forward_waits_per_module_and_completes_on_state_dict():
     assert opt._pending
     opt.state_dict()  # reads the state: completes the step first
     assert not opt._pending
-    with pytest.raises(ValueError, match="param_sync='sideways' is unknown"):
+    with pytest.raises(ValueError, match="param_sync='sideways' is not one of 'step', 'forward'"):
         HybridAdam(model.parameters(), param_sync="sideways")
     opt.close()
 
@@ -177,7 +180,7 @@ def test_trace_placement_keeps_the_first_executed_layers_on_the_gpu(placement):
         assert on_gpu.isdisjoint({i for i, n in enumerate(names) if n.startswith("layers.5.")})
     assert_params_close(model, ref, exact=False)
     opt.close()
-    with pytest.raises(ValueError, match="placement='everywhere' is unknown"):
+    with pytest.raises(ValueError, match="placement='everywhere' is not one of 'trace', 'given'"):
         HybridAdam(model.parameters(), placement="everywhere")
 
 
@@ -378,19 +381,165 @@ def test_gpu_state_falls_in_proportion_to_the_fraction():
     assert sizes[1.0] == 0
 
 
-@pytest.mark.parametrize("kw,err,match", [
-    (dict(offload_fraction=1.5), ValueError, "offload_fraction=1.5 is outside"),
-    (dict(state_tier="tape"), ValueError, "state_tier='tape' is unknown"),
-    (dict(state_tier="nvme"), ValueError, "needs a spill directory"),
-    (dict(lr=-1.0), ValueError, "Invalid learning rate"),
-    (dict(betas=(0.9, 1.0)), ValueError, "Invalid beta parameter at index 1"),
-    (dict(grad_accumulation_steps=0), ValueError, "grad_accumulation_steps=0"),
-    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm=0.0"),
-    (dict(gpu_step_fraction=1.2), ValueError, r"gpu_step_fraction=1.2 is outside \[0.0, 1.0\]"),
+@pytest.mark.parametrize("kw,err,message", [
+    # one bad value per argument; the checks are tiermem.names' (as OptimizerConfig's)
+    (dict(lr=-1.0), ValueError, "HybridAdam: lr=-1.0 must be >= 0.0"),
+    (dict(lr="fast"), TypeError, "HybridAdam: lr must be a number, got str 'fast'"),
+    (dict(lr=float("nan")), ValueError, "HybridAdam: lr=nan is not a number"),
+    (dict(betas=(0.9, 1.0)), ValueError, "HybridAdam: betas[1]=1.0 must be < 1.0"),
+    (dict(betas=(-0.1, 0.9)), ValueError, "HybridAdam: betas[0]=-0.1 must be >= 0.0"),
+    (dict(betas=(0.9,)), ValueError, "HybridAdam: betas=(0.9,) must be two numbers"),
+    (dict(eps=-1e-8), ValueError, "HybridAdam: eps=-1e-08 must be >= 0.0"),
+    (dict(weight_decay=-0.1), ValueError, "HybridAdam: weight_decay=-0.1 must be >= 0.0"),
+    (dict(adamw="yes"), ValueError, "HybridAdam: adamw='yes' is not one of True, False"),
+    (dict(maximize=None), ValueError, "HybridAdam: maximize=None is not one of True, False"),
+    (dict(overlap=1), ValueError, "HybridAdam: overlap=1 is not one of True, False"),
+    (dict(offload_fraction=1.5), ValueError,
+     "HybridAdam: offload_fraction=1.5 is outside [0.0, 1.0]; it is the fraction of parameter "
+     "bytes whose optimizer state leaves the GPU (0.0 = none, 1.0 = all)"),
+    (dict(offload_fraction=True), TypeError,
+     "HybridAdam: offload_fraction must be a number in [0.0, 1.0], got bool True"),
+    (dict(gpu_step_fraction=1.2), ValueError,
+     "HybridAdam: gpu_step_fraction=1.2 is outside [0.0, 1.0]; it is the share of the "
+     "offloaded chunks the GPU steps"),
+    (dict(state_tier="tape"), ValueError,
+     "HybridAdam: state_tier='tape' is not one of 'cpu', 'nvme', 'split'; cpu is pinned RAM, "
+     "nvme spill files, split RAM up to the store's cpu budget and the rest on NVMe"),
+    (dict(state_tier="nvme"), ValueError, "HybridAdam: state_tier='nvme' needs a spill directory"),
+    (dict(chunk_numel=1000), ValueError,
+     "HybridAdam: chunk_numel=1000 must be an int >= 1024 (elements); or None to size it from "
+     "the model"),
+    (dict(chunk_numel=4096.0), TypeError,
+     "HybridAdam: chunk_numel must be an int >= 1024 (elements), got float 4096.0"),
+    (dict(max_grad_norm=0.0), ValueError,
+     "HybridAdam: max_grad_norm=0.0 must be > 0.0; or None for no clipping"),
+    (dict(grad_accumulation_steps=0), ValueError,
+     "HybridAdam: grad_accumulation_steps=0 must be an int >= 1; the backward passes per step()"),
+    (dict(grad_accumulation_steps=2.0), TypeError,
+     "HybridAdam: grad_accumulation_steps must be an int >= 1, got float 2.0"),
+    (dict(bucket_numel=0), ValueError,
+     "HybridAdam: bucket_numel=0 must be an int >= 1 (elements); the elements per "
+     "gradient-reduce bucket"),
+    (dict(moments_dtype="fp16"), ValueError,
+     "HybridAdam: moments_dtype='fp16' is not a supported dtype; use one of float32, fp32, "
+     "torch.float32, bfloat16, bf16, torch.bfloat16 (or the torch.dtype)"),
+    (dict(moments_dtype=torch.float16), ValueError,
+     "HybridAdam: moments_dtype=torch.float16 is not a supported dtype"),
+    (dict(placement="random"), ValueError,
+     "HybridAdam: placement='random' is not one of 'trace', 'given'; trace: the split follows "
+     "the gradient order of the first backward, given: the order the params were given in"),
+    (dict(param_sync="later"), ValueError,
+     "HybridAdam: param_sync='later' is not one of 'step', 'forward'; step: the updated params "
+     "are ready when step() returns, forward: the next forward waits per module"),
+    (dict(cpu_threads=0), ValueError,
+     "HybridAdam: cpu_threads=0 must be an int >= 1 (threads); or None for torch's thread count"),
+    (dict(nvme_lookahead_chunks=-1), ValueError,
+     "HybridAdam: nvme_lookahead_chunks=-1 must be an int >= 0 (chunks)"),
+    (dict(data_parallel="on"), ValueError,
+     "HybridAdam: data_parallel='on' is not one of True, False"),
 ])
-def test_bad_arguments_are_rejected(kw, err, match):
-    with pytest.raises(err, match=match):
+def test_bad_arguments_are_rejected(kw, err, message):
+    with pytest.raises(err, match=re.escape(message)) as info:
         HybridAdam(make_models().parameters(), **kw)
+    assert "\n" not in str(info.value)  # one line, naming the field, the value and the fix
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "torch.bfloat16", "BF16"])
+def test_moments_dtype_takes_every_spelling(spelling):
+    """``moments_dtype`` as tiermem.names spells dtypes: "bf16" is torch.bfloat16, stored as the
+    torch.dtype, and steps exactly as an optimizer given torch.bfloat16."""
+    a, b = make_models(), make_models()
+    kw = dict(**HP, offload_fraction=1.0, chunk_numel=1024, placement="given")
+    opt_a = HybridAdam(a.parameters(), **kw, moments_dtype=spelling)
+    opt_b = HybridAdam(b.parameters(), **kw, moments_dtype=torch.bfloat16)
+    fp32 = HybridAdam(make_models().parameters(), **kw, moments_dtype="fp32")
+    assert opt_a.moments_dtype is torch.bfloat16 and opt_a._layout.moments_dtype is torch.bfloat16
+    assert fp32.moments_dtype is torch.float32
+    # bf16 moments: 8 bytes of offloaded state per param instead of 12
+    assert opt_a.memory_bytes()["cpu"] == opt_b.memory_bytes()["cpu"]
+    assert opt_a.memory_bytes()["cpu"] < fp32.memory_bytes()["cpu"]
+    assert train(a, opt_a, 3, accum=1) == train(b, opt_b, 3, accum=1)
+    assert_params_close(a, b, exact=True)
+    for st in opt_a.state_dict()["state"].values():  # the moments were held in bf16
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[name], st[name].bfloat16().float())
+    for o in (opt_a, opt_b, fp32):
+        o.close()
+
+
+# OptimizerConfig field -> (values the config accepts, a value it rejects, the field named in
+# the rejection). Every field of the config is listed (the test checks it), so a new field
+# must be added here and checked alike by both.
+_CONFIG_CASES = {
+    "lr": ([0.0, 1e-3, 1], -1.0, "lr"),
+    "betas": ([(0.9, 0.999), [0.8, 0.95], (0, 0.5)], [0.9, 1.0], "betas[1]"),
+    "eps": ([0.0, 1e-8], -1e-8, "eps"),
+    "weight_decay": ([0.0, 0.1], -0.1, "weight_decay"),
+    "adamw": ([True, False], "yes", "adamw"),
+    "maximize": ([True, False], 1, "maximize"),
+    "offload_fraction": ([0.0, 0.5, 1, 1.0], 1.5, "offload_fraction"),
+    "state_tier": (["cpu", "nvme", "split"], "disk", "state_tier"),
+    "nvme_dir": ([None, "<tmp>"], None, None),  # any path; refused only where it is unused
+    "overlap": ([True, False], 1, "overlap"),
+    "chunk_numel": ([None, 1024, 4096], 1000, "chunk_numel"),
+    "max_grad_norm": ([None, 1.0, 5], 0, "max_grad_norm"),
+    "grad_accumulation_steps": ([None, 1, 4], 0, "grad_accumulation_steps"),
+    "moments_dtype": (["float32", "fp32", "bf16", "bfloat16", "torch.bfloat16", torch.bfloat16,
+                       torch.float32], "fp16", "moments_dtype"),
+    "cpu_threads": ([None, 1, 2], 0, "cpu_threads"),
+    "nvme_lookahead_chunks": ([0, 2], -1, "nvme_lookahead_chunks"),
+    "data_parallel": ([None, False], "on", "data_parallel"),
+    "bucket_numel": ([1, 1 << 20], 0, "bucket_numel"),
+    "param_sync": (["step", "forward"], "later", "param_sync"),
+    "placement": (["trace", "given"], "random", "placement"),
+    "gpu_step_fraction": ([0.0, 0.5, 1], 2, "gpu_step_fraction"),
+}
+
+
+def test_optimizer_config_and_hybrid_adam_accept_and_reject_alike(tmp_path):
+    """OptimizerConfig and HybridAdam check each shared field with the same tiermem.names helper:
+    every value the config accepts builds a HybridAdam, from the config's kwargs() and given
+    as is, and a bad one is refused by both with the same exception, naming the same field
+    with the same words (what follows the prefix, up to the fix after ';')."""
+    assert set(_CONFIG_CASES) == {f.name for f in dataclasses.fields(OptimizerConfig)}
+    store = TierStore(StoreConfig(cpu_bytes="4MiB", nvme_bytes="16MiB", nvme_dir=str(tmp_path),
+                                  pool_slab_bytes="256KiB"))
+
+    def context(field, value):  # what a value needs around it (not part of the check)
+        if field == "state_tier" and value == "nvme":
+            return {"nvme_dir": str(tmp_path)}, None
+        if field == "state_tier" and value == "split":
+            return {}, store
+        return {}, None
+
+    for field, (good, bad, named) in _CONFIG_CASES.items():
+        for value in good:
+            value = str(tmp_path) if value == "<tmp>" else value
+            extra, st = context(field, value)
+            cfg = OptimizerConfig(**{field: value}, **extra)
+            kws = [cfg.kwargs(store=st)]
+            if not (field == "grad_accumulation_steps" and value is None):
+                # (null there means "the training loop's count": kwargs() leaves it out)
+                kws.append({**OptimizerConfig().kwargs(store=st), **extra, field: value})
+            for kw in kws:
+                HybridAdam(make_models().parameters(), **kw).close()
+        if named is None:
+            continue
+        with pytest.raises((ValueError, TypeError)) as by_config:
+            OptimizerConfig(**{field: bad})
+        with pytest.raises((ValueError, TypeError)) as by_optimizer:
+            HybridAdam(make_models().parameters(), **{**OptimizerConfig().kwargs(), field: bad})
+        assert by_config.type is by_optimizer.type, field
+        c, o = str(by_config.value), str(by_optimizer.value)
+        assert c.startswith(f"optimizer.{named}") and o.startswith(f"HybridAdam: {named}"), (c, o)
+        assert (c.removeprefix("optimizer.").split(";")[0]
+                == o.removeprefix("HybridAdam: ").split(";")[0]), (c, o)
+    # betas that are not a pair: both name betas
+    with pytest.raises(ValueError, match=re.escape("optimizer.betas=[0.9] must be two numbers")):
+        OptimizerConfig(betas=[0.9])
+    with pytest.raises(ValueError, match=re.escape("HybridAdam: betas=[0.9] must be two numbers")):
+        HybridAdam(make_models().parameters(), betas=[0.9])
+    store.close()
 
 
 def test_store_checks(tmp_path):

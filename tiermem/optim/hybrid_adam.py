@@ -108,6 +108,8 @@ from typing import Any, Iterable
 
 import torch
 
+from tiermem.names import (MOMENTS_DTYPES, PARAM_SYNCS, PLACEMENTS, STATE_TIERS, check_bool,
+                           check_choice, check_fraction, check_int, check_number, parse_dtype)
 from tiermem.optim import distributed as _dist
 from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
 from tiermem.optim.gpu_lane import GpuLane, fused_adam_
@@ -151,7 +153,9 @@ class HybridAdam(torch.optim.Optimizer):
             the GPU only in the last one.
         moments_dtype: dtype of the offloaded side's moments: ``torch.float32`` (exact torch
             semantics) or ``torch.bfloat16`` (half the state bytes, a deliberate precision trade:
-            moments are rounded to bf16 after each update; the GPU side keeps fp32).
+            moments are rounded to bf16 after each update; the GPU side keeps fp32). Any spelling
+            of :data:`tiermem.names.DTYPE_SPELLINGS` is accepted (``"bf16"``, ``"bfloat16"``,
+            ``"fp32"``, ...); ``self.moments_dtype`` is the ``torch.dtype``.
         cpu_threads: threads of the CPU step (``None``: ``torch.get_num_threads()``, less one
             with overlap on CUDA so backward's kernel launches keep a core).
         nvme_lookahead_chunks: chunks of NVMe state read ahead of the CPU step.
@@ -182,11 +186,14 @@ class HybridAdam(torch.optim.Optimizer):
     ``nvme_dir/rank{r}``.
 
     Raises:
-        ValueError: a value out of range, an unknown ``state_tier``, NVMe without a spill
-            directory, params on several devices or on another device than ``store``, or a
-            store without room, ``data_parallel`` without torch.distributed or with FSDP2
-            params, ranks passing different params, each naming the field and the fix.
-        TypeError: a param that is not a floating-point leaf tensor.
+        ValueError: a value out of range or not one of the choices (the arguments are checked by
+            the helpers of :mod:`tiermem.names`, as :class:`tiermem.config.OptimizerConfig`
+            checks the same fields), NVMe without a spill directory, params on several devices
+            or on another device than ``store``, or a store without room, ``data_parallel``
+            without torch.distributed or with FSDP2 params, ranks passing different params,
+            each naming the field and the fix.
+        TypeError: a number, int or flag of the wrong type (a bool where a number is wanted
+            included), or a param that is not a floating-point leaf tensor.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -194,29 +201,33 @@ class HybridAdam(torch.optim.Optimizer):
                  maximize: bool = False, offload_fraction: float = 1.0, state_tier: str = "cpu",
                  store: TierStore | None = None, nvme_dir: str | None = None, overlap: bool = True,
                  chunk_numel: int | None = None, max_grad_norm: float | None = None,
-                 grad_accumulation_steps: int = 1, moments_dtype: torch.dtype = torch.float32,
+                 grad_accumulation_steps: int = 1,
+                 moments_dtype: torch.dtype | str = torch.float32,
                  cpu_threads: int | None = None,
                  nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
                  process_group: Any = None, bucket_numel: int = 1 << 23,
                  param_sync: str = "step", placement: str = "trace",
                  gpu_step_fraction: float = 0.0) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        # The shared checks of tiermem.names, as OptimizerConfig makes them: one spelling and one
+        # message per value everywhere. The prefix is plain "HybridAdam: ": the rank prefix
+        # (self._who) needs the mode, known only once the params are read.
+        who = "HybridAdam: "
+        check_number(who, "lr", lr, low=0.0)
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+            raise ValueError(f"HybridAdam: betas={betas!r} must be two numbers (the averaging "
+                             f"coefficients of the gradient and of its square), e.g. (0.9, 0.999)")
         for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not (isinstance(offload_fraction, (int, float)) and 0.0 <= offload_fraction <= 1.0):
-            raise ValueError(f"HybridAdam: offload_fraction={offload_fraction!r} is outside "
-                             f"[0.0, 1.0]; it is the fraction of parameter bytes whose optimizer "
-                             f"state leaves the GPU (0.0 = none, 1.0 = all)")
-        if state_tier not in ("cpu", "nvme", "split"):
-            raise ValueError(f"HybridAdam: state_tier={state_tier!r} is unknown; use 'cpu' "
-                             f"(pinned RAM), 'nvme' (spill files) or 'split' (RAM up to the "
-                             f"store's cpu budget, the rest on NVMe)")
+            check_number(who, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
+        check_number(who, "eps", eps, low=0.0)
+        check_number(who, "weight_decay", weight_decay, low=0.0)
+        check_bool(who, "adamw", adamw)
+        check_bool(who, "maximize", maximize)
+        offload_fraction = check_fraction(
+            who, "offload_fraction", offload_fraction, "it is the fraction of parameter bytes "
+            "whose optimizer state leaves the GPU (0.0 = none, 1.0 = all)")
+        check_choice(who, "state_tier", state_tier, STATE_TIERS,
+                     "cpu is pinned RAM, nvme spill files, split RAM up to the store's cpu budget "
+                     "and the rest on NVMe")
         if state_tier == "split" and (store is None or store.config.nvme_bytes == 0):
             raise ValueError("HybridAdam: state_tier='split' places chunks by the budgets of the "
                              "store you pass: give store=TierStore(StoreConfig(cpu_bytes=..., "
@@ -227,33 +238,33 @@ class HybridAdam(torch.optim.Optimizer):
         if state_tier == "nvme" and store is not None and store.config.nvme_bytes == 0:
             raise ValueError("HybridAdam: state_tier='nvme' but the store has no nvme tier "
                              "(StoreConfig.nvme_bytes=0); give it nvme_bytes and nvme_dir")
-        if chunk_numel is not None and (not isinstance(chunk_numel, int) or chunk_numel < 1024):
-            raise ValueError(f"HybridAdam: chunk_numel={chunk_numel!r} must be an int >= 1024 "
-                             f"or None (sized from the model)")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"HybridAdam: max_grad_norm={max_grad_norm!r} must be > 0 or None")
-        if not isinstance(grad_accumulation_steps, int) or grad_accumulation_steps < 1:
-            raise ValueError(f"HybridAdam: grad_accumulation_steps={grad_accumulation_steps!r} "
-                             f"must be an int >= 1")
-        if moments_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"HybridAdam: moments_dtype={moments_dtype} is not supported; use "
-                             f"torch.float32 or torch.bfloat16")
-        if not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise ValueError(f"HybridAdam: bucket_numel={bucket_numel!r} must be an int >= 1 "
-                             f"(elements per gradient-reduce bucket)")
-        if not (isinstance(gpu_step_fraction, (int, float)) and not isinstance(gpu_step_fraction, bool)
-                and 0.0 <= gpu_step_fraction <= 1.0):
-            raise ValueError(f"HybridAdam: gpu_step_fraction={gpu_step_fraction!r} is outside "
-                             f"[0.0, 1.0]; it is the share of the offloaded chunks the GPU steps "
-                             f"by streaming their state through it (0.0: the CPU steps all)")
-        if placement not in ("trace", "given"):
-            raise ValueError(f"HybridAdam: placement={placement!r} is unknown; use 'trace' (the "
-                             f"split follows the gradient order of the first backward) or "
-                             f"'given' (the order the params were given in)")
-        if param_sync not in ("step", "forward"):
-            raise ValueError(f"HybridAdam: param_sync={param_sync!r} is unknown; use 'step' "
-                             f"(updated params ready when step() returns) or 'forward' (the next "
-                             f"forward waits per module)")
+        check_bool(who, "overlap", overlap)
+        if chunk_numel is not None:
+            check_int(who, "chunk_numel", chunk_numel, low=1024, unit="elements",
+                      fix="or None to size it from the model")
+        if max_grad_norm is not None:
+            check_number(who, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
+                         fix="or None for no clipping")
+        check_int(who, "grad_accumulation_steps", grad_accumulation_steps, low=1,
+                  fix="the backward passes per step()")
+        moments_dtype = parse_dtype(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
+        if cpu_threads is not None:
+            check_int(who, "cpu_threads", cpu_threads, low=1, unit="threads",
+                      fix="or None for torch's thread count")
+        check_int(who, "nvme_lookahead_chunks", nvme_lookahead_chunks, low=0, unit="chunks")
+        if data_parallel is not None:
+            check_bool(who, "data_parallel", data_parallel)
+        check_int(who, "bucket_numel", bucket_numel, low=1, unit="elements",
+                  fix="the elements per gradient-reduce bucket")
+        check_choice(who, "param_sync", param_sync, PARAM_SYNCS,
+                     "step: the updated params are ready when step() returns, forward: the next "
+                     "forward waits per module")
+        check_choice(who, "placement", placement, PLACEMENTS,
+                     "trace: the split follows the gradient order of the first backward, given: "
+                     "the order the params were given in")
+        gpu_step_fraction = check_fraction(
+            who, "gpu_step_fraction", gpu_step_fraction, "it is the share of the offloaded chunks "
+            "the GPU steps by streaming their state through it (0.0: the CPU steps all)")
         if process_group is not None and data_parallel is False:
             raise ValueError("HybridAdam: process_group is given but data_parallel=False; drop "
                              "process_group, or set data_parallel=True to shard the state over it")
