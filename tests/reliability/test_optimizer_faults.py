@@ -60,7 +60,7 @@ def test_a_disk_full_first_step_recovers_once_there_is_room(tmp_path, monkeypatc
             opt.step()
         with pytest.raises(TierFullError):
             opt.state_dict()  # still no room: refused the same way, nothing left half-made
-    assert opt._store.keys() == []  # every key of the failed allocation was deleted
+    assert opt.store.keys() == []  # every key of the failed allocation was deleted
     for backend in backends:
         backend.write_errno = None  # space was freed
     opt.zero_grad(set_to_none=True)

@@ -100,7 +100,7 @@ def test_soak_no_growth_in_memory_files_descriptors_or_threads(tmp_path, one_thr
 
     def on_step(step, opt, store, off):
         s = store.stats()
-        pool_threads = store.config.io_threads + opt._store.config.io_threads
+        pool_threads = store.config.io_threads + opt.store.config.io_threads
         off_stats = off.stats()
         assert off_stats["store_full"] == off_stats["gpu_full"] == off_stats["live_keys"] == 0
         assert off_stats["offloaded"] > 0
@@ -108,8 +108,8 @@ def test_soak_no_growth_in_memory_files_descriptors_or_threads(tmp_path, one_thr
         assert [s[t]["used_bytes"] for t in ("gpu", "cpu", "nvme")] == [0, 0, 0]
         # HybridAdam's state chunks stream between its store's nvme and cpu tiers; once its
         # write-backs landed, each chunk is in exactly one of them (both round to 4 KiB)
-        opt._store.synchronize()
-        o = opt._store.stats()
+        opt.store.synchronize()
+        o = opt.store.stats()
         now = dict(
             act_pinned=s["pinned_bytes"], opt_pinned=o["pinned_bytes"],
             opt_state=o["cpu"]["used_bytes"] + o["nvme"]["used_bytes"],
@@ -117,7 +117,7 @@ def test_soak_no_growth_in_memory_files_descriptors_or_threads(tmp_path, one_thr
             py_threads=threading.active_count())
         # the pools keep slabs for reuse (pinning is slow): bounded by the budget and by the
         # peak of live bytes (one slab of slack for fragmentation), never by the step count
-        for st, stats in ((store, s), (opt._store, o)):
+        for st, stats in ((store, s), (opt.store, o)):
             slab = st._pool.slab_bytes
             bound = (-(-stats["cpu"]["peak_bytes"] // slab) + 1) * slab
             assert st._pool.reserved_bytes <= min(st.config.cpu_bytes, bound), (step, bound)

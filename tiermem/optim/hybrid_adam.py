@@ -927,6 +927,12 @@ class HybridAdam(torch.optim.Optimizer):
         return {"gpu": sum(g.plan.gpu_numel for g in self._groups),
                 "offloaded": sum(g.plan.cpu_numel for g in self._groups)}
 
+    @property
+    def store(self) -> TierStore:
+        """The store of the offloaded state: the one given, or the private one made for it
+        (closed by :meth:`close`)."""
+        return self._store
+
     def memory_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes per place: ``{"gpu": ..., "cpu": ..., "nvme": ...}``."""
         self._ensure_state()

@@ -138,7 +138,7 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
             opt.step()
             opt.zero_grad(set_to_none=True)
             store.mark_step()
-            opt._store.mark_step()
+            opt.store.mark_step()
             put_per_step[0] = (off.counters["put_bytes"] if off is not None else 0) - before
 
         def device_peak() -> int:
@@ -162,7 +162,7 @@ def gpt_factory(cfg: Any, batch: int, device: torch.device, nvme_dir: str,
             opt.close()
             store.close()
 
-        return Trial(step=step, stores=[store, opt._store],
+        return Trial(step=step, stores=[store, opt.store],
                      adam_params=int(round(fraction * nparams)),
                      device_peak_bytes=None if device.type == "cuda" else device_peak,
                      close=close, telemetry_stores=[store], counters=counters)
