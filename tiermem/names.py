@@ -91,7 +91,7 @@ def check_bool(who: str, field: str, value: Any) -> bool:
     Raises:
         ValueError: anything else (``1``, ``"yes"``, ``None``).
     """
-    return check_choice(who, field, value, (True, False), "write true or false")
+    return check_choice(who, field, value, (True, False), "give a bool (true or false in YAML)")
 
 
 def check_number(who: str, field: str, value: Any, *, low: float | None = None,
