@@ -10,13 +10,15 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tiermem import cli
+from tiermem import StoreConfig, TierStore, cli
 from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.models import MoE, MoEConfig
 from tiermem.models.gpt import GPT, Block, GPTConfig
 from tiermem.models.moe import MoEBlock
-from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes, main,
-                          moe_activation_bytes_per_block, plan)
+from tiermem.optim import HybridAdam
+from tiermem.optim.layout import chunk_state_bytes, nvme_staging_bytes, ring_bytes
+from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes,
+                          host_buffer_bytes, main, moe_activation_bytes_per_block, plan)
 
 
 def preset_plan(size, **kw):
@@ -110,13 +112,63 @@ def test_placement_accounts_every_tier():
     assert p.used["nvme"] == sum(i.nvme for i in p.items)
 
 
+@pytest.mark.parametrize("chunk_numel", [1500, 8192])
+@pytest.mark.parametrize("moments_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_buffers_are_what_hybrid_adam_allocates(tmp_path, dtype, moments_dtype, chunk_numel):
+    """Issue 18: the plan's pinned rings and NVMe staging are tiermem.optim.layout's ring_bytes
+    and nvme_staging_bytes, and a real HybridAdam (offload_fraction=1, state_tier="split", all
+    chunks fitting in RAM) allocates exactly that in its store: the cpu tier then holds the
+    rings and the chunks' state blobs, and peaked with the staging room it reserved while it
+    placed the chunks. chunk_numel 1500 is not a whole number of 4 KiB blocks (the store
+    rounds each buffer up); 8192 is more than the model has (the buffers take one chunk of the
+    4290 elements)."""
+    lookahead = 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 30)).to(dtype)
+    n = sum(q.numel() for q in model.parameters())
+    assert n == 4290
+    p = plan(model, n_layers=2, d_model=60, seq=8, batch=1, moments_dtype=moments_dtype,
+             offload_fraction=1.0, state_tier="split", chunk_numel=chunk_numel,
+             nvme_lookahead_chunks=lookahead, gpu_bytes="1GiB", host_bytes="1GiB",
+             nvme_bytes="1GiB", gpu_reserve_bytes=0, host_reserve_bytes=0)
+    rows = {i.name: i for i in p.items}
+    rings = rows["pinned staging (grads + params)"].host
+    staging = rows["NVMe read-ahead buffers"].host
+    chunk = min(chunk_numel, n)
+    assert rings == ring_bytes(chunk, dtype.itemsize)
+    assert staging == nvme_staging_bytes(chunk, moments_dtype, lookahead)
+    assert (rings, staging) == host_buffer_bytes(n, chunk_numel, dtype, moments_dtype, lookahead,
+                                                 "split")
+
+    store = TierStore(StoreConfig(cpu_bytes="4MiB", nvme_bytes="4MiB", nvme_dir=str(tmp_path),
+                                  pool_slab_bytes="64KiB"))
+    opt = HybridAdam(model.parameters(), store=store, chunk_numel=chunk_numel,
+                     offload_fraction=1.0, state_tier="split", moments_dtype=moments_dtype,
+                     nvme_lookahead_chunks=lookahead)
+    assert opt.chunk_tiers() == {"cpu": -(-n // chunk), "nvme": 0}  # allocates the state
+    state = sum(chunk_state_bytes(min(chunk, n - start), moments_dtype)
+                for start in range(0, n, chunk))
+    used = store.used_bytes("cpu")
+    assert used - state == rings
+    assert store.stats()["cpu"]["peak_bytes"] - used == staging
+    opt.close()
+    store.close()
+
+
 def test_plan_takes_a_model():
     model = GPT(GPTConfig(n_layers=2, d_model=64, n_heads=2, vocab=100, seq_len=32))
     p = plan(model, seq=32, batch=2, gpu_bytes="2GiB", host_bytes="1GiB", nvme_bytes=0,
              host_reserve_bytes=0)
     assert p.num_params == sum(q.numel() for q in model.parameters())
-    assert p.inputs["dtype"] == "fp32" and p.inputs["n_layers"] == 2
+    assert p.inputs["dtype"] == "float32" and p.inputs["n_layers"] == 2  # the model's dtype
     assert p.fits
+    # a dtype given wins over the model's, in any spelling
+    for spelling in ("bf16", "bfloat16", torch.bfloat16):
+        given = plan(model, seq=32, batch=2, gpu_bytes="2GiB", host_bytes="1GiB", nvme_bytes=0,
+                     host_reserve_bytes=0, dtype=spelling)
+        assert given.inputs["dtype"] == "bfloat16"
+        assert {i.name: i for i in given.items}["parameters"].gpu == 2 * p.num_params
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -124,8 +176,17 @@ def test_plan_takes_a_model():
     ({"num_params": 1e9}, "needs the shape: n_layers and d_model"),
     ({"num_params": -5, "n_layers": 2, "d_model": 8}, "num_params=-5 must be a positive number"),
     ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "offload_fraction": 1.5},
-     "offload_fraction=1.5 must be in [0.0, 1.0]"),
-    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "dtype": "int4"}, "dtype='int4' is not one of"),
+     "offload_fraction=1.5 is outside [0.0, 1.0]"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "dtype": "int4"},
+     "dtype='int4' is not a supported dtype"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "moments_dtype": "fp16"},
+     "moments_dtype='fp16' is not a supported dtype; use one of float32, fp32"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "moments_dtype": torch.float16},
+     "moments_dtype=torch.float16 is not a supported dtype"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "nvme_lookahead_chunks": -1},
+     "nvme_lookahead_chunks=-1 must be an int >= 0"),
+    ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "chunk_numel": 0},
+     "chunk_numel=0 must be an int >= 1"),
     ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "offload_layers": 2},
      "offload_layers=2 must be an int in [0, 2)"),
     ({"num_params": 1e9, "n_layers": 2, "d_model": 8, "state_tier": "disk"}, "state_tier='disk'"),
@@ -328,3 +389,75 @@ def test_sizing_doc_moe_example_is_what_the_command_prints(capsys):
     dense = re.search(r"`tiermem plan (--params [^`]*)`: 0 % offloaded", text)
     assert dense and main(dense.group(1).split()) == 0
     assert "optimizer state 0% off the GPU" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- dtype spellings
+
+def _spelled(moments_dtype, **kw):
+    return preset_plan("13b", moments_dtype=moments_dtype, **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # fits: the configure note
+    {"host_bytes": "60GiB", "state_tier": "cpu"},  # the offloaded state overflows RAM
+    {"offload_fraction": 1.0, "nvme_bytes": "20GiB"},  # f = 1 and no fit: the RAM + NVMe note
+])
+@pytest.mark.parametrize("spellings", [("fp32", "float32", "FP32", "torch.float32", torch.float32),
+                                       ("bf16", "bfloat16", "torch.bfloat16", torch.bfloat16)])
+def test_every_spelling_of_a_moments_dtype_gives_the_same_plan(spellings, kw):
+    """Issue 18: the plan spells dtypes through tiermem.names.dtype_name, like the config and
+    HybridAdam: every spelling of one dtype gives the same plan (its inputs keep the canonical
+    name), and the table prints the short one."""
+    plans = [_spelled(m, **kw) for m in spellings]
+    canonical = "float32" if spellings[0] == "fp32" else "bfloat16"
+    assert plans[0].inputs["moments_dtype"] == canonical
+    for other in plans[1:]:
+        assert other.to_dict() == plans[0].to_dict()
+        assert other.table() == plans[0].table()
+    assert f"(fp32 master + {spellings[0]} moments)" in plans[0].table()
+    assert _spelled("fp32" if canonical == "bfloat16" else "bf16", **kw).to_dict() != \
+        plans[0].to_dict()
+
+
+def test_the_command_takes_every_spelling_of_a_dtype(capsys):
+    outputs = []
+    for spelling in ("fp32", "float32", "torch.float32"):
+        assert main(["--model-size", "13b", "--moments-dtype", spelling,
+                     "--dtype", "bfloat16"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert main(["--model-size", "13b", "--moments-dtype", "fp16"]) == 2
+    assert "moments_dtype='fp16' is not a supported dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fp32", ["float32", torch.float32])
+def test_fp32_moments_spelled_long_are_fp32_moments(fp32):
+    """The bug: the notes compared moments_dtype with "fp32", so "float32" told the user to
+    configure optimizer.moments_dtype=bfloat16 for a plan sized with fp32 moments and left out
+    the hint that bf16 moments would cut the overflowing state; torch.float32 was refused."""
+    fits = _spelled(fp32)
+    assert fits.fits
+    configure = next(n for n in fits.notes if n.startswith("configure:"))
+    assert "moments_dtype" not in configure
+    over = _spelled(fp32, host_bytes="60GiB", state_tier="cpu")
+    assert not over.fits
+    assert any("bf16 moments (--moments-dtype bf16, optimizer.moments_dtype=bfloat16) cut it "
+               "from 12 to 8 B/param" in n for n in over.notes), over.notes
+    bf16 = next(n for n in _spelled("bf16").notes if n.startswith("configure:"))
+    assert "optimizer.moments_dtype=bfloat16" in bf16
+
+
+def test_ram_plus_nvme_note_counts_the_pinned_buffers_hybrid_adam_allocates():
+    """With all of the state offloaded and no fit, the note on RAM + NVMe together takes off the
+    host reserve and the pinned rings and NVMe staging (layout's sizes), not 2 B/param."""
+    p = _spelled("fp32", offload_fraction=1.0, nvme_bytes="20GiB")
+    assert not p.fits
+    n = p.num_params
+    for dtype, per, verdict in ((torch.float32, 12, "no placement fits"),
+                                (torch.bfloat16, 8, "split between them")):
+        buffers = sum(host_buffer_bytes(n, None, torch.bfloat16, dtype, 2, "split"))
+        assert buffers < 2 * GiB  # a few 16M-element chunks, not 2 B/param (24 GiB)
+        both = 128 * GiB - 8 * GiB - buffers + 20 * GiB
+        note = next(x for x in p.notes if x.startswith(f"with {'fp32' if per == 12 else 'bf16'}"))
+        assert f"is {n * per / GiB:,.0f} GiB ({per} B/param)" in note
+        assert f"{both / GiB:,.0f} GiB" in note and verdict in note, note

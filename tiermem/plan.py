@@ -9,7 +9,10 @@ GiB (2^30 bytes), so a 128GiB host shows as 128.0 GiB and a 141 GB H200 as 131.3
 
 Memory model (bytes; N parameters, L blocks, width d, heads h, vocabulary V, sequence s,
 micro-batch b, parameter dtype size p (bf16: 2, fp32: 4), activation dtype size a = p, offloaded
-moments dtype size m (fp32: 4, bf16: 2), offload fraction f, offloaded layers k):
+moments dtype size m (fp32: 4, bf16: 2), offload fraction f, offloaded layers k, c elements in
+the largest offloaded chunk, ``min(chunk_numel, f·N)``). The offloaded side is sized by
+:mod:`tiermem.optim.layout`, the functions HybridAdam allocates by (:func:`host_buffer_bytes`
+calls them); its pinned buffers are rounded up to the store's 4 KiB blocks as in the store:
 
 ==========================  ==============================================================
 part                        bytes and place
@@ -20,10 +23,15 @@ GPU-side optimizer state    (1-f)·N·(8 + 4·[p != 4]): fp32 moments, plus an f
                             unless the params are fp32 already (they are their own master)
 offloaded optimizer state   f·N·(4 + 2·m): fp32 master + moments, in pinned RAM
                             (``state_tier="cpu"``), in spill files (``"nvme"``), or RAM first
-                            and the rest in spill files (``"split"``)
-staging buffers             6·chunk_numel·p pinned RAM: HybridAdam's 2-chunk gradient ring and
-                            4-chunk param-out ring (gradients wait on the GPU until copied)
-NVMe read-ahead             (lookahead+3)·chunk_numel·12 pinned RAM, with ``"nvme"`` only
+                            and the rest in spill files (``"split"``); per param
+                            ``4·state_numel(1, moments)``, not counting the store's rounding
+                            of each chunk's blob to 4 KiB
+staging buffers             ``layout.ring_bytes(c, p)`` ≈ 6·c·p pinned RAM: HybridAdam's
+                            2-chunk gradient ring and 4-chunk param-out ring (gradients wait
+                            on the GPU until copied)
+NVMe read-ahead             ``layout.nvme_staging_bytes(c, moments, lookahead)`` ≈
+                            (lookahead+3)·c·(4 + 2·m) pinned RAM (``chunk_state_bytes`` per
+                            chunk), with ``state_tier`` ``"nvme"`` and ``"split"``
 activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
                             r (4: 17·b·s·d·a, 34·b·s·d in bf16 = Megatron's sbh·34 with
                             flash attention): block input, LN1 out, QKV (3), attention out,
@@ -89,7 +97,13 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+import torch
+
 from tiermem.config import parse_bytes
+from tiermem.names import (DTYPE_SPELLINGS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
+                           STATE_TIERS, check_choice, check_fraction, check_int, dtype_name)
+from tiermem.optim.layout import (GRAD_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS, nvme_staging_bytes,
+                                  ring_bytes, state_numel)
 from tiermem.optim.partition import auto_chunk_numel
 
 GB = 1000 ** 3
@@ -102,8 +116,9 @@ H200_HOST_BYTES = 128 * GiB
 H200_NVME_BYTES = 64 * GiB
 """Default NVMe capacity: the H200 machine's 64 GiB disk."""
 
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
-"""Accepted dtype names and their sizes in bytes."""
+PARAM_DTYPES = MODEL_DTYPES + ("float16",)
+"""Parameter dtypes the plan sizes (canonical names): the training loops' and float16 (2 bytes,
+sized like bfloat16). Any spelling of :data:`tiermem.names.DTYPE_SPELLINGS` is accepted."""
 
 
 @dataclass(frozen=True)
@@ -219,16 +234,38 @@ class Plan:
         return "\n".join(out).rstrip() + "\n"
 
 
-def _dtype_bytes(name: str, field_name: str) -> int:
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"{field_name}={name!r} is not one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
+def _short(name: str) -> str:
+    """The short spelling the plan prints for a canonical dtype name (``"bfloat16"`` -> ``"bf16"``):
+    the shortest of :data:`tiermem.names.DTYPE_SPELLINGS`."""
+    return min((s for s, canon in DTYPE_SPELLINGS.items() if canon == name), key=len)
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1")
-    return value
+def host_buffer_bytes(offloaded_numel: int, chunk_numel: int | None, dtype, moments_dtype,
+                      nvme_lookahead_chunks: int, state_tier: str) -> tuple[int, int]:
+    """``(pinned rings, NVMe staging)``: the pinned host bytes HybridAdam allocates besides the
+    offloaded state for ``offloaded_numel`` elements in one param group, by
+    :func:`tiermem.optim.layout.ring_bytes` and :func:`~tiermem.optim.layout.nvme_staging_bytes`
+    (staging with ``state_tier`` ``"nvme"`` or ``"split"`` only, else 0).
+
+    Args:
+        offloaded_numel: elements whose state is offloaded (0: no buffers).
+        chunk_numel: HybridAdam's ``chunk_numel``; None: its default,
+            :func:`tiermem.optim.partition.auto_chunk_numel`. The buffers are sized by the
+            largest chunk, ``min(chunk_numel, offloaded_numel)``.
+        dtype, moments_dtype: ``torch.dtype`` of the params and of the offloaded moments.
+        nvme_lookahead_chunks: HybridAdam's.
+        state_tier: ``"cpu"``, ``"nvme"`` or ``"split"``.
+
+    Raises:
+        Nothing: plain arithmetic on checked values.
+    """
+    if not offloaded_numel:
+        return 0, 0
+    chunk = min(chunk_numel or auto_chunk_numel(offloaded_numel), offloaded_numel)
+    rings = ring_bytes(chunk, dtype.itemsize)
+    staging = nvme_staging_bytes(chunk, moments_dtype, nvme_lookahead_chunks) \
+        if state_tier in ("nvme", "split") else 0
+    return rings, staging
 
 
 def _moe_shape(n_experts, top_k, d_expert) -> bool:
@@ -241,7 +278,7 @@ def _moe_shape(n_experts, top_k, d_expert) -> bool:
         raise ValueError(f"plan: an MoE needs n_experts, top_k and d_expert; {', '.join(missing)} "
                          f"missing (command line: --experts, --top-k, --d-expert)")
     for name, value in given.items():
-        _positive_int(name, value)
+        check_int("plan: ", name, value)
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k} exceeds n_experts={n_experts}; route each token to at "
                          f"most n_experts experts")
@@ -305,8 +342,8 @@ def head_bytes(*, batch: int, seq: int, d_model: int, vocab: int, dtype_bytes: i
 def plan(num_params=None, *, model=None, n_layers: int | None = None,
          d_model: int | None = None, n_heads: int | None = None, vocab: int = 32000,
          seq: int = 2048, batch: int = 1, mlp_ratio: int = 4, n_experts: int | None = None,
-         top_k: int | None = None, d_expert: int | None = None, dtype: str = "bf16",
-         moments_dtype: str = "fp32", gpu_bytes=H200_GPU_BYTES, host_bytes=H200_HOST_BYTES,
+         top_k: int | None = None, d_expert: int | None = None, dtype=None,
+         moments_dtype="fp32", gpu_bytes=H200_GPU_BYTES, host_bytes=H200_HOST_BYTES,
          nvme_bytes=H200_NVME_BYTES, offload_fraction: float | None = None,
          state_tier: str = "auto", offload_layers: int | None = None,
          activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
@@ -331,8 +368,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             experts per token, expert hidden width; all three or none (dense). The
             activations depend on ``top_k`` and ``d_expert``; ``plan.active_params`` is the
             total less the ``n_experts - top_k`` experts per block a token skips.
-        dtype: parameter (and activation) dtype: ``"bf16"`` or ``"fp32"`` (``"fp16"``: 2 bytes).
-        moments_dtype: dtype of the offloaded moments, ``"fp32"`` or ``"bf16"``.
+        dtype: parameter (and activation) dtype: bfloat16 or float32 (float16: 2 bytes), in any
+            spelling of :data:`tiermem.names.DTYPE_SPELLINGS` (``"bf16"``, ``"bfloat16"``,
+            ``torch.bfloat16``, ...); None: the model's dtype when a model is given, else bf16.
+        moments_dtype: dtype of the offloaded moments, float32 or bfloat16, in any spelling
+            (``"fp32"``, ``"float32"``, ``torch.float32``, ...). ``plan.inputs`` keeps both
+            dtypes by their canonical names (``"bfloat16"``).
         gpu_bytes, host_bytes, nvme_bytes: capacities in bytes (ints or strings like
             ``"141GB"``, ``"128GiB"``); defaults: the H200 machine.
         offload_fraction: fraction of the optimizer state off the GPU in [0, 1]; None: the
@@ -360,21 +401,21 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             outside [0, 1], ``offload_layers`` outside [0, n_layers), an MoE shape given in
             part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of the
             experts a token skips, naming the argument.
-        TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``.
+        TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
+            that is not an int, or a fraction that is not a number (naming the argument).
     """
     if model is not None and num_params is not None:
         raise TypeError("plan: pass num_params or model, not both")
     model = model if model is not None else (None if num_params is None or
                                              isinstance(num_params, (int, float)) else num_params)
     if model is not None:
-        import torch
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"plan: num_params must be a number or an nn.Module, got "
                             f"{type(model).__name__}")
         params = list(model.parameters())
         num_params = sum(p.numel() for p in params)
-        if params and dtype == "bf16" and params[0].dtype == torch.float32:
-            dtype = "fp32"  # the model's own dtype wins over the default
+        if params and dtype is None:
+            dtype = params[0].dtype  # the model's own dtype when none is given
         cfg = getattr(model, "cfg", None)
         if cfg is not None:
             n_layers = n_layers or getattr(cfg, "n_layers", None)
@@ -395,12 +436,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     if n_layers is None or d_model is None:
         raise ValueError("plan: the activation estimate needs the shape: n_layers and d_model "
                          "(command line: --layers and --d-model, or --model-size)")
-    n_layers = _positive_int("n_layers", n_layers)
-    d_model = _positive_int("d_model", d_model)
-    n_heads = _positive_int("n_heads", n_heads or max(1, d_model // 128))
+    n_layers = check_int("plan: ", "n_layers", n_layers)
+    d_model = check_int("plan: ", "d_model", d_model)
+    n_heads = check_int("plan: ", "n_heads", n_heads or max(1, d_model // 128))
     for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
                         ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth)):
-        _positive_int(name, value)
+        check_int("plan: ", name, value)
     n = active = None if num_params is None else int(num_params)
     if moe:
         from tiermem.models.moe import MoEConfig  # torch is loaded with tiermem already
@@ -416,14 +457,13 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                              f"or check n_experts and d_expert")
         active = n - skipped
     if chunk_numel is not None:
-        _positive_int("chunk_numel", chunk_numel)
-    if isinstance(nvme_lookahead_chunks, bool) or not isinstance(nvme_lookahead_chunks, int) \
-            or nvme_lookahead_chunks < 0:
-        raise ValueError(f"nvme_lookahead_chunks={nvme_lookahead_chunks!r} must be an int >= 0")
-    p = _dtype_bytes(dtype, "dtype")
-    m = _dtype_bytes(moments_dtype, "moments_dtype")
-    if m not in (2, 4) or moments_dtype in ("fp16", "float16"):
-        raise ValueError(f"moments_dtype={moments_dtype!r} must be fp32 or bf16")
+        check_int("plan: ", "chunk_numel", chunk_numel)
+    check_int("plan: ", "nvme_lookahead_chunks", nvme_lookahead_chunks, low=0)
+    # one spelling from here on: the canonical name (inputs, notes) and the torch.dtype (sizes)
+    dtype = dtype_name("plan: ", "dtype", "bfloat16" if dtype is None else dtype, PARAM_DTYPES)
+    moments_dtype = dtype_name("plan: ", "moments_dtype", moments_dtype, MOMENTS_DTYPES)
+    param_dt, moments_dt = getattr(torch, dtype), getattr(torch, moments_dtype)
+    p = param_dt.itemsize
     cap = {"gpu": parse_bytes(gpu_bytes, "gpu_bytes"), "host": parse_bytes(host_bytes, "host_bytes"),
            "nvme": parse_bytes(nvme_bytes, "nvme_bytes")}
     if cap["gpu"] == 0:
@@ -431,14 +471,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     gpu_reserve = (GiB + cap["gpu"] // 20) if gpu_reserve_bytes is None else \
         parse_bytes(gpu_reserve_bytes, "gpu_reserve_bytes")
     host_reserve = parse_bytes(host_reserve_bytes, "host_reserve_bytes")
-    if offload_fraction is not None and (isinstance(offload_fraction, bool) or not isinstance(
-            offload_fraction, (int, float)) or not 0.0 <= offload_fraction <= 1.0):
-        raise ValueError(f"offload_fraction={offload_fraction!r} must be in [0.0, 1.0] or None "
-                         f"(auto)")
-    if state_tier not in ("auto", "cpu", "nvme", "split"):
-        raise ValueError(f"state_tier={state_tier!r} is not 'auto', 'cpu', 'nvme' or 'split'")
-    if activation_tier not in ("cpu", "nvme"):
-        raise ValueError(f"activation_tier={activation_tier!r} is not 'cpu' or 'nvme'")
+    if offload_fraction is not None:
+        check_fraction("plan: ", "offload_fraction", offload_fraction,
+                       "the optimizer state off the GPU, or None: the least that fits")
+    check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
+                 "auto: RAM if it fits, else split")
+    check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
     if offload_layers is not None and (isinstance(offload_layers, bool) or not isinstance(
             offload_layers, int) or not 0 <= offload_layers < n_layers):
         raise ValueError(f"offload_layers={offload_layers!r} must be an int in [0, {n_layers}) "
@@ -456,7 +494,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     kept_per_block = block_input if checkpoint else per_block
     head = head_bytes(**shape, vocab=vocab)
     gpu_state_per_param = 8 + (4 if p != 4 else 0)
-    off_state_per_param = 4 + 2 * m
+    off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, n_experts=n_experts, top_k=top_k, d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
@@ -467,26 +505,25 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     def build(f: float, tier: str, k: int) -> Plan:
         off_n = round(f * n)
         gpu_n = n - off_n
-        items = [Item("parameters", gpu=n * p, note=f"{dtype}"),
-                 Item("gradients", gpu=n * p, note=f"{dtype}")]
+        items = [Item("parameters", gpu=n * p, note=_short(dtype)),
+                 Item("gradients", gpu=n * p, note=_short(dtype))]
         items.append(Item("optimizer state, GPU side", gpu=gpu_n * gpu_state_per_param,
                           note=f"{gpu_state_per_param} B/param"
                                f"{' (fp32 master + moments)' if p != 4 else ' (moments)'}"))
         state = off_n * off_state_per_param
         state_item = Item("optimizer state, offloaded",
                           host=state if tier == "cpu" else 0, nvme=state if tier == "nvme" else 0,
-                          note=f"{off_state_per_param} B/param (fp32 master + {moments_dtype} "
-                               f"moments)" if off_n else "")
+                          note=f"{off_state_per_param} B/param (fp32 master + "
+                               f"{_short(moments_dtype)} moments)" if off_n else "")
         items.append(state_item)
-        if off_n:
-            chunk = chunk_numel or auto_chunk_numel(off_n)
-            items.append(Item("pinned staging (grads + params)",
-                              host=6 * chunk * p,  # 2-chunk gradient + 4-chunk param ring
-                              note="2 + 4 chunks"))
-            if tier in ("nvme", "split"):
-                look = (nvme_lookahead_chunks + 3) * chunk * 12
-                items.append(Item("NVMe read-ahead buffers", host=look,
-                                  note=f"{nvme_lookahead_chunks}+3 chunks"))
+        rings, staging = host_buffer_bytes(off_n, chunk_numel, param_dt, moments_dt,
+                                           nvme_lookahead_chunks, tier)
+        if rings:
+            items.append(Item("pinned staging (grads + params)", host=rings,
+                              note=f"{GRAD_SLOTS} + {OUT_SLOTS} chunks"))
+        if staging:
+            items.append(Item("NVMe read-ahead buffers", host=staging,
+                              note=f"{nvme_lookahead_chunks}+{NVME_EXTRA_CHUNKS} chunks"))
         on_gpu_blocks = n_layers - k
         window = min(k, prefetch_depth + 1)
         act = Item("activations", gpu=on_gpu_blocks * kept_per_block + window * kept_per_block,
@@ -541,7 +578,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         if best is not None and best.fits:
             break
     assert best is not None
-    _add_notes(best, n, cap, host_reserve, off_state_per_param, p, moments_dtype)
+    _add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
+               dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best
 
 
@@ -550,15 +588,19 @@ def _overflow(p: Plan) -> tuple[int, int]:
     return over["gpu"], sum(over.values())
 
 
-def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, state_pp: int, p: int,
-               moments_dtype: str) -> None:
+def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.dtype,
+               moments_dtype: str, optimizer: dict) -> None:
+    """Add the configuration (fits) or the hints (does not fit) to ``pl.notes``;
+    ``moments_dtype`` is a canonical name, ``optimizer`` HybridAdam's ``chunk_numel`` and
+    ``nvme_lookahead_chunks``."""
     f = pl.offload_fraction
+    p = param_dt.itemsize
     if pl.fits:
         cfg = [f"optimizer.offload_fraction={f:g}"]
         if f > 0:
             cfg.append(f"optimizer.state_tier={pl.state_tier}")
-        if moments_dtype != "fp32":
-            cfg.append("optimizer.moments_dtype=bfloat16")
+        if moments_dtype != "float32":
+            cfg.append(f"optimizer.moments_dtype={moments_dtype}")
         cfg.append(f"activations.enabled={'true' if pl.offload_layers else 'false'}")
         if pl.offload_layers:
             cfg.append(f"activations.num_layers={pl.offload_layers}")
@@ -583,21 +625,28 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, state_pp: int, p:
     if (over["host"] or over["nvme"]) and f > 0:
         if f == 1.0:  # could the offloaded state fit anywhere at all? (RAM + NVMe together)
             total = cap["host"] + cap["nvme"]
-            both = max(0, cap["host"] - host_reserve - p * n) + cap["nvme"]
-            for label, per in (("fp32 moments", 12), ("bf16 moments", 8)):
+            for name in MOMENTS_DTYPES:
+                moments = getattr(torch, name)
+                per = 4 * state_numel(1, moments)
                 need = n * per
+                # state_tier="split": the pinned rings and the NVMe staging stay in RAM
+                buffers = sum(host_buffer_bytes(n, optimizer["chunk_numel"], param_dt, moments,
+                                                optimizer["nvme_lookahead_chunks"], "split"))
+                both = max(0, cap["host"] - host_reserve - buffers) + cap["nvme"]
                 if need > total:
                     verdict = f"more than RAM + NVMe together ({total / GiB:,.0f} GiB): no " \
                               f"placement fits"
                 elif need > both:
-                    verdict = f"RAM + NVMe hold {both / GiB:,.0f} GiB after the {p} B/param " \
-                              f"pinned staging and the host reserve: no placement fits"
+                    verdict = f"RAM + NVMe hold {both / GiB:,.0f} GiB after the pinned " \
+                              f"staging ({buffers / GiB:,.1f} GiB) and the host reserve: no " \
+                              f"placement fits"
                 else:
                     verdict = f"RAM + NVMe hold it ({both / GiB:,.0f} GiB after staging) split " \
                               f"between them: optimizer.state_tier=split"
-                pl.notes.append(f"with {label} the optimizer state of all {n / 1e9:.1f}B params "
-                                f"is {need / GiB:,.0f} GiB ({per} B/param): {verdict}")
-        elif moments_dtype == "fp32":
+                pl.notes.append(f"with {_short(name)} moments the optimizer state of all "
+                                f"{n / 1e9:.1f}B params is {need / GiB:,.0f} GiB ({per} B/param): "
+                                f"{verdict}")
+        elif moments_dtype == "float32":
             pl.notes.append("the offloaded state overflows its tier: bf16 moments "
                             "(--moments-dtype bf16, optimizer.moments_dtype=bfloat16) cut it "
                             "from 12 to 8 B/param; or lower the offload fraction if the GPU "
@@ -657,10 +706,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, help="MoE: experts per block (with --top-k, --d-expert)")
     p.add_argument("--top-k", type=int, help="MoE: experts each token is routed to")
     p.add_argument("--d-expert", type=int, help="MoE: hidden width of each expert's MLP")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                   help="parameter dtype (default bf16)")
-    p.add_argument("--moments-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="dtype of the offloaded Adam moments (default fp32)")
+    p.add_argument("--dtype", default="bf16",
+                   help="parameter dtype: bf16, fp32 or fp16, or their long names (bfloat16, "
+                        "...) (default bf16)")
+    p.add_argument("--moments-dtype", default="fp32",
+                   help="dtype of the offloaded Adam moments: fp32 or bf16, or their long names "
+                        "(default fp32)")
     p.add_argument("--gpu", default="141GB",
                    help="GPU capacity (default 141GB = 131.3 GiB: one H200; output is in GiB)")
     p.add_argument("--host", default="128GiB", help="host RAM (default 128GiB)")
