@@ -242,7 +242,7 @@ def test_unsupported_dtypes_name_the_field_and_the_spellings(value):
 def test_choices_match_bools_only_by_identity_and_ints_by_type():
     assert check_bool("x.", "f", True) is True
     for bad in (1, 0, "true", None):
-        with pytest.raises(ValueError, match=r"x.f=.* is not one of True, False; write true"):
+        with pytest.raises(ValueError, match=r"x.f=.* is not one of True, False; give a bool"):
             check_bool("x.", "f", bad)
     with pytest.raises(TypeError, match=r"x.f must be an int >= 1 \(threads\), got bool True"):
         check_int("x.", "f", True, unit="threads")
