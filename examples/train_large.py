@@ -55,8 +55,6 @@ SECTIONS = {"model": GPTConfig, "train": TrainConfig, "budgets": BudgetConfig,
 LOOP_FIELDS = ("steps", "micro_batch", "grad_accumulation_steps", "dtype", "device", "seed",
                "checkpoint")
 """The ``train`` fields this loop uses (the others belong to ``tiermem demo``'s loop)."""
-PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
-"""Canonical dtype name -> tiermem.plan's spelling (its notes compare moments against "fp32")."""
 TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
         "train": dict(steps=2, micro_batch=2, grad_accumulation_steps=2, device="cpu",
                       dtype="float32"),
@@ -117,7 +115,7 @@ def make_plan(cfg: dict):
                          f"the pinned budget must leave RAM for the OS and Python; lower it")
     return plan(m.num_params(), n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
                 vocab=m.vocab, seq=m.seq_len, batch=t.micro_batch, mlp_ratio=m.mlp_ratio,
-                dtype=PLAN_DTYPE[t.dtype], moments_dtype=PLAN_DTYPE[o.moments_dtype], **b.kwargs(),
+                dtype=t.dtype, moments_dtype=o.moments_dtype, **b.kwargs(),
                 offload_fraction=o.offload_fraction, state_tier=o.state_tier,
                 checkpoint=t.checkpoint,
                 host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
