@@ -4,9 +4,10 @@ Note [cuda graphs]: a CUDA graph replays the kernels and copies recorded during 
 nothing else: no Python runs on replay. Activation offload moves saved tensors in Python pack
 and unpack hooks (store puts, events, prefetch), so a captured forward or backward would replay
 stale copies into freed buffers; HybridAdam hands each gradient to its CPU side in a Python
-post-accumulate-grad hook and steps on the CPU, neither of which a replay repeats. Both are
+post-accumulate-grad hook and steps on the CPU, and with ``param_sync="forward"`` waits for
+each module's updated params in a forward pre-hook, none of which a replay repeats. All are
 refused with ``RuntimeError`` the moment they would run inside a capture
-(:func:`refuse_capture`). What works: ``torch.cuda.make_graphed_callables`` on a module whose
+(:func:`refuse_capture`; tests/optim/test_hybrid_adam_graphs.py). What works: ``torch.cuda.make_graphed_callables`` on a module whose
 params HybridAdam steps. Its captured backward computes the param gradients with
 ``torch.autograd.grad`` (no accumulation inside the graph); autograd accumulates them into
 ``p.grad`` eagerly after each replay, so HybridAdam's hooks run as without graphs. Activation

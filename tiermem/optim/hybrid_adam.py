@@ -110,6 +110,7 @@ import torch
 
 from tiermem.names import (MOMENTS_DTYPES, PARAM_SYNCS, PLACEMENTS, STATE_TIERS, check_bool,
                            check_choice, check_fraction, check_int, check_number, parse_dtype)
+from tiermem._graphs import refuse_capture
 from tiermem.optim import distributed as _dist
 from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
 from tiermem.optim.gpu_lane import GpuLane, fused_adam_
@@ -589,12 +590,15 @@ class HybridAdam(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: the CPU step failed (the worker's error is chained; the message
-                names the rank under torch.distributed), too many backward passes, or a child
-                forked from the process that made the optimizer.
+                names the rank under torch.distributed), too many backward passes, a child
+                forked from the process that made the optimizer, or a call inside a CUDA graph
+                capture (Note [cuda graphs]).
             TierFullError: the first step could not allocate the state (no room in the store);
                 nothing is left half-allocated, so a later step retries once there is room.
         """
         self._check_process()
+        # the CPU step cannot be captured: Note [cuda graphs] (a param's device decides)
+        refuse_capture("HybridAdam", "step()", _GRAPH_FIX, self._groups[0].params[0])
         if self._pending:
             self._finish_step()  # two steps without a forward between them
         loss = None
@@ -690,6 +694,9 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Global forward pre-hook (param_sync="forward"): wait for this module's params."""
+        # a replay would not wait: Note [cuda graphs] (a param's device decides)
+        refuse_capture("HybridAdam", "the param_sync='forward' wait", _GRAPH_FIX,
+                       self._groups[0].params[0])
         if not self._pending:
             return
         # a compiled module runs its submodules inside one graph, without their hooks: wait
@@ -957,12 +964,16 @@ class HybridAdam(torch.optim.Optimizer):
             finalizer()
 
 
+_GRAPH_FIX = ("capture the model's forward and backward with torch.cuda.make_graphed_callables "
+              "(its gradients accumulate after each replay, outside the graph, so these hooks run "
+              "eagerly), with param_sync='step', and call step() outside any capture")
 _OWNERS = itertools.count()  # Note [lifetime]: the owner number in a HybridAdam's store keys
 
 
 def _grad_hook(ref: weakref.ref, method: str, g: int, i: int, param: torch.Tensor) -> None:
     """A post-accumulate-grad hook's body: ``method(g, i)`` of the optimizer if it still exists
     (Note [lifetime])."""
+    refuse_capture("HybridAdam", "a gradient hook", _GRAPH_FIX, param)  # Note [cuda graphs]
     opt = ref()
     if opt is not None:
         getattr(opt, method)(g, i)
