@@ -140,3 +140,31 @@ def test_nothing_cites_a_design_file_outside_the_repository():
             continue
         text = path.read_text()
         assert "DESIGN.md" not in text and "../shared" not in text, path
+
+
+def test_the_layout_map_of_design_md_names_every_module():
+    """docs/design.md's layout map matches the tree: each module of tiermem/ is named there,
+    by its path or, inside a directory's entry, by its file name."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "design.md").read_text()
+    start = text.index("```\ntiermem/")
+    layout = text[start:text.index("```", start + 4)]
+    entries = {}  # directory (as written, "store/io/") -> its entry's text
+    for line in layout.splitlines()[2:]:
+        head = line[:23].strip()
+        if head:
+            key = head.split()[0]
+            entries[key] = line
+        else:
+            entries[key] += line
+    missing = []
+    for path in sorted((root / "tiermem").rglob("*.py")):
+        rel = path.relative_to(root / "tiermem").as_posix()
+        if path.name == "__init__.py" or rel in layout:
+            continue
+        folder = rel.rsplit("/", 1)[0] + "/" if "/" in rel else None
+        if folder is None or not any(k.startswith(folder) and path.name in v
+                                     for k, v in entries.items()):
+            missing.append(rel)
+    assert not missing, f"modules the layout map of docs/design.md does not name: {missing}"
