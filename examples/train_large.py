@@ -7,7 +7,9 @@ masters and moments off the GPU in a TierStore (pinned RAM, NVMe, or split betwe
 checkpoints every block (``train.checkpoint``), accumulates gradients, and prints per step:
 loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes and a breakdown: GPU compute
 (forward + backward, CUDA events), PCIe bytes, CPU Adam seconds, NVMe read/write bytes and the
-stall (``step()`` waiting for the CPU side).
+stall (``step()`` waiting for the CPU side). After the last step it prints one block: the
+measured time split of a step (median of the steps after the first) beside the plan's predicted
+time per step (``tiermem.plan.StepTime``; docs/sizing.md, "Time per step").
 
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,7 +50,7 @@ from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig, from_tre
 from tiermem.models import materialize_  # noqa: E402
 from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
-from tiermem.plan import H200_HOST_BYTES, plan  # noqa: E402
+from tiermem.plan import H200_HOST_BYTES, RESOURCE_NAMES, plan  # noqa: E402
 
 SECTIONS = {"model": GPTConfig, "train": TrainConfig, "budgets": BudgetConfig,
             "store": StoreConfig, "optimizer": OptimizerConfig}
@@ -117,7 +120,7 @@ def make_plan(cfg: dict):
                 vocab=m.vocab, seq=m.seq_len, batch=t.micro_batch, mlp_ratio=m.mlp_ratio,
                 dtype=t.dtype, moments_dtype=o.moments_dtype, **b.kwargs(),
                 offload_fraction=o.offload_fraction, state_tier=o.state_tier,
-                checkpoint=t.checkpoint,
+                checkpoint=t.checkpoint, grad_accumulation_steps=t.grad_accumulation_steps,
                 host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
                 chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks)
 
@@ -141,6 +144,44 @@ class _GpuTimer:
         end.record()
         end.synchronize()  # elapsed_time needs both events complete
         return self.start.elapsed_time(end) / 1e3
+
+
+def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
+    """One block: the measured time split of a step (median over the steps after the first,
+    which warms up; all of them with one step) beside the plan's prediction for it."""
+    runs = measured[1:] or measured
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    st = pl.step_time
+    pred, moved = st.seconds, st.moved
+    gib = 2 ** 30
+    which = ("step 0" if len(measured) == 1 else "step 1" if len(measured) == 2 else
+             f"steps 1-{len(measured) - 1}")
+    rows = [
+        ("", "measured", "predicted"),
+        ("step", f"{med['step_s']:.3f} s", f"{st.overlapped_s:.3f}-{st.serial_s:.3f} s"),
+        ("tokens/s", f"{med['tokens'] / med['step_s']:,.0f}",
+         f"{st.tokens_per_s_serial:,.0f}-{st.tokens_per_s_overlapped:,.0f}"),
+        ("GPU fwd+bwd" + (" (CUDA events)" if device.type == "cuda" else " (wall)"),
+         f"{med['gpu_s']:.3f} s", f"{pred['gpu']:.3f} s"),
+        ("fwd+bwd wall", f"{med['fwd_bwd_wall_s']:.3f} s", ""),
+        ("optimizer step wall", f"{med['opt_wall_s']:.3f} s", ""),
+        ("  of which stall", f"{med['stall_s']:.3f} s", ""),
+        ("CPU Adam (kernel, summed)", f"{med['cpu_adam_s']:.3f} s", f"{pred['cpu_adam']:.3f} s"),
+        ("PCIe", "not timed", f"{pred['pcie']:.3f} s"),
+        ("  D2H + H2D", f"{med['d2h_bytes'] / gib:.2f} + {med['h2d_bytes'] / gib:.2f} GiB",
+         f"{moved['pcie_d2h_bytes'] / gib:.2f} + {moved['pcie_h2d_bytes'] / gib:.2f} GiB"),
+        ("NVMe", "not timed", f"{pred['nvme']:.3f} s"),
+        ("  read + write", f"{med['nvme_read_bytes'] / gib:.2f} + "
+                           f"{med['nvme_write_bytes'] / gib:.2f} GiB",
+         f"{moved['nvme_read_bytes'] / gib:.2f} + {moved['nvme_write_bytes'] / gib:.2f} GiB"),
+    ]
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"train_large: one optimizer step of {st.tokens:,} tokens, measured (median of "
+             f"{which}) and predicted by the plan (bound: {RESOURCE_NAMES[st.bound]}; the "
+             f"predicted step spans all resources overlapped to none):"]
+    lines += ["  " + r[0].ljust(w[0]) + "  " + r[1].rjust(w[1]) + "  " + r[2].rjust(w[2])
+              for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     b, seq = t.micro_batch, m.seq_len
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, m.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
+    measured = []
     for step in range(steps):
         t_step = time.perf_counter()
         total, gpu_s = 0.0, 0.0
@@ -215,11 +257,14 @@ def main(argv: list[str] | None = None) -> int:
             (loss / accum).backward()
             total += loss.item() / accum  # .item() syncs: the timer's end event has run
             gpu_s += timer.seconds()
+        t_opt = time.perf_counter()
+        fwd_bwd_wall = t_opt - t_step
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t_step
+        opt_wall = time.perf_counter() - t_opt
         tok_s = b * seq * accum / dt
         mem = opt.memory_bytes()
         st = opt.step_stats()
@@ -230,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{st['d2h_bytes'] / 1e9:.2f} GB, h2d "
               f"{st['h2d_bytes'] / 1e9:.2f} GB, nvme r/w {st['nvme_read_bytes'] / 1e9:.2f}/"
               f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s", flush=True)
+        measured.append(dict(step_s=dt, tokens=b * seq * accum, gpu_s=gpu_s,
+                             fwd_bwd_wall_s=fwd_bwd_wall, opt_wall_s=opt_wall,
+                             **{k: st[k] for k in ("stall_s", "cpu_adam_s", "d2h_bytes",
+                                                   "h2d_bytes", "nvme_read_bytes",
+                                                   "nvme_write_bytes")}))
+    if measured:
+        print(time_split_block(measured, pl, device), flush=True)
     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     print(f"train_large: done in {time.perf_counter() - t0:.0f} s; peak GPU {gpu_peak:.1f} GiB "

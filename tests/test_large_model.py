@@ -193,6 +193,17 @@ def test_train_large_tiny_runs_two_steps_on_cpu(tmp_path):
     assert len(lines) == 2 and "model TFLOP/s" in lines[0] and "nvme r/w" in lines[0]
     tiers = next(ln for ln in r.stdout.splitlines() if "chunks per tier" in ln)
     assert "'nvme': 0" not in tiers and "'cpu': 0" not in tiers, tiers  # split
+    # after the steps, one block: the measured split of a step beside the plan's prediction
+    out = r.stdout.splitlines()
+    at = next(i for i, ln in enumerate(out) if ln.startswith("train_large: one optimizer step"))
+    assert "of 128 tokens, measured (median of step 1) and predicted by the plan" in out[at]
+    block = out[at + 1:at + 14]
+    assert block[0].split() == ["measured", "predicted"]
+    for row in ("step", "tokens/s", "GPU fwd+bwd (wall)", "fwd+bwd wall", "optimizer step wall",
+                "of which stall", "CPU Adam (kernel, summed)", "PCIe", "D2H + H2D", "NVMe",
+                "read + write"):
+        assert any(ln.strip().startswith(row) for ln in block), row
+    assert out[at + 13].startswith("train_large: done")
 
 
 def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):

@@ -461,3 +461,261 @@ def test_ram_plus_nvme_note_counts_the_pinned_buffers_hybrid_adam_allocates():
         note = next(x for x in p.notes if x.startswith(f"with {'fp32' if per == 12 else 'bf16'}"))
         assert f"is {n * per / GiB:,.0f} GiB ({per} B/param)" in note
         assert f"{both / GiB:,.0f} GiB" in note and verdict in note, note
+
+
+# ---------------------------------------------------------------- time per step (issue 19)
+
+from tiermem.plan import (H200_GPU_FLOPS, REFERENCE_FWD_BWD_S, REFERENCE_TOKENS,  # noqa: E402
+                          RESOURCES, MachineRates, step_time)
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def _st(**kw):
+    base = dict(active_params=10**10, offloaded_params=6 * 10**9, param_bytes=2,
+                micro_batch_tokens=2048, grad_accumulation_steps=4,
+                nvme_state_bytes=8 * 10**9, checkpoint=True)
+    return step_time(**{**base, **kw})
+
+
+def test_default_rates_are_the_figures_of_the_logs():
+    """Each MachineRates default is the figure its comment names, read from the log now."""
+    r = MachineRates()
+    transfer = (RESULTS / "bench_transfer.log").read_text()
+    for what, got in (("H2D (host -> device)", r.pcie_h2d_bytes_per_s),
+                      ("D2H (device -> host)", r.pcie_d2h_bytes_per_s),
+                      ("both directions at once", r.pcie_both_bytes_per_s)):
+        raw = re.search(rf"{re.escape(what)}\s+([\d.]+)", transfer).group(1)
+        assert got == float(raw) * 1e9, what
+    adam = (RESULTS / "bench_adam.log").read_text()
+    mixed = re.search(r"\| native mixed \| ([\d.]+)", adam)[1]
+    assert r.cpu_adam_params_per_s == float(mixed) * 1e9
+    assert r.cpu_adam_bf16_moments_params_per_s == float(
+        re.search(r"\| native mixed, bf16 moments \| ([\d.]+)", adam)[1]) * 1e9
+    io = re.search(r"SpillSpace posix threads=4: write ([\d.]+) GB/s, read ([\d.]+) GB/s",
+                   (RESULTS / "bench_io.log").read_text())
+    assert (r.nvme_write_bytes_per_s, r.nvme_read_bytes_per_s) == (float(io[1]) * 1e9,
+                                                                   float(io[2]) * 1e9)
+    act = (RESULTS / "bench_activations.log").read_text()
+    assert "layers=24 d_model=2048 heads=16 seq=2048 batch=8 vocab=32000" in act
+    assert REFERENCE_FWD_BWD_S * 1e3 == float(re.search(r"no offload: ([\d.]+) ms/step", act)[1])
+    assert REFERENCE_TOKENS == 8 * 2048
+    assert r.gpu_flops == H200_GPU_FLOPS == pytest.approx(524.65e12, rel=1e-4)
+    # the reference run's forward + backward is what the model predicts for it (the calibration)
+    ref = preset_plan("1b").step_time
+    assert ref.tokens == REFERENCE_TOKENS and ref.seconds["gpu"] == pytest.approx(0.2518)
+
+
+def test_doubling_the_tokens_doubles_the_gpu_time_not_the_optimizer_side():
+    one, two = _st(grad_accumulation_steps=4), _st(grad_accumulation_steps=8)
+    assert two.tokens == 2 * one.tokens == 2 * 4 * 2048
+    assert two.seconds["gpu"] == pytest.approx(2 * one.seconds["gpu"])
+    for k in ("pcie", "cpu_adam", "nvme"):
+        assert two.seconds[k] == one.seconds[k] > 0
+    # the same through plan(): grad_accumulation_steps changes the time, not the placement
+    a, b = (preset_plan("13b", checkpoint=True, grad_accumulation_steps=g) for g in (1, 2))
+    assert a.items == b.items and a.offload_fraction == b.offload_fraction
+    assert b.step_time.seconds["gpu"] == pytest.approx(2 * a.step_time.seconds["gpu"])
+    assert b.step_time.seconds["cpu_adam"] == a.step_time.seconds["cpu_adam"] > 0
+
+
+def test_each_resource_is_its_closed_form():
+    r = MachineRates()
+    st = _st()
+    tokens = 4 * 2048
+    assert st.seconds["gpu"] == pytest.approx(8 * 10**10 * tokens / r.gpu_flops)
+    assert _st(checkpoint=False).seconds["gpu"] == pytest.approx(st.seconds["gpu"] * 6 / 8)
+    moved = 6 * 10**9 * 2  # gradients off and params back, once per optimizer step
+    assert st.seconds["pcie"] == pytest.approx(max(moved / r.pcie_d2h_bytes_per_s,
+                                                   moved / r.pcie_h2d_bytes_per_s,
+                                                   2 * moved / r.pcie_both_bytes_per_s))
+    assert st.seconds["cpu_adam"] == pytest.approx(6e9 / r.cpu_adam_params_per_s)
+    assert _st(moments_dtype="bf16").seconds["cpu_adam"] == \
+        pytest.approx(6e9 / r.cpu_adam_bf16_moments_params_per_s)
+    assert st.seconds["nvme"] == pytest.approx(8e9 / r.nvme_read_bytes_per_s
+                                               + 8e9 / r.nvme_write_bytes_per_s)
+    assert st.bound == "nvme" and st.overlapped_s == max(st.seconds.values())
+    assert st.serial_s == pytest.approx(sum(st.seconds.values()))
+    assert st.tokens_per_s_overlapped == pytest.approx(tokens / st.overlapped_s)
+    assert st.tokens_per_s_serial == pytest.approx(tokens / st.serial_s)
+
+
+@pytest.mark.parametrize("kw, act_per_token", [
+    ({}, 0), ({"nvme_state_bytes": 0}, 0), ({"moments_dtype": "bf16"}, 0),
+    ({}, 500_000), ({"activation_tier": "nvme", "nvme_state_bytes": 0}, 50_000)])
+def test_the_gpu_bound_batch_makes_the_gpu_time_the_largest_other(kw, act_per_token):
+    """One token per micro-batch, so any token count is reachable: at the GPU-bound batch the
+    GPU's time equals the largest other resource's (within one token) and is not below it;
+    one token less and another resource bounds. Offloaded activations (bytes per token x
+    tokens per micro-batch) grow with the tokens as the GPU's time does, more slowly."""
+    def at(micro, **more):
+        return _st(**kw, **more, micro_batch_tokens=micro,
+                   activation_offload_bytes=act_per_token * micro)
+    t_star = at(1).gpu_bound_tokens
+    assert t_star > 1
+    st = at(1, grad_accumulation_steps=t_star)
+    others = max(v for k, v in st.seconds.items() if k != "gpu")
+    assert st.seconds["gpu"] >= others * (1 - 1e-9) and st.bound == "gpu"
+    assert st.seconds["gpu"] == pytest.approx(others, rel=1e-4)
+    assert at(1, grad_accumulation_steps=t_star - 1).bound != "gpu"
+    # with micro-batches of 2048 tokens: the least accumulation steps reaching it
+    steps = at(2048).gpu_bound_grad_accumulation_steps
+    assert at(2048).gpu_bound_tokens == t_star and steps == -(-t_star // 2048)
+    assert at(2048, grad_accumulation_steps=steps).bound == "gpu"
+    assert steps == 1 or at(2048, grad_accumulation_steps=steps - 1).bound != "gpu"
+
+
+def test_the_gpu_bounds_at_any_batch_or_at_none():
+    nothing = _st(offloaded_params=0, nvme_state_bytes=0)
+    assert nothing.gpu_bound_tokens == 0 and nothing.bound == "gpu"
+    assert {k: v for k, v in nothing.seconds.items() if k != "gpu"} == \
+        {"pcie": 0, "cpu_adam": 0, "nvme": 0}
+    # activations crossing a slow link faster per token than the GPU computes: never GPU-bound
+    slow = MachineRates(pcie_h2d_bytes_per_s=1e6, pcie_d2h_bytes_per_s=1e6,
+                        pcie_both_bytes_per_s=2e6)
+    never = _st(activation_offload_bytes=10**9, rates=slow)
+    assert never.gpu_bound_tokens is None and never.gpu_bound_grad_accumulation_steps is None
+    assert never.bound == "pcie"
+
+
+def test_zero_nvme_state_gives_zero_nvme_time():
+    ram = preset_plan("13b", state_tier="cpu")
+    assert ram.used["nvme"] == 0 and ram.step_time.seconds["nvme"] == 0
+    split = preset_plan("13b", host_bytes="80GiB", state_tier="split")
+    nvme = next(i for i in split.items if i.name == "optimizer state, offloaded").nvme
+    r = MachineRates()
+    assert nvme > 0 and split.step_time.seconds["nvme"] == pytest.approx(
+        nvme / r.nvme_read_bytes_per_s + nvme / r.nvme_write_bytes_per_s)
+    assert split.step_time.moved["nvme_read_bytes"] == split.step_time.moved[
+        "nvme_write_bytes"] == nvme
+
+
+def test_the_plan_times_its_own_placement():
+    """offloaded params = round(f·N), gradients off and params back in the model dtype,
+    offloaded activations both ways per micro-batch; an MoE computes with its active params."""
+    p = preset_plan("13b", checkpoint=True, offload_layers=10, grad_accumulation_steps=3)
+    st, n = p.step_time, p.num_params
+    off = round(p.offload_fraction * n)
+    act = next(i for i in p.items if i.name == "activations").host  # offloaded, per micro-batch
+    assert st.moved["cpu_adam_params"] == off
+    assert st.moved["pcie_d2h_bytes"] == st.moved["pcie_h2d_bytes"] == 2 * off + 3 * act
+    assert st.tokens == 3 * 2048 and p.inputs["grad_accumulation_steps"] == 3
+    moe = plan(**MOE, batch=4)
+    assert moe.step_time.moved["gpu_flops"] == 6 * moe.active_params * 4 * 2048
+    assert moe.step_time.seconds["gpu"] == pytest.approx(
+        6 * moe.active_params * 4 * 2048 / H200_GPU_FLOPS)
+
+
+@pytest.mark.parametrize("field", [f.name for f in __import__("dataclasses").fields(MachineRates)])
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan")])
+def test_a_bad_rate_is_a_one_line_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError) as err:
+        MachineRates(**{field: value})
+    message = str(err.value)
+    assert f"MachineRates: {field}=" in message and "\n" not in message
+    with pytest.raises(TypeError, match=field):
+        MachineRates(**{field: "fast"})
+
+
+def test_plan_and_step_time_refuse_what_is_not_rates():
+    with pytest.raises(TypeError, match="rates must be a tiermem.plan.MachineRates"):
+        preset_plan("1b", rates={"gpu_flops": 1e15})
+    with pytest.raises(ValueError, match="grad_accumulation_steps=0"):
+        preset_plan("1b", grad_accumulation_steps=0)
+
+
+def test_given_rates_change_the_prediction():
+    fast = MachineRates(gpu_flops=2 * H200_GPU_FLOPS)
+    a, b = preset_plan("13b"), preset_plan("13b", rates=fast)
+    assert b.step_time.seconds["gpu"] == pytest.approx(a.step_time.seconds["gpu"] / 2)
+    assert "from the given rates" in b.table() and "from the H200 machine rates" in a.table()
+
+
+def test_the_table_prints_the_time_per_step():
+    p = preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6, checkpoint=True,
+                    grad_accumulation_steps=4)
+    assert p.fits and p.state_tier == "split"
+    st = p.step_time
+    text = p.table()
+    assert ("time per optimizer step, predicted from the H200 machine rates (docs/sizing.md): "
+            "8,192 tokens = 1 x 2048 x 4 accumulated") in text
+    for name, key in (("GPU fwd+bwd", "gpu"), ("PCIe", "pcie"), ("CPU Adam", "cpu_adam"),
+                      ("NVMe", "nvme")):
+        assert re.search(rf"^  {re.escape(name)}\s+{st.seconds[key]:.3f} s  ", text, re.M), name
+    assert (f"bound: NVMe; step {st.overlapped_s:.3f} s (all overlapped) to {st.serial_s:.3f} s "
+            f"(none overlapped): {st.tokens_per_s_overlapped:,.0f} to "
+            f"{st.tokens_per_s_serial:,.0f} tokens/s") in text
+    assert (f"the GPU bounds the step from {st.gpu_bound_tokens:,} tokens per optimizer step "
+            f"(grad_accumulation_steps >= {st.gpu_bound_grad_accumulation_steps} at 2,048 "
+            f"tokens per micro-batch)") in text
+    assert "the GPU bounds the step at any batch" in preset_plan("1b").table()
+    # a plan that does not fit keeps its prediction in to_dict, not in the table
+    big = preset_plan("30b")
+    assert not big.fits and big.step_time is not None and "time per optimizer step" not in \
+        big.table()
+
+
+def test_the_command_prints_the_time_per_step_and_takes_the_batch_and_rates(capsys):
+    argv = ["--model-size", "13b", "--checkpoint", "--host", "80GiB", "--offload-fraction", "0.6"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert "2,048 tokens = 1 x 2048 x 1 accumulated" in one
+    for row in ("GPU fwd+bwd", "PCIe", "CPU Adam", "NVMe", "bound: NVMe",
+                "the GPU bounds the step from"):
+        assert row in one, row
+    assert main([*argv, "--grad-accumulation-steps", "8"]) == 0
+    assert "16,384 tokens = 1 x 2048 x 8 accumulated" in capsys.readouterr().out
+    assert main([*argv, "--json", "--grad-accumulation-steps", "8", "--nvme-read", "3.48",
+                 "--nvme-write", "4.16", "--gpu-tflops", "1000"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    st = data["step_time"]
+    assert set(st["seconds"]) == set(RESOURCES) and st["tokens"] == 16384
+    assert st["rates"]["nvme_read_bytes_per_s"] == 3.48e9 and st["rates"]["gpu_flops"] == 1e15
+    want = preset_plan("13b", checkpoint=True, host_bytes="80GiB", offload_fraction=0.6,
+                       grad_accumulation_steps=8,
+                       rates=MachineRates(nvme_read_bytes_per_s=3.48e9,
+                                          nvme_write_bytes_per_s=4.16e9, gpu_flops=1e15))
+    assert st == json.loads(json.dumps(want.to_dict()))["step_time"]
+    assert st["seconds"]["nvme"] == pytest.approx(
+        preset_plan("13b", checkpoint=True, host_bytes="80GiB", offload_fraction=0.6)
+        .step_time.seconds["nvme"] / 2)
+    for bad in (["--nvme-read", "0"], ["--gpu-tflops", "fast"], ["--grad-accumulation-steps", "0"]):
+        assert main([*argv, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() and ("is not a positive number" in err or
+                                "grad_accumulation_steps=0" in err), err
+
+
+def test_sizing_doc_time_example_is_what_the_command_prints(capsys):
+    """docs/sizing.md section 4 pastes the time block of a ``tiermem plan`` run: every pasted
+    line is printed now, in order."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text()
+    block = re.search(r"```text\n\$ tiermem plan (.*?)\n(.*?)```", text, re.S)
+    assert block, "docs/sizing.md lost its time-per-step example"
+    assert main(block.group(1).split()) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in block.group(2).splitlines():
+        if line != "...":
+            assert line in printed[at:], line
+            at = printed.index(line, at) + 1
+
+
+def test_sizing_doc_quotes_the_presets_predictions():
+    """The comparison table of docs/sizing.md quotes what examples/train_large.py's plan
+    predicts for the 13B and 20B presets (their --dry-run)."""
+    import importlib.util
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_large",
+                                                  root / "examples" / "train_large.py")
+    train_large = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_large)
+    lines = (root / "docs" / "sizing.md").read_text().splitlines()
+    for preset in ("h200_13b_nvme", "h200_20b_bf16"):
+        cfg = train_large.load(str(root / "examples" / "configs" / "large" / f"{preset}.yaml"))
+        st = train_large.make_plan(cfg).step_time
+        assert st.tokens == 8192 and st.bound == "nvme"
+        row = next(line for line in lines if f"`{preset}.yaml` dry run" in line)
+        assert (f"{st.overlapped_s:.2f} s (NVMe bound) to {st.serial_s:.2f} s; GPU "
+                f"{st.seconds['gpu']:.2f} s, CPU Adam {st.seconds['cpu_adam']:.2f} s") in row, \
+            (preset, st.seconds, st.overlapped_s, st.serial_s)

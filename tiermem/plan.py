@@ -71,6 +71,12 @@ GPU are the activations of all blocks but the last offloaded (to the host tier).
 placement fits, the plan says which tier overflows, by how much, and whether RAM + NVMe
 together could hold the offloaded state at all (with fp32 and with bf16 moments).
 
+Time per step (``plan.step_time``, :func:`step_time`; docs/sizing.md, "Time per step"): from the
+placement and the tokens per optimizer step (``batch x seq x grad_accumulation_steps``), the
+predicted seconds of GPU forward + backward, PCIe, CPU Adam and NVMe per optimizer step, from
+:class:`MachineRates` (defaults: the H200 machine's logs in ``docs/results``). Predictions, not
+measurements.
+
 MoE models (``n_experts``, ``top_k``, ``d_expert``): parameters, gradients and optimizer state
 count every parameter (the total, ``MoEConfig.num_params()``); the activations depend on
 ``top_k`` and ``d_expert`` only; the plan also reports the active parameters (those one token
@@ -101,7 +107,8 @@ import torch
 
 from tiermem.config import parse_bytes
 from tiermem.names import (DTYPE_SPELLINGS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
-                           STATE_TIERS, check_choice, check_fraction, check_int, dtype_name)
+                           STATE_TIERS, check_choice, check_fraction, check_int, check_number,
+                           dtype_name)
 from tiermem.optim.layout import (GRAD_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS, nvme_staging_bytes,
                                   ring_bytes, state_numel)
 from tiermem.optim.partition import auto_chunk_numel
@@ -150,6 +157,259 @@ PRESETS: dict[str, ModelShape] = {
 """``--model-size`` presets: GPT shapes of common sizes (sequence 2048)."""
 
 
+# ------------------------------------------------------------------------- time per step
+
+REFERENCE_TOKENS = 8 * 2048
+"""Tokens of the reference forward + backward: the 1.34B GPT (``PRESETS["1b"]``) at
+micro-batch 8 x 2048."""
+REFERENCE_FWD_BWD_S = 0.2518
+"""Seconds of that forward + backward on the H200: ``docs/results/bench_activations.log``,
+"no offload: 251.8 ms/step" (bf16, no checkpointing; median of 3 runs' medians, one call)."""
+H200_GPU_FLOPS = 6 * PRESETS["1b"].num_params() * REFERENCE_TOKENS / REFERENCE_FWD_BWD_S
+"""The H200's effective rate, 6·N·tokens per second of forward + backward, from the reference
+run: 6 x 1,343,868,928 x 16,384 / 0.2518 s = 524.7e12 (attention's own FLOPs and every
+overhead are folded into it, as they were in that run)."""
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """The machine's rates the time per step is predicted from (:func:`step_time`).
+
+    The defaults are the H200 machine's, one run each (logs in ``docs/results``); pass your
+    own (``tiermem bench transfer|adam|io|activations`` measure them) to predict another
+    machine. Every field is a positive finite number.
+
+    Attributes:
+        gpu_flops: effective forward + backward rate as ``6·N·tokens`` per second (FLOP/s).
+        pcie_h2d_bytes_per_s, pcie_d2h_bytes_per_s: pinned copies one direction at a time.
+        pcie_both_bytes_per_s: both directions at once, the sum of the two.
+        cpu_adam_params_per_s: the CPU Adam kernel with fp32 moments (params/s).
+        cpu_adam_bf16_moments_params_per_s: the same with bf16 moments.
+        nvme_read_bytes_per_s, nvme_write_bytes_per_s: the spill files' read and write rates.
+
+    Raises:
+        ValueError: a rate that is not positive or not finite (naming the field);
+        TypeError: a rate that is not a number.
+    """
+
+    gpu_flops: float = H200_GPU_FLOPS
+    # bench_transfer.log, "raw GB/s" column (HybridAdam's rings copy with plain pinned copy_):
+    pcie_h2d_bytes_per_s: float = 54.56e9   # "H2D (host -> device) 54.56"
+    pcie_d2h_bytes_per_s: float = 54.48e9   # "D2H (device -> host) 54.48"
+    pcie_both_bytes_per_s: float = 92.52e9  # "both directions at once 92.52"
+    # bench_adam.log, 16 threads: "native mixed" (bf16 params and grads, fp32 master and
+    # moments: what HybridAdam runs for a bf16 model) 3.830 G params/s; "native mixed, bf16
+    # moments" 4.968 G params/s
+    cpu_adam_params_per_s: float = 3.830e9
+    cpu_adam_bf16_moments_params_per_s: float = 4.968e9
+    # bench_io.log, "SpillSpace posix 4 threads" (the store's default io_threads=4 and
+    # io_backend): "write 2.08 GB/s, read 1.74 GB/s"
+    nvme_read_bytes_per_s: float = 1.74e9
+    nvme_write_bytes_per_s: float = 2.08e9
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_number("MachineRates: ", f.name, getattr(self, f.name), low=0,
+                         low_open=True, high=math.inf, high_open=True,
+                         fix="a rate is a positive finite number per second")
+
+
+RESOURCES = ("gpu", "pcie", "cpu_adam", "nvme")
+"""The resources :func:`step_time` times, in the order it prints them (and breaks ties by)."""
+RESOURCE_NAMES = {"gpu": "GPU fwd+bwd", "pcie": "PCIe", "cpu_adam": "CPU Adam", "nvme": "NVMe"}
+
+
+@dataclass
+class StepTime:
+    """The predicted time of one optimizer step per resource (seconds), from
+    :class:`MachineRates`; a prediction, not a measurement (docs/sizing.md, "Time per step").
+
+    Attributes:
+        tokens: tokens per optimizer step (micro-batch x sequence x accumulation steps).
+        micro_batch_tokens: tokens per micro-batch (micro-batch x sequence).
+        seconds: per resource (:data:`RESOURCES`): ``gpu`` forward + backward of all
+            micro-batches; ``pcie`` the offloaded gradients off and updated params back, plus
+            offloaded activations; ``cpu_adam`` the CPU Adam kernel on the offloaded params;
+            ``nvme`` the NVMe-resident state (and activations) read and written.
+        bound: the resource with the longest time (ties: the first of :data:`RESOURCES`).
+        overlapped_s: ``max(seconds)``: every resource overlapping every other (a floor).
+        serial_s: ``sum(seconds)``: none overlapping.
+        tokens_per_s_overlapped, tokens_per_s_serial: ``tokens`` over those.
+        gpu_bound_tokens: the least tokens per optimizer step at which the GPU's time is at
+            least every other resource's (0: at any batch; None: at none, the activation
+            traffic per token outgrowing the compute per token).
+        gpu_bound_grad_accumulation_steps: the least accumulation steps at this micro-batch
+            that reach ``gpu_bound_tokens`` (None with it).
+        moved: what the times are sized by: ``pcie_d2h_bytes``, ``pcie_h2d_bytes``,
+            ``cpu_adam_params``, ``nvme_read_bytes``, ``nvme_write_bytes``, ``gpu_flops``
+            (6 or 8 x active params x tokens).
+        rates: the rates used.
+    """
+
+    tokens: int
+    micro_batch_tokens: int
+    seconds: dict[str, float]
+    bound: str
+    overlapped_s: float
+    serial_s: float
+    tokens_per_s_overlapped: float
+    tokens_per_s_serial: float
+    gpu_bound_tokens: int | None
+    gpu_bound_grad_accumulation_steps: int | None
+    moved: dict[str, float]
+    rates: MachineRates
+
+
+def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
+              moments_dtype="float32", checkpoint: bool = False, micro_batch_tokens: int,
+              grad_accumulation_steps: int = 1, nvme_state_bytes: int = 0,
+              activation_offload_bytes: int = 0, activation_tier: str = "cpu",
+              rates: MachineRates | None = None) -> StepTime:
+    """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
+
+    With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
+
+    - GPU: ``c·active_params·T / rates.gpu_flops``, ``c`` = 6 (forward + backward) or 8 with
+      ``checkpoint`` (the forward again in backward);
+    - PCIe: ``offloaded_params·param_bytes`` each way once per optimizer step (gradients off,
+      updated params back), plus ``activation_offload_bytes`` each way per micro-batch; the
+      time is the largest of D2H bytes / D2H rate, H2D bytes / H2D rate and both / the rate
+      both ways at once (the two directions overlapping as far as the link allows);
+    - CPU Adam: ``offloaded_params`` / the kernel's rate for ``moments_dtype``;
+    - NVMe: ``nvme_state_bytes`` read and written once per optimizer step, one after the other
+      on one disk (plus ``activation_offload_bytes`` per micro-batch with
+      ``activation_tier="nvme"``).
+
+    Every term is ``fixed + per_token·T``; the GPU's is ``g·T``, so the GPU bounds the step
+    from ``T* = max(fixed / (g - per_token))`` over the other terms (closed form; no such T
+    when a term grows as fast as the GPU's). The GPU-side Adam on the rest of the params, the
+    launch overheads, page faults and the first step's allocation are not counted.
+
+    Args:
+        active_params: params one token uses (the compute; the total for a dense model).
+        offloaded_params: params whose optimizer state is off the GPU (``round(f·N)``).
+        param_bytes: bytes per param and gradient element (bf16: 2).
+        moments_dtype: of the offloaded moments: float32 or bfloat16 (any spelling).
+        checkpoint: every block checkpointed (recomputed in backward).
+        micro_batch_tokens: micro-batch x sequence.
+        grad_accumulation_steps: micro-batches per optimizer step.
+        nvme_state_bytes: the offloaded state on NVMe (``state_tier`` nvme or split).
+        activation_offload_bytes: activations one micro-batch offloads.
+        activation_tier: ``"cpu"`` or ``"nvme"``: where they go.
+        rates: :class:`MachineRates`; None: the H200 machine's.
+
+    Raises:
+        ValueError, TypeError: a count that is not a positive int (zero allowed for the
+            offloaded and NVMe ones), an unknown dtype or tier, ``rates`` not MachineRates.
+    """
+    who = "step_time: "
+    rates = MachineRates() if rates is None else rates
+    if not isinstance(rates, MachineRates):
+        raise TypeError(f"{who}rates must be a tiermem.plan.MachineRates, got "
+                        f"{type(rates).__name__}")
+    check_int(who, "active_params", active_params)
+    check_int(who, "param_bytes", param_bytes)
+    check_int(who, "micro_batch_tokens", micro_batch_tokens)
+    check_int(who, "grad_accumulation_steps", grad_accumulation_steps)
+    for name, value in (("offloaded_params", offloaded_params),
+                        ("nvme_state_bytes", nvme_state_bytes),
+                        ("activation_offload_bytes", activation_offload_bytes)):
+        check_int(who, name, value, low=0)
+    moments = dtype_name(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
+    check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
+    r = rates
+    tokens = micro_batch_tokens * grad_accumulation_steps
+    flops_per_token = (8 if checkpoint else 6) * active_params
+    act_per_token = activation_offload_bytes / micro_batch_tokens  # each way
+    opt_bytes = offloaded_params * param_bytes  # each way, once per optimizer step
+    adam_rate = r.cpu_adam_params_per_s if moments == "float32" else \
+        r.cpu_adam_bf16_moments_params_per_s
+    disk = 1 / r.nvme_read_bytes_per_s + 1 / r.nvme_write_bytes_per_s  # s per byte read + written
+    # (fixed seconds, seconds per token) of each term; a resource takes its largest term
+    terms = {
+        "pcie": [(opt_bytes / r.pcie_d2h_bytes_per_s, act_per_token / r.pcie_d2h_bytes_per_s),
+                 (opt_bytes / r.pcie_h2d_bytes_per_s, act_per_token / r.pcie_h2d_bytes_per_s),
+                 (2 * opt_bytes / r.pcie_both_bytes_per_s,
+                  2 * act_per_token / r.pcie_both_bytes_per_s)],
+        "cpu_adam": [(offloaded_params / adam_rate, 0.0)],
+        "nvme": [(nvme_state_bytes * disk,
+                  act_per_token * disk if activation_tier == "nvme" else 0.0)],
+    }
+    g = flops_per_token / r.gpu_flops
+    seconds = {"gpu": g * tokens}
+    for name, ts in terms.items():
+        seconds[name] = max(fixed + per * tokens for fixed, per in ts)
+    bound = max(RESOURCES, key=lambda k: (seconds[k], -RESOURCES.index(k)))
+    overlapped, serial = seconds[bound], sum(seconds.values())
+    need = 0.0  # T*: g·T >= fixed + per·T for every term
+    for fixed, per in (t for ts in terms.values() for t in ts):
+        if per >= g and (fixed > 0 or per > g):
+            need = None
+            break
+        if fixed > 0:
+            need = max(need, fixed / (g - per))
+    gpu_bound = None if need is None else math.ceil(need * (1 - 1e-12))
+    act_total = activation_offload_bytes * grad_accumulation_steps
+    moved = dict(gpu_flops=float(flops_per_token * tokens),
+                 pcie_d2h_bytes=float(opt_bytes + act_total),
+                 pcie_h2d_bytes=float(opt_bytes + act_total),
+                 cpu_adam_params=float(offloaded_params),
+                 nvme_read_bytes=float(nvme_state_bytes
+                                       + (act_total if activation_tier == "nvme" else 0)),
+                 nvme_write_bytes=float(nvme_state_bytes
+                                        + (act_total if activation_tier == "nvme" else 0)))
+    return StepTime(tokens=tokens, micro_batch_tokens=micro_batch_tokens, seconds=seconds,
+                    bound=bound, overlapped_s=overlapped, serial_s=serial,
+                    tokens_per_s_overlapped=tokens / overlapped,
+                    tokens_per_s_serial=tokens / serial,
+                    gpu_bound_tokens=gpu_bound,
+                    gpu_bound_grad_accumulation_steps=None if gpu_bound is None else
+                    max(1, math.ceil(gpu_bound / micro_batch_tokens)),
+                    moved=moved, rates=rates)
+
+
+def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
+                    checkpoint: bool = False) -> list[str]:
+    """The time per step as printed by :meth:`Plan.table` (and ``examples/train_large.py``)."""
+    default = st.rates == MachineRates()
+    accum = st.tokens // st.micro_batch_tokens
+    shape = f" = {batch} x {seq} x {accum} accumulated" if batch and seq else ""
+    m = st.moved
+    c = 8 if checkpoint else 6
+    what = {
+        "gpu": f"{c} x {m['gpu_flops'] / c / st.tokens / 1e9:,.2f}B params x tokens at "
+               f"{st.rates.gpu_flops / 1e12:,.1f} TFLOP/s"
+               + (" (checkpointing: the forward twice)" if checkpoint else ""),
+        "pcie": f"{m['pcie_d2h_bytes'] / GiB:,.1f} GiB D2H + {m['pcie_h2d_bytes'] / GiB:,.1f} "
+                f"GiB H2D",
+        "cpu_adam": f"{m['cpu_adam_params'] / 1e9:,.2f}B params",
+        "nvme": f"{m['nvme_read_bytes'] / GiB:,.1f} GiB read + {m['nvme_write_bytes'] / GiB:,.1f}"
+                f" GiB written",
+    }
+    lines = [f"time per optimizer step, predicted from "
+             f"{'the H200 machine' if default else 'the given'} rates (docs/sizing.md): "
+             f"{st.tokens:,} tokens{shape}"]
+    width = max(len(v) for v in RESOURCE_NAMES.values())
+    for k in RESOURCES:
+        s = st.seconds[k]
+        lines.append(f"  {RESOURCE_NAMES[k].ljust(width)}  "
+                     f"{(f'{s:.3f} s' if s else '-').rjust(9)}  {what[k] if s else ''}".rstrip())
+    lines.append(f"  bound: {RESOURCE_NAMES[st.bound]}; step {st.overlapped_s:.3f} s (all "
+                 f"overlapped) to {st.serial_s:.3f} s (none overlapped): "
+                 f"{st.tokens_per_s_overlapped:,.0f} to {st.tokens_per_s_serial:,.0f} tokens/s")
+    if st.gpu_bound_tokens == 0:
+        lines.append("  the GPU bounds the step at any batch (no optimizer state is offloaded)")
+    elif st.gpu_bound_tokens is None:
+        lines.append("  the GPU bounds the step at no batch: offloaded activations cross PCIe "
+                     "(or NVMe) faster per token than the GPU computes")
+    else:
+        lines.append(f"  the GPU bounds the step from {st.gpu_bound_tokens:,} tokens per "
+                     f"optimizer step (grad_accumulation_steps >= "
+                     f"{st.gpu_bound_grad_accumulation_steps} at {st.micro_batch_tokens:,} "
+                     f"tokens per micro-batch)")
+    return lines
+
+
 @dataclass
 class Item:
     """One row of the plan: bytes of one part of the training state per tier."""
@@ -178,6 +438,9 @@ class Plan:
         capacity, used: per tier (``"gpu"``, ``"host"``, ``"nvme"``).
         reasons: why it does not fit (empty when it fits).
         notes: hints (how to configure it, what else would fit).
+        inputs: the arguments the plan was made from (canonical spellings).
+        step_time: the predicted time per optimizer step of this placement
+            (:class:`StepTime`; also when it does not fit, though the table then omits it).
     """
 
     num_params: int
@@ -193,6 +456,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
+    step_time: StepTime | None = None
 
     def to_dict(self) -> dict:
         """Plain-data form (for ``--json``)."""
@@ -229,6 +493,9 @@ class Plan:
                        f"optimizer state: all {moe} experts), {self.active_params / 1e9:.2f}B "
                        f"active per token (top-{self.inputs['top_k']}: the compute per token)")
         out += [""] + lines
+        if self.fits and self.step_time is not None:
+            out += [""] + step_time_lines(self.step_time, batch=self.inputs.get("batch"),
+                                          seq=self.inputs.get("seq"), checkpoint=self.checkpoint)
         out += [""] + [f"does not fit: {r}" for r in self.reasons]
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out).rstrip() + "\n"
@@ -348,7 +615,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          state_tier: str = "auto", offload_layers: int | None = None,
          activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
          eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
-         chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2) -> Plan:
+         chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
+         grad_accumulation_steps: int = 1, rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
@@ -392,9 +660,13 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         chunk_numel, nvme_lookahead_chunks: HybridAdam's, for the pinned staging and NVMe
             read-ahead buffers (``chunk_numel=None``: HybridAdam's default for the offloaded
             elements, see :func:`tiermem.optim.partition.auto_chunk_numel`).
+        grad_accumulation_steps: micro-batches per optimizer step: only the time per step
+            depends on it (``batch x seq x grad_accumulation_steps`` tokens), not the memory.
+        rates: :class:`MachineRates` the time per step is predicted from; None: the H200
+            machine's.
 
     Returns:
-        a :class:`Plan` (``plan.fits``, ``plan.table()``).
+        a :class:`Plan` (``plan.fits``, ``plan.table()``, ``plan.step_time``).
 
     Raises:
         ValueError: a missing or non-positive size, an unknown dtype or tier, a fraction
@@ -402,7 +674,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of the
             experts a token skips, naming the argument.
         TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
-            that is not an int, or a fraction that is not a number (naming the argument).
+            that is not an int, or a fraction that is not a number (naming the argument);
+            ``rates`` not a :class:`MachineRates`.
     """
     if model is not None and num_params is not None:
         raise TypeError("plan: pass num_params or model, not both")
@@ -440,8 +713,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     d_model = check_int("plan: ", "d_model", d_model)
     n_heads = check_int("plan: ", "n_heads", n_heads or max(1, d_model // 128))
     for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
-                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth)):
+                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth),
+                        ("grad_accumulation_steps", grad_accumulation_steps)):
         check_int("plan: ", name, value)
+    if rates is not None and not isinstance(rates, MachineRates):
+        raise TypeError(f"plan: rates must be a tiermem.plan.MachineRates, got "
+                        f"{type(rates).__name__}")
     n = active = None if num_params is None else int(num_params)
     if moe:
         from tiermem.models.moe import MoEConfig  # torch is loaded with tiermem already
@@ -496,7 +773,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     gpu_state_per_param = 8 + (4 if p != 4 else 0)
     off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
-                  seq=seq, batch=batch, n_experts=n_experts, top_k=top_k, d_expert=d_expert,
+                  seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
+                  n_experts=n_experts, top_k=top_k, d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
                   checkpoint=checkpoint, activation_tier=activation_tier,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
@@ -578,6 +856,13 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         if best is not None and best.fits:
             break
     assert best is not None
+    state_item = next(i for i in best.items if i.name == "optimizer state, offloaded")
+    best.step_time = step_time(
+        active_params=active, offloaded_params=round(best.offload_fraction * n), param_bytes=p,
+        moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
+        grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
+        activation_offload_bytes=best.offload_layers * kept_per_block,
+        activation_tier=activation_tier, rates=rates)
     _add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best
@@ -731,8 +1016,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-depth", type=int, default=1, help="blocks reloaded ahead (1)")
     p.add_argument("--eager-attention", action="store_true",
                    help="attention saves its softmax (no flash/efficient SDPA kernel)")
+    p.add_argument("--grad-accumulation-steps", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step, for the time per step: tokens per "
+                        "step = batch x seq x N (default 1; the memory does not depend on it)")
+    rates = p.add_argument_group(
+        "machine rates", "what the time per optimizer step is predicted from (defaults: the "
+        "H200 machine, one run each, docs/results/*.log; docs/sizing.md)")
+    d = MachineRates()
+    for flag, fld, scale, unit, log in _RATE_FLAGS:
+        rates.add_argument(flag, type=_rate, default=None, metavar=unit.split()[0],
+                           help=f"{unit} (default {getattr(d, fld) / scale:,.2f}, {log})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+_RATE_FLAGS = (
+    ("--gpu-tflops", "gpu_flops", 1e12, "TFLOP/s of forward + backward counted as 6·N·tokens",
+     "bench_activations.log"),
+    ("--pcie-h2d", "pcie_h2d_bytes_per_s", 1e9, "GB/s host to device", "bench_transfer.log"),
+    ("--pcie-d2h", "pcie_d2h_bytes_per_s", 1e9, "GB/s device to host", "bench_transfer.log"),
+    ("--pcie-both", "pcie_both_bytes_per_s", 1e9, "GB/s both directions at once",
+     "bench_transfer.log"),
+    ("--cpu-adam", "cpu_adam_params_per_s", 1e9, "Gparams/s of CPU Adam, fp32 moments",
+     "bench_adam.log"),
+    ("--cpu-adam-bf16", "cpu_adam_bf16_moments_params_per_s", 1e9,
+     "Gparams/s of CPU Adam, bf16 moments", "bench_adam.log"),
+    ("--nvme-read", "nvme_read_bytes_per_s", 1e9, "GB/s spill-file reads", "bench_io.log"),
+    ("--nvme-write", "nvme_write_bytes_per_s", 1e9, "GB/s spill-file writes", "bench_io.log"),
+)
+"""``tiermem plan``'s rate options: flag, :class:`MachineRates` field, unit scale, unit, log."""
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -765,7 +1087,12 @@ def main(argv: list[str] | None = None) -> int:
             host_reserve_bytes=args.host_reserve, offload_fraction=args.offload_fraction,
             state_tier=args.state_tier, offload_layers=args.offload_layers,
             activation_tier=args.activation_tier, checkpoint=args.checkpoint,
-            prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention, **moe)
+            prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
+            grad_accumulation_steps=args.grad_accumulation_steps,
+            rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
+                                  for flag, fld, scale, _, _ in _RATE_FLAGS
+                                  if getattr(args, flag[2:].replace("-", "_")) is not None}),
+            **moe)
         if shape is not None:
             if args.layers or args.d_model:
                 raise ValueError("--model-size sets the shape; use --params with --layers and "
