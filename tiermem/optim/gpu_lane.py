@@ -1,6 +1,6 @@
 """HybridAdam's GPU lane (Note [gpu lane] in hybrid_adam.py): offloaded chunks the GPU steps by
-streaming their state through ``LANE_SLOTS`` device slots, and torch's fused Adam, which the
-lane and the GPU side both step with.
+streaming their state through ``LANE_SLOTS`` device slots, and torch's fused Adam on fp32 or
+bf16 moments (:func:`fused_adam_moments_`), which the lane and the GPU side both step with.
 """
 
 from __future__ import annotations
@@ -32,6 +32,32 @@ def fused_adam_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
     fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hp["lr"], beta1=beta1, beta2=beta2,
           weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False,
           maximize=hp["maximize"], grad_scale=None, found_inf=None)
+
+
+def fused_adam_moments_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+                        steps: list, hp: dict) -> None:
+    """:func:`fused_adam_` on moments stored in fp32 or bf16 (HybridAdam's ``moments_dtype``,
+    the same for every tensor): fp32 moments are stepped in place, without a copy; bf16 moments
+    are widened to fp32 copies (exact), stepped, and rounded back to nearest even, as the CPU
+    kernel does with them: the GPU side, the lane and the CPU kernel keep the same moments
+    and differ only where their fp32 arithmetic does (none on a CPU device for elements in the
+    vector body of torch's kernel; torch's CUDA kernel may round an fp32 value one ulp away
+    from the CPU kernel, with fp32 moments alike). The fp32 copies are transient, 8 bytes per
+    element passed, so callers bound what they pass (the lane: one chunk; the GPU side:
+    ``WIDE_BATCH_NUMEL`` elements).
+
+    Raises:
+        RuntimeError: this torch has no fused Adam op (torch < 2.4).
+    """
+    if not exp_avgs or exp_avgs[0].dtype == torch.float32:
+        fused_adam_(params, grads, exp_avgs, exp_avg_sqs, steps, hp)
+        return
+    m32 = [m.float() for m in exp_avgs]
+    v32 = [v.float() for v in exp_avg_sqs]
+    fused_adam_(params, grads, m32, v32, steps, hp)
+    for m, v, a, b in zip(exp_avgs, exp_avg_sqs, m32, v32):
+        m.copy_(a)
+        v.copy_(b)
 
 
 class GpuLane:
@@ -194,20 +220,13 @@ class GpuLane:
                     exp_avg_sq: torch.Tensor, chunk_runs: list[tuple[int, int, int]],
                     hp: dict) -> None:
         """torch's fused Adam on the ``(start, numel, step)`` runs of a chunk in place (on the
-        current stream); bf16 moments are widened to fp32 and rounded back, as the CPU kernel."""
+        current stream); bf16 moments are widened to fp32 and rounded back, as the CPU kernel
+        and the GPU side (:func:`fused_adam_moments_`)."""
         sl = [slice(start, start + numel) for start, numel, _ in chunk_runs]
-        ms = [exp_avg[k] for k in sl]
-        vs = [exp_avg_sq[k] for k in sl]
-        wide = self._layout.moments_dtype != torch.float32
-        m32 = [m.float() for m in ms] if wide else ms
-        v32 = [v.float() for v in vs] if wide else vs
         steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)
                  for _, _, step in chunk_runs]
-        fused_adam_([master[k] for k in sl], [grads[k] for k in sl], m32, v32, steps, hp)
-        if wide:
-            for m, v, a, b in zip(ms, vs, m32, v32):
-                m.copy_(a)
-                v.copy_(b)
+        fused_adam_moments_([master[k] for k in sl], [grads[k] for k in sl],
+                            [exp_avg[k] for k in sl], [exp_avg_sq[k] for k in sl], steps, hp)
 
     def reap(self, block: bool) -> None:
         """Release the blobs of lane chunks whose state is back in the store (with ``block``,

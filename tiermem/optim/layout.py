@@ -33,6 +33,13 @@ LANE_SLOTS = 3
 """Device slots of the GPU lane (Note [gpu lane] in hybrid_adam.py): one chunk's state loading,
 one stepping, one writing back."""
 
+WIDE_BATCH_NUMEL = 1 << 24
+"""With bf16 moments, the most elements of the GPU side one fused Adam call steps: their
+moments are widened to transient fp32 copies (and bf16 gradients to fp32) for the call, so the
+step's extra GPU memory is at most 12 B x this (192 MiB), not 12 B per GPU-side param. A
+multiple of 16, so a piece cut at it keeps every element in the same lane of torch's CPU
+kernel (vector body or scalar tail) as when stepped whole."""
+
 NVME_EXTRA_CHUNKS = 3
 """Chunk blobs the NVMe stream stages in RAM beyond its ``nvme_lookahead_chunks`` read-ahead:
 the chunk being stepped and the write-backs in flight."""
@@ -68,6 +75,30 @@ def chunk_state_bytes(numel: int, moments_dtype: torch.dtype) -> int:
         Nothing.
     """
     return block_bytes(4 * state_numel(numel, moments_dtype))
+
+
+def wide_batches(numels: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """Tensors of ``numels`` elements, in order, in batches of at most ``limit`` elements: each
+    batch a list of ``(tensor index, lo, hi)`` slices; a tensor longer than ``limit`` is cut at
+    multiples of ``limit`` from its start, shorter ones share a batch.
+
+    Raises:
+        Nothing.
+    """
+    batches: list[list[tuple[int, int, int]]] = []
+    batch: list[tuple[int, int, int]] = []
+    size = 0
+    for j, n in enumerate(numels):
+        for lo in range(0, n, limit):
+            hi = min(n, lo + limit)
+            if batch and size + hi - lo > limit:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append((j, lo, hi))
+            size += hi - lo
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 def ring_bytes(chunk_numel: int, element_bytes: int) -> int:
@@ -118,7 +149,7 @@ class Group:
     numels: list[int] = field(default_factory=list)  # per local tensor (for re-planning)
     sizes: list[int] = field(default_factory=list)  # bytes per element, per local tensor
     locals_in_bucket: dict[int, list[int]] = field(default_factory=dict)
-    # GPU side, one entry per GPU piece
+    # GPU side, one entry per GPU piece: fp32 masters, moments in HybridAdam's moments_dtype
     gpu_views: list[torch.Tensor] = field(default_factory=list)
     gpu_masters: list[torch.Tensor] = field(default_factory=list)
     gpu_exp_avg: list[torch.Tensor] = field(default_factory=list)
@@ -304,12 +335,13 @@ class StateLayout:
                              f"{', RAM included' if self.state_tier == 'split' else ''}): {fix}")
 
     def gpu_state_bytes(self) -> int:
-        """Bytes of the GPU side's state: fp32 moments, and masters of non-fp32 params.
+        """Bytes of the GPU side's state: the moments in ``moments_dtype`` (8 B/param with
+        fp32, 4 with bf16), and fp32 masters of non-fp32 params (4 B/param).
 
         Raises:
             Nothing.
         """
-        return sum(t.numel() * 4 for g in self.groups
+        return sum(t.numel() * t.element_size() for g in self.groups
                    for t in g.gpu_exp_avg + g.gpu_exp_avg_sq) + sum(
             m.numel() * 4 for g in self.groups for m, v in zip(g.gpu_masters, g.gpu_views)
             if m is not v)
@@ -439,16 +471,18 @@ class StateLayout:
         self.nvme_chunks.clear()
 
     def _alloc_groups(self, bar) -> None:
-        """The GPU side of every group, its gradient and param-out rings and (but with
-        ``state_tier="split"``) its chunks; ``bar`` counts chunks (None: no bar)."""
+        """The GPU side of every group (fp32 masters, moments in ``moments_dtype``), its
+        gradient and param-out rings and (but with ``state_tier="split"``) its chunks; ``bar``
+        counts chunks (None: no bar)."""
         for g in self.groups:
             for piece in g.plan.gpu_pieces:
                 local = local_view(g, piece.param)
                 view = local[piece.start:piece.start + piece.numel]
                 g.gpu_views.append(view)
                 g.gpu_masters.append(view if local.dtype == torch.float32 else view.float())
-                g.gpu_exp_avg.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
-                g.gpu_exp_avg_sq.append(torch.zeros(piece.numel, dtype=torch.float32, device=self.device))
+                for moments in (g.gpu_exp_avg, g.gpu_exp_avg_sq):
+                    moments.append(torch.zeros(piece.numel, dtype=self.moments_dtype,
+                                               device=self.device))
                 g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=self.device))
             if not g.plan.cpu_numel:
                 continue

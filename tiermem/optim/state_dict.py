@@ -1,5 +1,9 @@
 """HybridAdam's state in torch.optim's format: gathered per param from the GPU side, RAM and
 NVMe (and, data parallel, from every rank's shard), and scattered back into them.
+
+Saved moments are fp32 whatever ``moments_dtype`` is (bf16 moments widen exactly, from the GPU
+side and the offloaded chunks alike); loading rounds them to ``moments_dtype`` (to nearest even,
+so bf16 moments round-trip bit for bit).
 """
 
 from __future__ import annotations
@@ -103,8 +107,8 @@ def _gather_states(layout: StateLayout, local: list[list[dict]], zero: Any,
 
 
 def local_states(layout: StateLayout) -> list[list[dict]]:
-    """Per local tensor: flat CPU ``exp_avg``, ``exp_avg_sq`` (+ ``master`` for non-fp32
-    params) and the int ``step``, gathered from GPU, RAM and NVMe.
+    """Per local tensor: flat fp32 CPU ``exp_avg``, ``exp_avg_sq`` (bf16 moments widened) (+
+    ``master`` for non-fp32 params) and the int ``step``, gathered from GPU, RAM and NVMe.
 
     Raises:
         StoreClosedError: the store was closed.
@@ -140,8 +144,8 @@ def local_states(layout: StateLayout) -> list[list[dict]]:
 def scatter(layout: StateLayout, g: Group, param_sts: list[dict | None], mode: str,
             who: str) -> None:
     """Load group ``g``'s saved per-param states ``param_sts`` (None: no state, the moments
-    start at zero) into the GPU side, RAM and NVMe; ``mode`` as in :func:`param_states`,
-    ``who`` the error prefix.
+    start at zero) into the GPU side, RAM and NVMe (moments rounded to ``moments_dtype``);
+    ``mode`` as in :func:`param_states`, ``who`` the error prefix.
 
     Raises:
         ValueError: an FSDP2 DTensor that cannot be redistributed to the param's placements.
