@@ -21,6 +21,7 @@ BENCHES = {
     "optim": "tiermem.bench.optim",
     "activations": "tiermem.bench.activations",
     "lora": "tiermem.bench.lora",
+    "graphs": "tiermem.bench.graphs",
 }
 BENCH_HELP = {
     "transfer": "TierStore H2D / D2H copies against raw pinned copy_ (needs CUDA for real "
@@ -32,6 +33,8 @@ BENCH_HELP = {
     "activations": "training-step time and peak memory of activation offload settings",
     "lora": "LoRA fine-tune of a transformers Llama: step time and peak memory with and "
             "without offload and checkpointing, two sequence lengths (needs peft)",
+    "graphs": "step time with the forward+backward in a CUDA graph, torch AdamW and "
+              "HybridAdam, against eager (needs CUDA)",
 }
 COMMANDS = {
     "demo": ("tiermem.demo", "train a small GPT with offloading and compare with no offload"),

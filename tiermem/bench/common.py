@@ -45,13 +45,15 @@ def time_s(fn: Callable[[], object], repeats: int, device: torch.device | None =
 
 def bench_main(argv: list[str] | None, parse_args: Callable, header: Callable, run: Callable,
                format_table: Callable, wrong: Callable | None = None,
-               errors: tuple[type[BaseException], ...] = (ValueError,)) -> int:
+               errors: tuple[type[BaseException], ...] = (ValueError,),
+               baseline: str = "without offload") -> int:
     """The ``main`` of a table benchmark: parse, print ``header(args)``, ``run(args, log)``
     (progress lines on stderr), print ``format_table(rows)``.
 
     Returns the exit code: 2 when parsing or the run raises one of ``errors`` (the message on
     stderr), 1 when ``wrong(rows)`` names setups whose losses were not the baseline's
-    (:func:`tiermem.bench.parity.report_wrong`), else 0.
+    (:func:`tiermem.bench.parity.report_wrong`, which names the baseline as ``baseline``),
+    else 0.
     """
     try:
         args = parse_args(argv)
@@ -65,4 +67,4 @@ def bench_main(argv: list[str] | None, parse_args: Callable, header: Callable, r
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
-    return report_wrong(wrong(rows), sys.stderr) if wrong is not None else 0
+    return report_wrong(wrong(rows), sys.stderr, baseline) if wrong is not None else 0
