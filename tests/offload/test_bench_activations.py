@@ -41,6 +41,38 @@ def test_every_row_says_whether_it_trained_as_the_baseline(capsys):
     assert "no offload (again" in out and "baseline" in out
 
 
+def test_chunked_loss_runs_in_every_row_and_every_row_trains_as_the_baseline(capsys,
+                                                                               monkeypatch):
+    from tiermem.bench import activations
+
+    models, real = [], activations.GPT
+
+    def gpt(*args, **kw):  # the bench's model, recorded
+        models.append(real(*args, **kw))
+        return models[-1]
+
+    monkeypatch.setattr(activations, "GPT", gpt)
+    rc = main(["--layers", "2", "--d-model", "32", "--heads", "4", "--seq", "16", "--batch", "2",
+               "--vocab", "64", "--steps", "2", "--warmup", "1", "--cpu-bytes", "16MiB",
+               "--loss-chunk-tokens", "12"])  # 32 tokens a batch: chunks of 12, 12, 8
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "loss_chunk_tokens=12" in out.splitlines()[0]
+    assert [m.loss_chunk_tokens for m in models] == [12]  # one model serves every row
+    table = out[out.index("setup"):].splitlines()[1:]
+    assert len(table) >= 8, out
+    for row in table:
+        assert "baseline" in row or "exact" in row or "equal" in row, row
+    assert sum("baseline" in row for row in table) == 1
+
+
+def test_loss_chunk_tokens_off_by_default_and_checked(capsys):
+    assert main(["--loss-chunk-tokens", "0"]) == 2
+    assert "--loss-chunk-tokens=0 must be >= 1" in capsys.readouterr().err
+    from tiermem.bench.activations import _parse_args
+    assert _parse_args([]).loss_chunk_tokens is None
+
+
 def test_a_setup_that_trains_wrongly_is_reported_and_fails(capsys, monkeypatch):
     from tiermem.bench import activations
 

@@ -14,6 +14,10 @@ they compare within a run:
   inputs of every block;
 - with ``--nvme-dir``: the same two tiermem setups to NVMe.
 
+``--loss-chunk-tokens C`` builds the model with ``GPT(..., loss_chunk_tokens=C)`` for every row
+(so the rows stay comparable): the head and the loss run in checkpointed chunks of at most C
+tokens and no full logits tensor exists (Note [chunked loss] in tiermem/models/gpt.py).
+
 Every setup trains the same model from the same initial weights on the same batches (a new
 batch every step) for ``--warmup`` + ``--steps`` steps: forward + backward is timed, then an
 AdamW step (not timed) changes the weights, so a stale or wrong reload changes the losses.
@@ -99,6 +103,9 @@ def _parse_args(argv):
     p.add_argument("--nvme-bytes", default="64GiB", help="nvme budget for --nvme-dir")
     p.add_argument("--cpu-bytes", default=None, help="host budget (default: half of MemAvailable)")
     p.add_argument("--only", default=None, help="comma-separated substrings: run matching setups")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="tokens per checkpointed loss chunk in every row (default: off, the loss "
+                        "on the full logits)")
     args = p.parse_args(argv)
     for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "repeats",
                  "prefetch_depth"):
@@ -106,6 +113,9 @@ def _parse_args(argv):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
+        raise ValueError(f"--loss-chunk-tokens={args.loss_chunk_tokens} must be >= 1; leave it "
+                         f"out for the loss on the full logits")
     return args
 
 
@@ -213,7 +223,7 @@ def run(args, log=print) -> list[Row]:
                     seq_len=args.seq, vocab=args.vocab)
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(cfg).to(dtype=dtype)
+        model = GPT(cfg, loss_chunk_tokens=args.loss_chunk_tokens).to(dtype=dtype)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = _batches(args, cfg.vocab, device)
     log(f"model: {cfg.num_params() / 1e9:.3f}B params, {dtype}, device {device}")
@@ -282,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, _parse_args,
         lambda a: (f"tiermem bench activations: layers={a.layers} d_model={a.d_model} "
                    f"heads={a.heads} seq={a.seq} batch={a.batch} vocab={a.vocab} "
-                   f"steps={a.steps} repeats={a.repeats} (median ms/step after {a.warmup} "
-                   f"warm-up)"),
+                   f"loss_chunk_tokens={a.loss_chunk_tokens or 'off'} steps={a.steps} "
+                   f"repeats={a.repeats} (median ms/step after {a.warmup} warm-up)"),
         run, format_table, lambda rows: [r.setup for r in rows if r.parity.startswith("WRONG")])
 
 

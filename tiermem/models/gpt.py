@@ -4,7 +4,9 @@ attention, GELU MLP).
 ``GPT(GPTConfig(n_layers=24, d_model=2048, n_heads=16, seq_len=2048, vocab=32000))`` is the
 reference workload of docs/benchmarks.md (1.34B parameters, bf16 on the GPU). ``model.blocks`` is the
 ``nn.ModuleList`` of blocks to hand to :func:`tiermem.offload.offload_activations`;
-``checkpoint=True`` runs each block under non-reentrant activation checkpointing.
+``checkpoint=True`` runs each block under non-reentrant activation checkpointing;
+``loss_chunk_tokens=C`` computes the training loss in checkpointed chunks of at most C tokens so
+that no full logits tensor exists (Note [chunked loss]).
 
 The pre-LN block (:class:`PreLNBlock`: LNs, fused QKV, causal SDPA, residuals; the MLP left to a
 subclass) and the decoder around the blocks (:class:`DecoderLM`: embeddings, checkpointing, final
@@ -20,6 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from tiermem.names import check_int
+
+IGNORE_INDEX = -100
+"""Target id that the loss skips (``F.cross_entropy``'s default ``ignore_index``)."""
 
 
 @dataclass(kw_only=True)
@@ -130,25 +137,72 @@ class DecoderLM(nn.Module):
         cfg: the shape (``n_layers``, ``d_model``, ``seq_len``, ``vocab``).
         block: builds one block from ``cfg``.
         checkpoint: run each block under ``torch.utils.checkpoint`` (non-reentrant).
+        loss_chunk_tokens: ``None`` (default): the loss is computed on the full logits. A
+            positive int C: with ``targets``, the head and the loss run in checkpointed chunks
+            of at most C tokens and ``forward`` returns ``(None, loss)`` (Note [chunked loss]).
+
+    Raises:
+        TypeError: ``loss_chunk_tokens`` neither None nor an int (a bool is not an int).
+        ValueError: ``loss_chunk_tokens`` < 1.
+
+    Note [chunked loss]: the LM head and the loss dominate the activation memory of a
+    checkpointed, offloaded model, because their tensors are V (vocabulary) wide where a block's
+    are d wide. Without chunks, for N = batch x seq tokens and a bytes per logit (2 in bf16, 4 in
+    fp32), forward makes the logits (N·V·a bytes, returned to the caller, who usually holds them
+    through backward), their fp32 copy for the loss (N·V·4, transient when a = 2) and the
+    log-softmax that ``F.cross_entropy`` saves (N·V·4); backward makes the log-softmax's
+    gradient and the fp32 logits' gradient (N·V·4 each) while the saved log-softmax and the
+    caller's logits are still alive: about N·V·(12 + a) bytes at once. With
+    ``loss_chunk_tokens=C`` the final LN runs once on all tokens, then each chunk of at most C
+    tokens runs ``head`` + fp32 ``cross_entropy(reduction="sum")`` under non-reentrant
+    ``torch.utils.checkpoint``, which keeps only the chunk's input (a view of the LN output:
+    no new memory). The chunk's logits, fp32 copy and log-softmax are freed when the chunk
+    ends; backward recomputes one chunk at a time, so at most about C·V·12 bytes of head and
+    loss tensors exist at once (C·V·(a + 8) in forward), plus the LN output's gradient
+    (N·d·a) and the head weight's gradient (V·d·a), which exist either way. The chunk sums
+    are added and divided by the number of targets that are not ``IGNORE_INDEX``, which is
+    what the mean of ``F.cross_entropy`` divides by: the same loss and gradients up to float
+    rounding (the order of the additions differs). The price is one more head matmul per
+    step (2·N·d·V FLOPs in the recomputation). Arithmetic for the reference GPT (N = 8 x 2048,
+    V = 32000, a = 2; not a measurement): 14·N·V = 7.3e9 bytes without chunks, 12·C·V =
+    1.6e9 bytes with C = 4096.
     """
 
-    def __init__(self, cfg, block: Callable[..., nn.Module], checkpoint: bool = False) -> None:
+    def __init__(self, cfg, block: Callable[..., nn.Module], checkpoint: bool = False, *,
+                 loss_chunk_tokens: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.checkpoint = checkpoint
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
+    @property
+    def loss_chunk_tokens(self) -> int | None:
+        """Tokens per loss chunk (Note [chunked loss]); None: the loss on the full logits."""
+        return self._loss_chunk_tokens
+
+    @loss_chunk_tokens.setter
+    def loss_chunk_tokens(self, value: int | None) -> None:
+        if value is not None:
+            check_int(f"{type(self).__name__}: ", "loss_chunk_tokens", value, unit="tokens",
+                      fix="give the tokens per loss chunk (e.g. 4096), or None for the loss "
+                          "on the full logits")
+        self._loss_chunk_tokens = value
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Return ``(logits, loss)`` for token ids ``idx`` ``(batch, seq)``; ``loss`` (mean
-        cross-entropy, nats/token) is None without ``targets``.
+        cross-entropy over the targets that are not ``IGNORE_INDEX``, nats/token, fp32) is None
+        without ``targets``. With ``loss_chunk_tokens`` set and ``targets`` given, the logits
+        are never materialized and ``(None, loss)`` is returned (Note [chunked loss]).
 
         Raises:
-            ValueError: a sequence longer than ``cfg.seq_len``.
+            ValueError: a sequence longer than ``cfg.seq_len``, or (chunked loss) ``targets``
+                not holding one target per token of ``idx``.
         """
         t = idx.shape[1]
         if t > self.cfg.seq_len:
@@ -160,11 +214,38 @@ class DecoderLM(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if targets is not None and self.loss_chunk_tokens is not None:
+            if targets.numel() != idx.numel():
+                raise ValueError(f"{type(self).__name__}: targets has {targets.numel()} "
+                                 f"elements for {idx.numel()} tokens (idx shape "
+                                 f"{tuple(idx.shape)}); give one target id per token")
+            return None, self._chunked_loss(self.ln_f(x), targets)
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    def _head_loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed fp32 cross-entropy (nats) of the tokens ``h`` ``(tokens, d_model)``."""
+        return F.cross_entropy(self.head(h).float(), targets, reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
+    def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the normalised final states ``h`` ``(batch, seq, d_model)``,
+        one checkpointed chunk of at most ``loss_chunk_tokens`` tokens at a time (Note [chunked
+        loss])."""
+        h = h.reshape(-1, h.shape[-1])
+        targets = targets.reshape(-1)
+        total = None
+        for h_part, t_part in zip(h.split(self.loss_chunk_tokens),
+                                  targets.split(self.loss_chunk_tokens)):
+            if torch.is_grad_enabled():
+                part = checkpoint(self._head_loss_sum, h_part, t_part, use_reentrant=False)
+            else:
+                part = self._head_loss_sum(h_part, t_part)
+            total = part if total is None else total + part
+        return total / (targets != IGNORE_INDEX).sum()
 
 
 class GPT(DecoderLM):
@@ -173,7 +254,13 @@ class GPT(DecoderLM):
     Args:
         cfg: the shape.
         checkpoint: run each block under ``torch.utils.checkpoint`` (non-reentrant).
+        loss_chunk_tokens: None, or the tokens per checkpointed loss chunk; then ``forward``
+            with targets returns ``(None, loss)`` (Note [chunked loss]).
+
+    Raises:
+        TypeError, ValueError: ``loss_chunk_tokens`` not None or an int >= 1.
     """
 
-    def __init__(self, cfg: GPTConfig, checkpoint: bool = False) -> None:
-        super().__init__(cfg, Block, checkpoint)
+    def __init__(self, cfg: GPTConfig, checkpoint: bool = False, *,
+                 loss_chunk_tokens: int | None = None) -> None:
+        super().__init__(cfg, Block, checkpoint, loss_chunk_tokens=loss_chunk_tokens)

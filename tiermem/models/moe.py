@@ -157,7 +157,13 @@ class MoE(DecoderLM):
     Args:
         cfg: the shape.
         checkpoint: run each block under ``torch.utils.checkpoint`` (non-reentrant).
+        loss_chunk_tokens: None, or the tokens per checkpointed loss chunk; then ``forward``
+            with targets returns ``(None, loss)`` (Note [chunked loss] in tiermem/models/gpt.py).
+
+    Raises:
+        TypeError, ValueError: ``loss_chunk_tokens`` not None or an int >= 1.
     """
 
-    def __init__(self, cfg: MoEConfig, checkpoint: bool = False) -> None:
-        super().__init__(cfg, MoEBlock, checkpoint)
+    def __init__(self, cfg: MoEConfig, checkpoint: bool = False, *,
+                 loss_chunk_tokens: int | None = None) -> None:
+        super().__init__(cfg, MoEBlock, checkpoint, loss_chunk_tokens=loss_chunk_tokens)
