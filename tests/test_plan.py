@@ -156,6 +156,62 @@ def test_host_buffers_are_what_hybrid_adam_allocates(tmp_path, dtype, moments_dt
     store.close()
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.6])
+@pytest.mark.parametrize("moments_dtype", [torch.float32, torch.bfloat16], ids=["m32", "m16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
+def test_gpu_side_state_is_what_hybrid_adam_holds(dtype, moments_dtype, fraction):
+    """Issue 19: the plan's "optimizer state, GPU side" is (1-f)·N·(2·m + 4·[p != 4]) (both
+    moments in moments_dtype, an fp32 master unless the params are fp32), and a real HybridAdam
+    with the same fraction holds exactly that: its memory_bytes()["gpu"] (no GPU lane) and the
+    bytes of the moment and master tensors it allocated. The old 8 + 4·[p != 4] fails with bf16
+    moments. Fractions whose f·N is a whole number of elements (N = 4290), so the plan's
+    round(f·N) and HybridAdam's split by bytes keep the same elements on the GPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 30)).to(dtype)
+    n = sum(q.numel() for q in model.parameters())
+    assert n == 4290
+    p = plan(model, n_layers=2, d_model=60, seq=8, batch=1, moments_dtype=moments_dtype,
+             offload_fraction=fraction, state_tier="cpu", gpu_bytes="1GiB", host_bytes="1GiB",
+             nvme_bytes=0, gpu_reserve_bytes=0, host_reserve_bytes=0)
+    rows = {i.name: i for i in p.items}
+    gpu_side = rows["optimizer state, GPU side"].gpu
+    per_param = (8 if moments_dtype == torch.float32 else 4) + (4 if dtype != torch.float32 else 0)
+    gpu_numel = n - round(fraction * n)
+    assert gpu_side == gpu_numel * per_param
+    assert rows["optimizer state, GPU side"].note.startswith(f"{per_param} B/param")
+
+    opt = HybridAdam(model.parameters(), offload_fraction=fraction, moments_dtype=moments_dtype,
+                     chunk_numel=1024)
+    assert opt.memory_bytes()["gpu"] == gpu_side
+    assert opt.state_numel()["gpu"] == gpu_numel
+    groups = opt._layout.groups
+    moments = sum(t.numel() * t.element_size() for g in groups
+                  for t in g.gpu_exp_avg + g.gpu_exp_avg_sq)
+    masters = sum(m.numel() * m.element_size() for g in groups
+                  for m, v in zip(g.gpu_masters, g.gpu_views) if m is not v)
+    assert moments + masters == gpu_side
+    assert all(t.dtype == moments_dtype for g in groups for t in g.gpu_exp_avg + g.gpu_exp_avg_sq)
+    opt.close()
+
+
+def test_bf16_moments_keep_more_of_the_13b_state_on_the_gpu():
+    """bf16 moments cut the GPU side's state from 12 to 8 B/param (bf16 params), so the least
+    offload fraction that fits the GPU falls, and the offloaded state with it."""
+    fp32, bf16 = preset_plan("13b"), preset_plan("13b", moments_dtype="bf16")
+    assert fp32.fits and bf16.fits
+    assert bf16.offload_fraction < fp32.offload_fraction
+    for pl, per in ((fp32, 12), (bf16, 8)):
+        row = {i.name: i for i in pl.items}["optimizer state, GPU side"]
+        assert row.gpu == (pl.num_params - round(pl.offload_fraction * pl.num_params)) * per
+    # the hints say so: a GPU overflow with fp32 moments points at bf16 moments, not with bf16
+    over = preset_plan("13b", offload_fraction=0.0)
+    assert not over.fits
+    assert any("bf16 moments" in n and "GPU-side state falls from 12 to 8 B/param" in n
+               for n in over.notes), over.notes
+    assert not any("bf16 moments" in n
+                   for n in preset_plan("13b", offload_fraction=0.0, moments_dtype="bf16").notes)
+
+
 def test_plan_takes_a_model():
     model = GPT(GPTConfig(n_layers=2, d_model=64, n_heads=2, vocab=100, seq_len=32))
     p = plan(model, seq=32, batch=2, gpu_bytes="2GiB", host_bytes="1GiB", nvme_bytes=0,

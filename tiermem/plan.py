@@ -8,19 +8,23 @@ every part of the training state with tiermem's actual layout and says whether t
 GiB (2^30 bytes), so a 128GiB host shows as 128.0 GiB and a 141 GB H200 as 131.3 GiB.
 
 Memory model (bytes; N parameters, L blocks, width d, heads h, vocabulary V, sequence s,
-micro-batch b, parameter dtype size p (bf16: 2, fp32: 4), activation dtype size a = p, offloaded
-moments dtype size m (fp32: 4, bf16: 2), offload fraction f, offloaded layers k, c elements in
-the largest offloaded chunk, ``min(chunk_numel, f·N)``). The offloaded side is sized by
-:mod:`tiermem.optim.layout`, the functions HybridAdam allocates by (:func:`host_buffer_bytes`
-calls them); its pinned buffers are rounded up to the store's 4 KiB blocks as in the store:
+micro-batch b, parameter dtype size p (bf16: 2, fp32: 4), activation dtype size a = p, moments
+dtype size m (fp32: 4, bf16: 2; HybridAdam's ``moments_dtype``, on the GPU side and the
+offloaded side alike), offload fraction f, offloaded layers k, c elements in the largest
+offloaded chunk, ``min(chunk_numel, f·N)``). The optimizer state is sized by
+:mod:`tiermem.optim.layout`, the functions HybridAdam allocates and counts by
+(``layout.gpu_side_state_bytes``; :func:`host_buffer_bytes` calls the others); its pinned
+buffers are rounded up to the store's 4 KiB blocks as in the store:
 
 ==========================  ==============================================================
 part                        bytes and place
 ==========================  ==============================================================
 parameters                  N·p on the GPU
 gradients                   N·p on the GPU (``param.grad`` in the model dtype)
-GPU-side optimizer state    (1-f)·N·(8 + 4·[p != 4]): fp32 moments, plus an fp32 master copy
-                            unless the params are fp32 already (they are their own master)
+GPU-side optimizer state    (1-f)·N·(2·m + 4·[p != 4]): both moments in the moments dtype,
+                            plus an fp32 master copy unless the params are fp32 already (they
+                            are their own master): ``layout.gpu_side_state_bytes``; 12 B/param
+                            for bf16 params with fp32 moments, 8 with bf16 moments
 offloaded optimizer state   f·N·(4 + 2·m): fp32 master + moments, in pinned RAM
                             (``state_tier="cpu"``), in spill files (``"nvme"``), or RAM first
                             and the rest in spill files (``"split"``); per param
@@ -109,8 +113,8 @@ from tiermem.config import parse_bytes
 from tiermem.names import (DTYPE_SPELLINGS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
                            STATE_TIERS, check_choice, check_fraction, check_int, check_number,
                            dtype_name)
-from tiermem.optim.layout import (GRAD_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS, nvme_staging_bytes,
-                                  ring_bytes, state_numel)
+from tiermem.optim.layout import (GRAD_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS, gpu_side_state_bytes,
+                                  nvme_staging_bytes, ring_bytes, state_numel)
 from tiermem.optim.partition import auto_chunk_numel
 
 GB = 1000 ** 3
@@ -519,7 +523,7 @@ def host_buffer_bytes(offloaded_numel: int, chunk_numel: int | None, dtype, mome
         chunk_numel: HybridAdam's ``chunk_numel``; None: its default,
             :func:`tiermem.optim.partition.auto_chunk_numel`. The buffers are sized by the
             largest chunk, ``min(chunk_numel, offloaded_numel)``.
-        dtype, moments_dtype: ``torch.dtype`` of the params and of the offloaded moments.
+        dtype, moments_dtype: ``torch.dtype`` of the params and of the moments.
         nvme_lookahead_chunks: HybridAdam's.
         state_tier: ``"cpu"``, ``"nvme"`` or ``"split"``.
 
@@ -639,9 +643,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         dtype: parameter (and activation) dtype: bfloat16 or float32 (float16: 2 bytes), in any
             spelling of :data:`tiermem.names.DTYPE_SPELLINGS` (``"bf16"``, ``"bfloat16"``,
             ``torch.bfloat16``, ...); None: the model's dtype when a model is given, else bf16.
-        moments_dtype: dtype of the offloaded moments, float32 or bfloat16, in any spelling
-            (``"fp32"``, ``"float32"``, ``torch.float32``, ...). ``plan.inputs`` keeps both
-            dtypes by their canonical names (``"bfloat16"``).
+        moments_dtype: dtype of the Adam moments, float32 or bfloat16, in any spelling
+            (``"fp32"``, ``"float32"``, ``torch.float32``, ...): HybridAdam's, which stores them
+            so on the GPU side and the offloaded side alike (bf16: 4 B/param less on each).
+            ``plan.inputs`` keeps both dtypes by their canonical names (``"bfloat16"``).
         gpu_bytes, host_bytes, nvme_bytes: capacities in bytes (ints or strings like
             ``"141GB"``, ``"128GiB"``); defaults: the H200 machine.
         offload_fraction: fraction of the optimizer state off the GPU in [0, 1]; None: the
@@ -770,7 +775,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     block_input = batch * seq * d_model * p
     kept_per_block = block_input if checkpoint else per_block
     head = head_bytes(**shape, vocab=vocab)
-    gpu_state_per_param = 8 + (4 if p != 4 else 0)
+    gpu_state_per_param = gpu_side_state_bytes(1, param_dt, moments_dt)  # 12 or 8 (bf16 params)
     off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
@@ -785,9 +790,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         gpu_n = n - off_n
         items = [Item("parameters", gpu=n * p, note=_short(dtype)),
                  Item("gradients", gpu=n * p, note=_short(dtype))]
-        items.append(Item("optimizer state, GPU side", gpu=gpu_n * gpu_state_per_param,
-                          note=f"{gpu_state_per_param} B/param"
-                               f"{' (fp32 master + moments)' if p != 4 else ' (moments)'}"))
+        items.append(Item("optimizer state, GPU side",
+                          gpu=gpu_side_state_bytes(gpu_n, param_dt, moments_dt),
+                          note=f"{gpu_state_per_param} B/param ("
+                               f"{'fp32 master + ' if param_dt != torch.float32 else ''}"
+                               f"{_short(moments_dtype)} moments)"))
         state = off_n * off_state_per_param
         state_item = Item("optimizer state, offloaded",
                           host=state if tier == "cpu" else 0, nvme=state if tier == "nvme" else 0,
@@ -899,9 +906,13 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.d
     over = {t: pl.used[t] > cap[t] for t in cap}
     if over["gpu"]:
         if f < 1.0:
+            bf16 = "" if moments_dtype != "float32" else (
+                f", or use bf16 moments (--moments-dtype bf16, optimizer.moments_dtype=bfloat16: "
+                f"the GPU-side state falls from {gpu_side_state_bytes(1, param_dt, torch.float32)}"
+                f" to {gpu_side_state_bytes(1, param_dt, torch.bfloat16)} B/param)")
             pl.notes.append(f"the GPU overflows: raise the offload fraction (now {f:g}; "
                             f"--offload-fraction auto finds the least that fits) or offload "
-                            f"activations")
+                            f"activations{bf16}")
         else:
             pl.notes.append("the GPU overflows even with all optimizer state off it: offload "
                             "activations (activations.num_layers), use checkpointing, a smaller "
@@ -932,10 +943,14 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.d
                                 f"{n / 1e9:.1f}B params is {need / GiB:,.0f} GiB ({per} B/param): "
                                 f"{verdict}")
         elif moments_dtype == "float32":
-            pl.notes.append("the offloaded state overflows its tier: bf16 moments "
-                            "(--moments-dtype bf16, optimizer.moments_dtype=bfloat16) cut it "
-                            "from 12 to 8 B/param; or lower the offload fraction if the GPU "
-                            "has room")
+            pl.notes.append(f"the offloaded state overflows its tier: bf16 moments "
+                            f"(--moments-dtype bf16, optimizer.moments_dtype=bfloat16) cut it "
+                            f"from 12 to 8 B/param, and the GPU side's from "
+                            f"{gpu_side_state_bytes(1, param_dt, torch.float32)} to "
+                            f"{gpu_side_state_bytes(1, param_dt, torch.bfloat16)} B/param, so "
+                            f"the GPU may keep more of it (--offload-fraction auto finds the "
+                            f"least that fits); or lower the offload fraction if the GPU has "
+                            f"room")
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -995,8 +1010,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype: bf16, fp32 or fp16, or their long names (bfloat16, "
                         "...) (default bf16)")
     p.add_argument("--moments-dtype", default="fp32",
-                   help="dtype of the offloaded Adam moments: fp32 or bf16, or their long names "
-                        "(default fp32)")
+                   help="dtype of the Adam moments, on the GPU and offloaded alike: fp32 or "
+                        "bf16, or their long names (default fp32)")
     p.add_argument("--gpu", default="141GB",
                    help="GPU capacity (default 141GB = 131.3 GiB: one H200; output is in GiB)")
     p.add_argument("--host", default="128GiB", help="host RAM (default 128GiB)")

@@ -4,7 +4,8 @@ each chunk (cpu, nvme, or by the cpu budget: Note [split tier]) and the state at
 
 The planner sizes HybridAdam's host memory with :func:`ring_bytes` (the pinned gradient and
 param-out rings) and :func:`nvme_staging_bytes` (the NVMe stream's read-ahead and write-back
-room), the same functions HybridAdam allocates by.
+room), and its GPU-side state with :func:`gpu_side_state_bytes`, the same functions HybridAdam
+allocates (and counts its memory) by.
 """
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ def chunk_state_bytes(numel: int, moments_dtype: torch.dtype) -> int:
         Nothing.
     """
     return block_bytes(4 * state_numel(numel, moments_dtype))
+
+
+def gpu_side_state_bytes(numel: int, param_dtype: torch.dtype, moments_dtype: torch.dtype) -> int:
+    """Bytes of the GPU-side state of ``numel`` params of ``param_dtype``: both moments in
+    ``moments_dtype`` (``2·m`` B/param: 8 with fp32, 4 with bf16) plus an fp32 master
+    (4 B/param) unless the params are fp32 (then they are their own master). What
+    :meth:`StateLayout.gpu_state_bytes` counts and ``tiermem plan`` sizes.
+
+    Args:
+        numel: params (elements) kept on the GPU side.
+        param_dtype: the params' ``torch.dtype``.
+        moments_dtype: HybridAdam's ``moments_dtype`` (``torch.float32`` or ``torch.bfloat16``).
+
+    Raises:
+        Nothing: plain arithmetic.
+    """
+    master = 0 if param_dtype == torch.float32 else 4
+    return numel * (2 * moments_dtype.itemsize + master)
 
 
 def wide_batches(numels: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
@@ -335,16 +354,15 @@ class StateLayout:
                              f"{', RAM included' if self.state_tier == 'split' else ''}): {fix}")
 
     def gpu_state_bytes(self) -> int:
-        """Bytes of the GPU side's state: the moments in ``moments_dtype`` (8 B/param with
-        fp32, 4 with bf16), and fp32 masters of non-fp32 params (4 B/param).
+        """Bytes of the GPU side's state, by :func:`gpu_side_state_bytes` per allocated piece:
+        the moments in ``moments_dtype`` (8 B/param with fp32, 4 with bf16), and fp32 masters
+        of non-fp32 params (4 B/param); 0 before the state is allocated.
 
         Raises:
             Nothing.
         """
-        return sum(t.numel() * t.element_size() for g in self.groups
-                   for t in g.gpu_exp_avg + g.gpu_exp_avg_sq) + sum(
-            m.numel() * 4 for g in self.groups for m, v in zip(g.gpu_masters, g.gpu_views)
-            if m is not v)
+        return sum(gpu_side_state_bytes(v.numel(), v.dtype, self.moments_dtype)
+                   for g in self.groups for v in g.gpu_views)
 
     def chunk_tiers(self) -> dict[str, int]:
         """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}``.
