@@ -3,7 +3,8 @@
 Plans first (``tiermem.plan.plan``) and exits 1 with the planner's reasons if the run does not
 fit the given budgets; then builds the model on the meta device, materialises it module by
 module in ``train.dtype`` on the GPU (bf16 in the presets; never a dense fp32 copy), keeps fp32
-masters and moments off the GPU in a TierStore (pinned RAM, NVMe, or split between them),
+masters and the moments (``optimizer.moments_dtype``, on the GPU side too) of the first
+``1 - offload_fraction`` on the GPU and the rest in a TierStore (pinned RAM, NVMe, or split),
 checkpoints every block (``train.checkpoint``), accumulates gradients, and prints per step:
 loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes and a breakdown: GPU compute
 (forward + backward, CUDA events), PCIe bytes, CPU Adam seconds, NVMe read/write bytes and the

@@ -290,8 +290,10 @@ class OptimizerConfig:
     """Backward passes per ``step()``; null: the training loop's count (both examples pass
     ``train.grad_accumulation_steps``; set it here only where nothing else does)."""
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the offloaded moments: ``"float32"`` (exact torch semantics, 12 bytes of state
-    per param) or ``"bfloat16"`` (8 bytes per param; moments rounded after each update)."""
+    """Dtype of the Adam moments, on the GPU side and the offloaded side alike: ``"float32"``
+    (exact torch semantics; 12 bytes of offloaded state per param, 8 on the GPU side plus 4 for
+    the fp32 master of a non-fp32 param) or ``"bfloat16"`` (8 bytes per offloaded param, 4 + 4
+    on the GPU side; moments rounded to bf16 after each update). Masters stay fp32."""
     cpu_threads: int | None = None
     """Threads of the CPU step; None: torch's thread count (less one with overlap on CUDA)."""
     nvme_lookahead_chunks: int = 2

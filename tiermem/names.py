@@ -45,7 +45,7 @@ DTYPE_SPELLINGS = {
 MODEL_DTYPES = ("float32", "bfloat16")
 """Parameter dtypes of the training loops (float16 would need loss scaling: not offered)."""
 MOMENTS_DTYPES = ("float32", "bfloat16")
-"""Dtypes of HybridAdam's offloaded moments."""
+"""Dtypes of HybridAdam's moments (``moments_dtype``: the GPU side's and the offloaded side's)."""
 
 _UNITS = {
     "": 1, "b": 1,

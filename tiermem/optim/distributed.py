@@ -8,10 +8,11 @@ Two ways to use HybridAdam on several ranks (``tiermem.optim.HybridAdam``'s ``da
     group the params' flattened elements, concatenated in the order given, form one flat space
     of ``N`` elements, padded to ``S * world`` with ``S = ceil(N / world)``; rank ``r`` owns
     elements ``[r*S, min(N, (r+1)*S))`` -- element granularity, one param may be cut between two
-    ranks, the same partition on every rank. The rank keeps fp32 masters and moments only for
-    its shard, split between the GPU and the offloaded side by ``offload_fraction`` *within the
-    shard* (the usual :func:`tiermem.optim.partition.plan_group` applied to the shard's pieces of
-    params). One step:
+    ranks, the same partition on every rank. The rank keeps fp32 masters and the moments (in
+    ``moments_dtype``, on the GPU side too) only for its shard, split between the GPU and the
+    offloaded side by ``offload_fraction`` *within the shard* (the usual
+    :func:`tiermem.optim.partition.plan_group` applied to the shard's pieces of params). One
+    step:
 
     1. backward: each param's post-accumulate-grad hook (last micro-batch) copies its gradient
        into the group's flat gradient buffer (model dtype, on the params' device). Buckets of
