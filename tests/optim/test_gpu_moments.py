@@ -26,7 +26,7 @@ import torch
 
 import tiermem.optim.hybrid_adam as hybrid_adam_mod
 from models import TinyGPT, make_batch
-from tiermem.optim import HybridAdam
+from tiermem.optim import HybridAdam, layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,9 +92,11 @@ class HandReference:
 
 class FusedReference:
     """fp32 masters + torch.optim.AdamW(fused=True), the moments rounded to bf16 after every
-    step; params are the masters cast to the model dtype."""
+    step (``round_moments=False``: kept in fp32); params are the masters cast to the model
+    dtype."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, round_moments: bool = True) -> None:
+        self.round_moments = round_moments
         self.params = list(model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
         groups = _groups(model)
@@ -109,7 +111,7 @@ class FusedReference:
             m.grad = p.grad.float()
             p.grad = None
         self.opt.step()
-        for st in self.opt.state.values():
+        for st in self.opt.state.values() if self.round_moments else ():
             for name in ("exp_avg", "exp_avg_sq"):
                 st[name].copy_(st[name].bfloat16())  # stored in bf16, as HybridAdam stores them
         for m, p in zip(self.masters, self.params):
@@ -242,6 +244,70 @@ def test_fp32_moments_step_the_gpu_side_in_place_in_one_call(monkeypatch):
         assert all(a is b for a, b in zip(exp_avg_sqs, g.gpu_exp_avg_sq))
         assert all(t.dtype == torch.float32 for t in g.gpu_exp_avg + g.gpu_exp_avg_sq)
     opt.close()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25])
+def test_fp32_moments_with_bf16_params_widen_gradients_in_bounded_batches(monkeypatch, fraction):
+    """fp32 moments, bf16 params (issue 19): the GPU side widens its gradients to fp32
+    ``WIDE_BATCH_NUMEL`` elements at a time (1024 here: pieces cut, small pieces sharing a
+    batch), not its whole share at once. Every fused Adam call gets at most 1024 fp32
+    gradient elements, and its moments are slices of the stored fp32 moments (stepped in
+    place); each step makes the batches ``wide_batches`` gives, more than one per group. 10
+    steps are bit-identical (losses, params, masters, moments) to the unbatched step (a batch
+    bigger than the share: one call per group, what the step did before) and to torch's fused
+    AdamW on fp32 masters."""
+    calls = []
+    real = hybrid_adam_mod.fused_adam_moments_
+
+    def spy(params, grads, exp_avgs, exp_avg_sqs, steps, hp):
+        calls.append((grads, exp_avgs, exp_avg_sqs))
+        real(params, grads, exp_avgs, exp_avg_sqs, steps, hp)
+
+    monkeypatch.setattr(hybrid_adam_mod, "fused_adam_moments_", spy)
+
+    def run(batch_numel):
+        monkeypatch.setattr(hybrid_adam_mod, "WIDE_BATCH_NUMEL", batch_numel)
+        calls.clear()
+        model = _model(torch.bfloat16)
+        opt = HybridAdam(_groups(model), **HP, chunk_numel=1024, offload_fraction=fraction)
+        losses = _train(model, opt)
+        _assert_aligned(opt)
+        return model, opt, losses, list(calls)
+
+    model, opt, losses, batched = run(1024)
+    gpu_numels = [[pc.numel for pc in g.plan.gpu_pieces] for g in opt._groups]
+    assert max(n for ns in gpu_numels for n in ns) > 1024  # some piece is cut
+    per_step = sum(len(layout.wide_batches(ns, 1024)) for ns in gpu_numels)
+    assert per_step > len(opt._groups) and len(batched) == STEPS * per_step
+    stored = [t for g in opt._groups for t in g.gpu_exp_avg + g.gpu_exp_avg_sq]
+    for grads, exp_avgs, exp_avg_sqs in batched:
+        assert sum(gr.numel() for gr in grads) <= 1024
+        assert all(gr.dtype == torch.float32 for gr in grads)
+        for t in exp_avgs + exp_avg_sqs:  # a view into a stored fp32 moment: in place
+            assert t.dtype == torch.float32
+            assert any(t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+                       for s in stored)
+    masters, exp_avg, exp_avg_sq = _state_by_param(model, opt)
+
+    whole_model, whole_opt, whole_losses, whole = run(1 << 30)
+    assert len(whole) == STEPS * len(whole_opt._groups)  # one call per group and step
+    ref_model = _model(torch.bfloat16)
+    ref = FusedReference(ref_model, round_moments=False)
+    ref_losses = _train(ref_model, ref)
+    ref_state = ([m.view(p.shape) for m, p in zip(ref.masters, ref_model.parameters())],
+                 [ref.opt.state[m]["exp_avg"] for m in ref.masters],
+                 [ref.opt.state[m]["exp_avg_sq"] for m in ref.masters])
+    for name, (other_losses, other_model, (o_masters, o_m, o_v)) in {
+            "unbatched": (whole_losses, whole_model, _state_by_param(whole_model, whole_opt)),
+            "torch fused": (ref_losses, ref_model, ref_state)}.items():
+        assert losses == other_losses, name
+        for i, (p, q) in enumerate(zip(model.parameters(), other_model.parameters())):
+            assert torch.equal(p, q), (name, i)
+            assert torch.equal(masters[i].view(-1), o_masters[i].view(-1)), (name, i)
+            assert torch.equal(exp_avg[i].view(-1), o_m[i].view(-1)), (name, i)
+            assert torch.equal(exp_avg_sq[i].view(-1), o_v[i].view(-1)), (name, i)
+    opt.close()
+    whole_opt.close()
 
 
 def _run_steps(model, opt, start, steps):

@@ -618,8 +618,7 @@ class HybridAdam(torch.optim.Optimizer):
             raise
         # chunks stepped from now on use this step's hyper-parameters, even when an LR
         # scheduler changes them before the worker is done (param_sync="forward")
-        self._step.frozen_hp = [{k: v for k, v in hp.items() if k != "params"}
-                                for hp in self.param_groups]
+        self._step.freeze(self.param_groups)
         with self._step.lock:
             extra = [(k, n) for k, n in self._step.acc_count.items()
                      if n > self.grad_accumulation_steps]
@@ -792,28 +791,30 @@ class HybridAdam(torch.optim.Optimizer):
                     f"restart from a checkpoint")
 
     def _step_gpu_side(self, g: Group) -> None:
-        """Step group ``g``'s GPU side with torch's fused Adam on the caller's stream: fp32
-        moments in place in one call; bf16 moments through :func:`fused_adam_moments_` (widened
-        to fp32, stepped, rounded back, as the lane and the CPU kernel do) in batches of at most
-        ``WIDE_BATCH_NUMEL`` elements, which bound the transient fp32 copies."""
+        """Step group ``g``'s GPU side with torch's fused Adam on the caller's stream. fp32
+        moments and fp32 gradients: in place, in one call, no copies. Otherwise in batches of
+        at most ``WIDE_BATCH_NUMEL`` elements (:func:`~tiermem.optim.layout.wide_batches`),
+        each through :func:`fused_adam_moments_` with its gradients widened to fp32 for the
+        call: bf16 moments are widened to fp32, stepped and rounded back (as the lane and the
+        CPU kernel do), fp32 moments stepped in place; so the transient fp32 copies are at most
+        12 B (bf16 moments) or 4 B (fp32 moments, gradients of bf16 params) x
+        ``WIDE_BATCH_NUMEL``, not per GPU-side param. The update is elementwise and batches cut
+        pieces at multiples of 16 (``WIDE_BATCH_NUMEL``'s docstring), so they change no bit."""
         hp = self.param_groups[g.index]
         idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._has_grad(g, pc.param)]
         if not idx:
             return
-        wide = self.moments_dtype != torch.float32
-        grads = []
+        grads = []  # in the model dtype: non-fp32 gradients are widened per batch below
         for k in idx:
             pc = g.plan.gpu_pieces[k]
-            grad = self._grad_of(g, pc.param).detach()[pc.start:pc.start + pc.numel]
-            # bf16 moments: gradients are widened per batch below, not all at once
-            grads.append(grad if wide or grad.dtype == torch.float32 else grad.float())
+            grads.append(self._grad_of(g, pc.param).detach()[pc.start:pc.start + pc.numel])
         masters = [g.gpu_masters[k] for k in idx]
         steps = [g.gpu_steps[k] for k in idx]
         torch._foreach_add_(steps, 1)
-        if not wide:  # fp32 moments: in place, one call, no copies
+        if self.moments_dtype == torch.float32 and all(gr.dtype == torch.float32 for gr in grads):
             fused_adam_(masters, grads, [g.gpu_exp_avg[k] for k in idx],
                         [g.gpu_exp_avg_sq[k] for k in idx], steps, hp)
-        else:  # bf16 moments: widened, stepped and rounded back, WIDE_BATCH_NUMEL at a time
+        else:  # something to widen: WIDE_BATCH_NUMEL elements at a time
             for batch in wide_batches([m.numel() for m in masters], WIDE_BATCH_NUMEL):
                 fused_adam_moments_(
                     [masters[j][lo:hi] for j, lo, hi in batch],

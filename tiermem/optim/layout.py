@@ -35,11 +35,13 @@ LANE_SLOTS = 3
 one stepping, one writing back."""
 
 WIDE_BATCH_NUMEL = 1 << 24
-"""With bf16 moments, the most elements of the GPU side one fused Adam call steps: their
-moments are widened to transient fp32 copies (and bf16 gradients to fp32) for the call, so the
-step's extra GPU memory is at most 12 B x this (192 MiB), not 12 B per GPU-side param. A
-multiple of 16, so a piece cut at it keeps every element in the same lane of torch's CPU
-kernel (vector body or scalar tail) as when stepped whole."""
+"""The most elements of the GPU side one fused Adam call steps when something must be widened
+to fp32 for it: with bf16 moments the moments (8 B/element) and bf16 gradients (4), with fp32
+moments the gradients of non-fp32 params (4); so the step's extra GPU memory is at most 12 B x
+this (192 MiB), or 4 B x this (64 MiB), not that per GPU-side param. fp32 moments with fp32
+gradients are stepped in one call, in place. A multiple of 16, so a piece cut at it keeps every
+element in the same lane of torch's CPU kernel (vector body or scalar tail) as when stepped
+whole."""
 
 NVME_EXTRA_CHUNKS = 3
 """Chunk blobs the NVMe stream stages in RAM beyond its ``nvme_lookahead_chunks`` read-ahead:
