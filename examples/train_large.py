@@ -67,9 +67,11 @@ TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
         "optimizer": dict(chunk_numel=1 << 14, offload_fraction=1.0)}  # RAM + NVMe both used
 
 
-def load(path: str, tiny: bool = False, nvme_dir: str | None = None) -> dict:
-    """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values
-    and ``--nvme-dir`` applied first.
+def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
+         grad_accumulation_steps: int | None = None) -> dict:
+    """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
+    ``--nvme-dir`` and ``--grad-accumulation-steps`` (micro-batches per optimizer step)
+    applied first.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
@@ -84,6 +86,8 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None) -> dict:
             tree[section].update(values)
     if nvme_dir is not None and isinstance(tree.get("store"), dict):
         tree["store"]["nvme_dir"] = nvme_dir
+    if grad_accumulation_steps is not None and isinstance(tree.get("train"), dict):
+        tree["train"]["grad_accumulation_steps"] = grad_accumulation_steps
     cfg = from_tree(tree, SECTIONS, required=tuple(SECTIONS), where=where)
     default = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
@@ -191,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="only plan; exit 0 fits, 1 does not")
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps")
+    ap.add_argument("--grad-accumulation-steps", type=int, default=None,
+                    help="override train.grad_accumulation_steps (micro-batches per optimizer "
+                         "step; the plan prints from how many the GPU bounds the step)")
     ap.add_argument("--nvme-dir", default=None,
                     help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
     args = ap.parse_args(argv)
     try:
-        cfg = load(args.config, args.tiny, args.nvme_dir)
+        cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",

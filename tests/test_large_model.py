@@ -215,3 +215,42 @@ def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):
                                 "n_layers: 60, d_model: 6144, n_heads: 48"))
     r = _run_example("--config", str(big), "--dry-run")
     assert r.returncode == 1 and "does not fit" in r.stderr, r.stdout + r.stderr
+
+
+def _train_large_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_large_example",
+                                                  ROOT / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("preset", ["h200_13b_nvme", "h200_20b_bf16"])
+def test_large_presets_accumulate_the_batch_from_which_the_gpu_bounds_the_step(preset):
+    """Issue 19: each runnable preset accumulates exactly the least micro-batches from which its
+    plan predicts the GPU bounds the optimizer step (``gpu_bound_grad_accumulation_steps``); one
+    fewer is bound by something else (NVMe). Equality on purpose: a change to the planner's rates
+    moves the efficient batch, and the preset, with its device-stage time estimate (the YAML's
+    comment), should then be re-decided."""
+    module = _train_large_module()
+    path = str(ROOT / "examples" / "configs" / "large" / f"{preset}.yaml")
+    cfg = module.load(path)
+    accum = cfg["train"].grad_accumulation_steps
+    pl = module.make_plan(cfg)
+    assert pl.fits and pl.step_time.bound == "gpu"
+    assert accum == pl.step_time.gpu_bound_grad_accumulation_steps > 4
+    fewer = module.make_plan(module.load(path, grad_accumulation_steps=accum - 1))
+    assert fewer.step_time.bound != "gpu"
+
+
+def test_train_large_takes_the_accumulation_from_the_command_line(capsys):
+    """--grad-accumulation-steps replaces train.grad_accumulation_steps (the plan's tokens per
+    step follow); a bad count is refused with exit 2 and one line naming the field."""
+    module = _train_large_module()
+    cfg = str(ROOT / "examples" / "configs" / "large" / "h200_20b_bf16.yaml")
+    assert module.main(["--config", cfg, "--dry-run", "--grad-accumulation-steps", "64"]) == 0
+    assert "131,072 tokens = 1 x 2048 x 64 accumulated" in capsys.readouterr().out
+    assert module.main(["--config", cfg, "--dry-run", "--grad-accumulation-steps", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "grad_accumulation_steps=0" in err, err

@@ -759,7 +759,9 @@ def test_sizing_doc_time_example_is_what_the_command_prints(capsys):
 
 def test_sizing_doc_quotes_the_presets_predictions():
     """The comparison table of docs/sizing.md quotes what examples/train_large.py's plan
-    predicts for the 13B and 20B presets (their --dry-run)."""
+    predicts for the 13B and 20B presets at the 4 micro-batches their logged runs accumulated
+    (their --dry-run then), and the paragraph after it what it predicts at the presets' own
+    accumulation now (GPU bound)."""
     import importlib.util
     root = pathlib.Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("train_large",
@@ -767,11 +769,20 @@ def test_sizing_doc_quotes_the_presets_predictions():
     train_large = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_large)
     lines = (root / "docs" / "sizing.md").read_text().splitlines()
+    text = " ".join(lines)
     for preset in ("h200_13b_nvme", "h200_20b_bf16"):
-        cfg = train_large.load(str(root / "examples" / "configs" / "large" / f"{preset}.yaml"))
+        path = str(root / "examples" / "configs" / "large" / f"{preset}.yaml")
+        now = train_large.make_plan(train_large.load(path))
+        accum = now.inputs["grad_accumulation_steps"]
+        st = now.step_time
+        assert st.bound == "gpu"
+        assert (f"`{preset}.yaml` {accum} ({st.tokens:,} tokens; " in text and
+                f"{st.overlapped_s:.1f} s" in text and f"{st.serial_s:.1f} s" in text), preset
+        cfg = train_large.load(path, grad_accumulation_steps=4)
         st = train_large.make_plan(cfg).step_time
         assert st.tokens == 8192 and st.bound == "nvme"
-        row = next(line for line in lines if f"`{preset}.yaml` dry run" in line)
+        row = next(line for line in lines
+                   if f"`{preset}.yaml` dry run when it accumulated 4 micro-batches" in line)
         assert (f"{st.overlapped_s:.2f} s (NVMe bound) to {st.serial_s:.2f} s; GPU "
                 f"{st.seconds['gpu']:.2f} s, CPU Adam {st.seconds['cpu_adam']:.2f} s") in row, \
             (preset, st.seconds, st.overlapped_s, st.serial_s)
