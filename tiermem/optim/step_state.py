@@ -1,6 +1,18 @@
 """The mutable state of one HybridAdam step that several threads share: the caller's thread
 (``step()``, ``_begin_step``, the forward pre-hook), autograd's threads (the gradient hooks) and
 the chunk worker thread. Every field says which thread writes it and under which lock.
+
+Note [frozen hyper-parameters]: a chunk is stepped with one copy of its group's hyper-parameters,
+taken once when the worker starts it: the live ``param_groups`` copied under ``lock`` before
+``step()``, the copy ``step()`` froze (under the same lock) after it. With
+``param_sync="forward"`` the worker is still stepping chunks after ``step()`` returns, while the
+training loop's ``scheduler.step()`` already changes the live values. Reading the live dict
+itself (it once did, holding a reference taken before ``step()``, and reading ``lr`` from it
+later) let a chunk begun during backward be stepped with the next step's learning rate when the
+worker thread was descheduled between the two: found as a rare 1e-5 loss difference under CPU
+load (``tests/optim/test_hybrid_adam.py::test_gpu_lane_parity_with_torch_adamw``, forward sync),
+reproduced by logging each chunk's ``lr`` (the next step's, with the right step count);
+``tests/optim/test_frozen_hyperparams.py`` forces the interleaving.
 """
 
 from __future__ import annotations
@@ -8,6 +20,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from tiermem.optim.partition import Chunk
 
@@ -20,6 +34,17 @@ def new_stats() -> dict:
     """
     return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
             "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0}
+
+
+def _copy_hp(group: dict) -> dict:
+    """A param group's hyper-parameters (not its params), copied: a tensor value (an LR a
+    scheduler fills in place) is cloned.
+
+    Raises:
+        Nothing.
+    """
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in group.items() if k != "params"}
 
 
 @dataclass
@@ -68,8 +93,9 @@ class StepState:
     """No lock; the caller writes it before setting ``compute_allowed``, the worker reads it
     after waiting on that: the clip's event, the gradients' copies wait for it."""
     frozen_hp: list[dict] | None = None
-    """No lock; the caller writes in ``step()``, the worker reads: each group's
-    hyper-parameters as of ``step()`` (None before it: the live ``param_groups``)."""
+    """Under lock; the caller writes (:meth:`freeze` in ``step()``, :meth:`reset`), the worker
+    reads (:meth:`hyperparams`): each group's hyper-parameters as of ``step()`` (None before
+    it: the live ``param_groups``). See Note [frozen hyper-parameters]."""
     stats_lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``stats``."""
     stats: dict = field(default_factory=new_stats)
@@ -87,6 +113,7 @@ class StepState:
             Nothing.
         """
         with self.lock:
+            self.frozen_hp = None
             self.acc_count.clear()
             self.shipped.clear()
             self.shipped_versions.clear()
@@ -96,7 +123,6 @@ class StepState:
             self.h2d_events = []
             self.chunk_missing = chunk_missing
         self.clip_event = None
-        self.frozen_hp = None
 
     def chunk_grads(self, g: int, chunk: Chunk) -> tuple[dict[int, tuple | None], list]:
         """Chunk ``chunk`` of group ``g``'s gradients once they may be read: ``({local tensor:
@@ -115,14 +141,31 @@ class StepState:
         return refs, list(dict.fromkeys(ref[1] for ref in refs.values()
                                         if ref is not None and ref[1] is not None))
 
-    def hyperparams(self, g: int, live: list[dict]) -> dict:
-        """Group ``g``'s hyper-parameters for the chunks being stepped: as of ``step()``, else
-        ``live[g]`` (the optimizer's ``param_groups``).
+    def freeze(self, live: list[dict]) -> None:
+        """Fix every group's hyper-parameters as of now (``step()``, caller's thread): chunks
+        stepped from here on use them even when an LR scheduler changes ``live`` (the
+        optimizer's ``param_groups``) before the worker is done. Note [frozen hyper-parameters].
 
         Raises:
             Nothing.
         """
-        return self.frozen_hp[g] if self.frozen_hp is not None else live[g]
+        frozen = [_copy_hp(hp) for hp in live]
+        with self.lock:
+            self.frozen_hp = frozen
+
+    def hyperparams(self, g: int, live: list[dict]) -> dict:
+        """Group ``g``'s hyper-parameters for one chunk, a copy the caller may not change: as of
+        ``step()`` once it has frozen them, else ``live[g]`` copied now (worker thread; read
+        once per chunk). Note [frozen hyper-parameters].
+
+        Raises:
+            Nothing.
+        """
+        with self.lock:
+            if self.frozen_hp is not None:
+                return self.frozen_hp[g]
+            return _copy_hp(live[g])  # under the lock: step() cannot freeze, then a scheduler
+            # change the live values, between the check and the copy
 
     def add_stats(self, **deltas: float) -> None:
         """Add ``deltas`` (seconds, bytes, chunks) to this step's counters (any thread).
