@@ -7,7 +7,7 @@
 #   cuda_tests         nvidia-h200      pytest -m cuda but the parity matrix and tests/distributed
 #   parity             nvidia-h200      the CUDA training-parity matrix (~9 min: its own call)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
-#   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 4096
+#   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
@@ -45,7 +45,7 @@ for stage in "$@"; do
       --batch 8 --steps 3 --warmup 2 --repeats 3 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
     bench_activations_chunked) run bench_activations_chunked 420 tiermem bench activations \
-      "${GPT[@]}" --batch 8 --steps 3 --warmup 2 --repeats 3 --loss-chunk-tokens 4096 \
+      "${GPT[@]}" --batch 8 --steps 3 --warmup 2 --repeats 3 --loss-chunk-tokens 1024 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
     bench_optim) run bench_optim 540 tiermem bench optim --steps 3 --accum 1,4 --repeats 3 \
       --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 ;;
