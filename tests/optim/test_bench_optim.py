@@ -1,7 +1,6 @@
 """``tiermem bench optim`` on the CPU: one table, a parity verdict on every row, exit codes."""
 
 import pytest
-import torch
 
 from tiermem.bench import optim
 
