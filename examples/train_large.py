@@ -68,10 +68,12 @@ TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
 
 
 def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
-         grad_accumulation_steps: int | None = None) -> dict:
+         grad_accumulation_steps: int | None = None,
+         gpu_step_fraction: float | None = None) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
-    ``--nvme-dir`` and ``--grad-accumulation-steps`` (micro-batches per optimizer step)
-    applied first.
+    ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches per optimizer step) and
+    ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps) applied
+    first.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
@@ -88,6 +90,8 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
         tree["store"]["nvme_dir"] = nvme_dir
     if grad_accumulation_steps is not None and isinstance(tree.get("train"), dict):
         tree["train"]["grad_accumulation_steps"] = grad_accumulation_steps
+    if gpu_step_fraction is not None and isinstance(tree.get("optimizer"), dict):
+        tree["optimizer"]["gpu_step_fraction"] = gpu_step_fraction
     cfg = from_tree(tree, SECTIONS, required=tuple(SECTIONS), where=where)
     default = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
@@ -198,11 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-accumulation-steps", type=int, default=None,
                     help="override train.grad_accumulation_steps (micro-batches per optimizer "
                          "step; the plan prints from how many the GPU bounds the step)")
+    ap.add_argument("--gpu-step-fraction", type=float, default=None,
+                    help="override optimizer.gpu_step_fraction (share of the offloaded chunks "
+                         "the GPU steps by streaming their state, 0..1; not in the plan's "
+                         "step time)")
     ap.add_argument("--nvme-dir", default=None,
                     help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
     args = ap.parse_args(argv)
     try:
-        cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps)
+        cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps,
+                   args.gpu_step_fraction)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",
@@ -282,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{gpu_s:.2f} s, cpu_adam {st['cpu_adam_s']:.2f} s, pcie d2h "
               f"{st['d2h_bytes'] / 1e9:.2f} GB, h2d "
               f"{st['h2d_bytes'] / 1e9:.2f} GB, nvme r/w {st['nvme_read_bytes'] / 1e9:.2f}/"
-              f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s", flush=True)
+              f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s, chunks "
+              f"{st['chunks']} ({st['gpu_chunks']} on the GPU lane)", flush=True)
         measured.append(dict(step_s=dt, tokens=b * seq * accum, gpu_s=gpu_s,
                              fwd_bwd_wall_s=fwd_bwd_wall, opt_wall_s=opt_wall,
                              **{k: st[k] for k in ("stall_s", "cpu_adam_s", "d2h_bytes",

@@ -15,6 +15,8 @@
 #   dist_tests         nvidia-h200-x2   tests/distributed under NCCL
 #   bench_optim_world2 nvidia-h200-x2   FSDP2 / data-parallel HybridAdam table
 #   large13, large20   nvidia-h200      examples/train_large.py presets
+#   large20_ram        nvidia-h200      h200_20b_ram.yaml (state in RAM, 16 micro-batches)
+#   large20_ram_lane   nvidia-h200      the same with --gpu-step-fraction 0.5
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -63,6 +65,11 @@ for stage in "$@"; do
       --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL" ;;
     large20) run large_20b 540 python3 examples/train_large.py \
       --config examples/configs/large/h200_20b_bf16.yaml --nvme-dir "$SPILL" ;;
+    large20_ram) run large_20b_ram 480 python3 examples/train_large.py \
+      --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" ;;
+    large20_ram_lane) run large_20b_ram_lane 480 python3 examples/train_large.py \
+      --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" \
+      --gpu-step-fraction 0.5 ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done
