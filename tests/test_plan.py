@@ -786,3 +786,244 @@ def test_sizing_doc_quotes_the_presets_predictions():
         assert (f"{st.overlapped_s:.2f} s (NVMe bound) to {st.serial_s:.2f} s; GPU "
                 f"{st.seconds['gpu']:.2f} s, CPU Adam {st.seconds['cpu_adam']:.2f} s") in row, \
             (preset, st.seconds, st.overlapped_s, st.serial_s)
+
+
+# ------------------------------------------------- the GPU lane (HybridAdam gpu_step_fraction)
+
+
+def _train_large():
+    import importlib.util
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_large",
+                                                  root / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RAM_20B = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "configs" / "large" /
+              "h200_20b_ram.yaml")
+
+
+# What step_time printed before it knew the GPU lane (commit 1fc67cc), to the last bit.
+BEFORE_LANE = {
+    "13b split": ({"gpu": 1.6143441188931187, "pcie": 0.3352464435797665,
+                   "cpu_adam": 2.0246084177545693, "nvme": 17.889943970291775},
+                  21.86414295051923, 90783,
+                  {"pcie_d2h_bytes": 15508500480.0, "cpu_adam_params": 7754250240.0,
+                   "nvme_read_bytes": 16949551104.0}),
+    "13b activations": ({"gpu": 1.210758089169839, "pcie": 0.2873848031128405,
+                         "cpu_adam": 1.6534302078328982, "nvme": 0.0},
+                        3.151573100115578, 8391,
+                        {"pcie_d2h_bytes": 13294420992.0, "cpu_adam_params": 6332637696.0,
+                         "nvme_read_bytes": 0.0}),
+    "20b ram": ({"gpu": 10.173741087029187, "pcie": 0.6514322011673152,
+                 "cpu_adam": 3.0329361539855073, "nvme": 0.0},
+                13.858109442182009, 9769,
+                {"pcie_d2h_bytes": 30135253626.0, "cpu_adam_params": 15067626813.0,
+                 "nvme_read_bytes": 0.0}),
+    "step_time bf16": ({"gpu": 1.2491297564003703, "pcie": 0.2594033722438392,
+                        "cpu_adam": 1.2077294685990339, "nvme": 8.443854995579132},
+                       11.160117592822376, 55377,
+                       {"pcie_d2h_bytes": 12e9, "cpu_adam_params": 6e9,
+                        "nvme_read_bytes": 8e9}),
+}
+
+
+def _lane_cases(**kw):
+    """The configurations of BEFORE_LANE, their StepTime with ``kw`` (gpu_step_fraction)."""
+    tl = _train_large()
+    return {
+        "13b split": preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6,
+                                 checkpoint=True, grad_accumulation_steps=4, **kw).step_time,
+        "13b activations": preset_plan("13b", checkpoint=True, offload_layers=10,
+                                       grad_accumulation_steps=3, **kw).step_time,
+        "20b ram": tl.make_plan(tl.load(RAM_20B, **kw)).step_time,
+        "step_time bf16": _st(moments_dtype="bf16", **kw),
+    }
+
+
+@pytest.mark.parametrize("kw", [{}, {"gpu_step_fraction": 0.0}, {"gpu_step_fraction": 0}])
+def test_no_gpu_lane_leaves_the_step_time_as_it_was(kw):
+    """gpu_step_fraction 0 (or not given) predicts what the plan predicted before it knew the
+    lane: every second, the bound, the GPU-bound batch and the bytes, exactly."""
+    for name, st in _lane_cases(**kw).items():
+        seconds, serial, gpu_bound, moved = BEFORE_LANE[name]
+        assert st.seconds == seconds and st.serial_s == serial, name
+        assert st.overlapped_s == max(seconds.values()) and st.gpu_bound_tokens == gpu_bound
+        for key, value in moved.items():
+            assert st.moved[key] == value, (name, key)
+        assert st.moved["pcie_h2d_bytes"] == st.moved["pcie_d2h_bytes"]
+        assert st.moved["gpu_lane_params"] == st.moved["pcie_gpu_lane_bytes"] == 0
+        assert st.gpu_step_fraction == 0.0
+
+
+def test_the_printed_plan_without_the_lane_does_not_mention_it():
+    p = preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6, checkpoint=True,
+                    grad_accumulation_steps=4)
+    assert p.table() == preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6,
+                                    checkpoint=True, grad_accumulation_steps=4,
+                                    gpu_step_fraction=0.0).table()
+    assert "lane" not in p.table() and "gpu_step_fraction" not in p.table()
+
+
+@pytest.mark.parametrize("moments, w", [("fp32", 12), ("bf16", 8)])
+def test_half_on_the_gpu_lane_halves_cpu_adam_and_sends_its_state_over_pcie(moments, w):
+    """s = 0.5 of 6e9 offloaded params: the CPU steps 3e9 (half the time), and each way PCIe
+    carries the CPU half's gradients / params (2 B) plus the lane half's state (w B: fp32
+    master + moments); the GPU and NVMe terms do not change."""
+    r = MachineRates()
+    none, half = _st(moments_dtype=moments), _st(moments_dtype=moments, gpu_step_fraction=0.5)
+    assert half.seconds["cpu_adam"] == pytest.approx(none.seconds["cpu_adam"] / 2)
+    assert half.moved["cpu_adam_params"] == half.moved["gpu_lane_params"] == 3e9
+    each_way = 3 * 10**9 * 2 + 3 * 10**9 * w
+    assert half.moved["pcie_d2h_bytes"] == half.moved["pcie_h2d_bytes"] == each_way
+    assert half.moved["pcie_gpu_lane_bytes"] == 3 * 10**9 * w
+    assert half.seconds["pcie"] == pytest.approx(max(each_way / r.pcie_d2h_bytes_per_s,
+                                                     each_way / r.pcie_h2d_bytes_per_s,
+                                                     2 * each_way / r.pcie_both_bytes_per_s))
+    for k in ("gpu", "nvme"):
+        assert half.seconds[k] == none.seconds[k]
+    assert half.moved["nvme_read_bytes"] == none.moved["nvme_read_bytes"]
+    assert half.serial_s == pytest.approx(sum(half.seconds.values()))
+    # all on the lane: no CPU Adam at all, the whole state both ways
+    every = _st(moments_dtype=moments, gpu_step_fraction=1.0)
+    assert every.seconds["cpu_adam"] == 0 and every.moved["pcie_d2h_bytes"] == 6 * 10**9 * w
+
+
+def test_the_plan_times_the_lane_of_its_own_placement():
+    """Through plan() and train_large's make_plan (which passes optimizer.gpu_step_fraction):
+    the lane's params are round(s x round(f·N)), its state 4·state_numel(1, moments) B each
+    way; offloaded activations still cross per micro-batch."""
+    tl = _train_large()
+    cfg = tl.load(RAM_20B, gpu_step_fraction=0.5)
+    p = tl.make_plan(cfg)
+    st, n = p.step_time, p.num_params
+    off = round(p.offload_fraction * n)
+    lane = round(0.5 * off)
+    assert p.inputs["gpu_step_fraction"] == st.gpu_step_fraction == 0.5
+    assert st.moved["gpu_lane_params"] == lane and st.moved["cpu_adam_params"] == off - lane
+    assert st.moved["pcie_d2h_bytes"] == (off - lane) * 2 + lane * 8  # bf16 params, bf16 moments
+    assert st.seconds["cpu_adam"] == pytest.approx(
+        (off - lane) / MachineRates().cpu_adam_bf16_moments_params_per_s)
+    # placement and memory do not depend on it
+    base = tl.make_plan(tl.load(RAM_20B))
+    assert p.items == base.items and p.offload_fraction == base.offload_fraction
+    act = preset_plan("13b", checkpoint=True, offload_layers=10, grad_accumulation_steps=3,
+                      gpu_step_fraction=0.25)
+    a_off = round(act.offload_fraction * act.num_params)
+    a_lane = round(0.25 * a_off)
+    kept = next(i for i in act.items if i.name == "activations").host
+    assert act.step_time.moved["pcie_h2d_bytes"] == (a_off - a_lane) * 2 + a_lane * 12 + 3 * kept
+
+
+def test_the_table_and_json_show_the_lane():
+    p = preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6, checkpoint=True,
+                    grad_accumulation_steps=4, gpu_step_fraction=0.5)
+    st, text = p.step_time, p.table()
+    lane_gib = st.moved["pcie_gpu_lane_bytes"] / GiB
+    assert re.search(rf"^  PCIe\s+{st.seconds['pcie']:.3f} s  .* GiB H2D \(of which "
+                     rf"{lane_gib:,.1f} GiB each way: the state of the "
+                     rf"{st.moved['gpu_lane_params'] / 1e9:,.2f}B params the GPU lane steps, "
+                     rf"gpu_step_fraction=0.5\)$", text, re.M), text
+    assert re.search(rf"^  CPU Adam\s+{st.seconds['cpu_adam']:.3f} s  "
+                     rf"{st.moved['cpu_adam_params'] / 1e9:,.2f}B params \(the rest of the "
+                     rf"offloaded: GPU lane\)$", text, re.M), text
+    assert "optimizer.gpu_step_fraction=0.5" in text
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["inputs"]["gpu_step_fraction"] == data["step_time"]["gpu_step_fraction"] == 0.5
+    assert data["step_time"]["moved"]["pcie_gpu_lane_bytes"] == st.moved["pcie_gpu_lane_bytes"]
+    # nothing offloaded: the lane has nothing to step, the note does not mention it
+    alone = preset_plan("1b", gpu_step_fraction=0.5)
+    assert alone.offload_fraction == 0 and "gpu_step_fraction" not in alone.table()
+    assert alone.step_time.seconds["pcie"] == 0
+
+
+@pytest.mark.parametrize("value, error", [(1.5, ValueError), (-0.1, ValueError),
+                                          (float("nan"), ValueError), ("half", TypeError),
+                                          (True, TypeError), (None, TypeError)])
+def test_a_bad_gpu_step_fraction_is_a_one_line_error_naming_it(value, error):
+    for call, who in ((lambda: preset_plan("13b", gpu_step_fraction=value), "plan: "),
+                      (lambda: _st(gpu_step_fraction=value), "step_time: ")):
+        with pytest.raises(error) as err:
+            call()
+        message = str(err.value)
+        assert message.startswith(f"{who}gpu_step_fraction") and "\n" not in message, message
+        assert "[0.0, 1.0]" in message and "share of the offloaded chunks" in message
+        if error is ValueError:
+            assert f"gpu_step_fraction={value!r}" in message
+
+
+def test_the_command_takes_the_gpu_step_fraction(capsys):
+    argv = ["--model-size", "13b", "--checkpoint", "--host", "80GiB", "--offload-fraction", "0.6",
+            "--grad-accumulation-steps", "4"]
+    assert main([*argv, "--gpu-step-fraction", "0.5", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    want = preset_plan("13b", checkpoint=True, host_bytes="80GiB", offload_fraction=0.6,
+                       grad_accumulation_steps=4, gpu_step_fraction=0.5)
+    assert data["step_time"] == json.loads(json.dumps(want.to_dict()))["step_time"]
+    assert data["step_time"]["gpu_step_fraction"] == 0.5
+    assert main([*argv, "--gpu-step-fraction", "0.5"]) == 0
+    assert "the GPU lane steps, gpu_step_fraction=0.5)" in capsys.readouterr().out
+    assert main(argv) == 0  # default 0: as before
+    assert "lane" not in capsys.readouterr().out
+    assert main([*argv, "--gpu-step-fraction", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gpu_step_fraction=1.5 is outside [0.0, 1.0]" in err, err
+    assert main([*argv, "--gpu-step-fraction", "half"]) == 2
+    assert "'half' is not a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_sizing_doc_quotes_the_lane_predictions():
+    """docs/sizing.md section 4: the 20B RAM preset with and without --gpu-step-fraction 0.5,
+    the 1.34B lane rows of the comparison table (predicted now, measured from the logs), and
+    the GPU-only rows the lane's own Adam is sized by."""
+    tl = _train_large()
+    lines = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text() \
+        .splitlines()
+    text = " ".join(lines)
+    none = tl.make_plan(tl.load(RAM_20B)).step_time
+    half = tl.make_plan(tl.load(RAM_20B, gpu_step_fraction=0.5)).step_time
+    assert half.bound == none.bound == "gpu"
+    assert (f"predicted {none.overlapped_s:.1f} s (GPU bound, all overlapped) to "
+            f"{none.serial_s:.1f} s (none overlapped)") in text
+    assert (f"`--gpu-step-fraction 0.5` half of the offloaded chunks go to the GPU lane (Note "
+            f"[gpu lane]): predicted {half.overlapped_s:.1f} s (GPU bound) to "
+            f"{half.serial_s:.1f} s, {half.tokens_per_s_overlapped / 1e3:.1f}k to "
+            f"{half.tokens_per_s_serial / 1e3:.1f}k tokens/s (PCIe {half.seconds['pcie']:.2f} s "
+            f"for {half.moved['pcie_d2h_bytes'] / GiB:.1f} GiB each way, "
+            f"{half.moved['pcie_gpu_lane_bytes'] / GiB:.1f} GiB of it lane state; CPU Adam "
+            f"{half.seconds['cpu_adam']:.2f} s instead of {none.seconds['cpu_adam']:.2f} s)") \
+        in text
+    assert f"smaller than the {none.serial_s - half.serial_s:.2f} s the sum drops" in text
+    names = {"gpu": "GPU", "pcie": "PCIe", "cpu_adam": "CPU Adam"}
+
+    def measured(log, setup):
+        row = re.search(rf"^{re.escape(setup)}\s+16384\s+([\d.]+)",
+                        (RESULTS / log).read_text(), re.M)
+        return f"{float(row[1]) / 1e3:.3f} s"
+
+    for moments, cases in (("fp32", [(0, "bench_optim_s3_final.log", ""),
+                                      (0.5, "bench_optim_s3_final.log", " gpu=0.5"),
+                                      (1, "bench_optim_lane_share.log", " gpu=1")]),
+                           ("bf16", [(0, "bench_optim_bf16_lane.log", " bf16m"),
+                                     (1, "bench_optim_bf16_lane.log", " bf16m gpu=1")])):
+        row = next(line for line in lines if line.startswith(
+            "| 1.34B, 8 × 2048 tokens" if moments == "fp32" else
+            "| the same with bf16 moments, `gpu_step_fraction`"))
+        for s, log, suffix in cases:
+            st = preset_plan("1b", offload_fraction=1.0, state_tier="cpu", moments_dtype=moments,
+                             gpu_step_fraction=s).step_time
+            assert (f"{s:g}: {st.overlapped_s:.3f} s ({names[st.bound]} bound) to "
+                    f"{st.serial_s:.3f} s") in row, (moments, s, st.seconds)
+            assert f"{s:g}: {measured(log, 'HybridAdam f=1 cpu' + suffix)}" in row, (moments, s)
+            assert f"`{log}`" in row
+    gpu_only = [float(m) for log in RESULTS.glob("bench_optim*.log") for m in re.findall(
+        r"^GPU-only fused AdamW\s+16384\s+([\d.]+)", log.read_text(), re.M)]
+    low, high = min(gpu_only), max(gpu_only)
+    ref = REFERENCE_FWD_BWD_S * 1e3
+    assert (f"roughly {low - ref:.0f}–{high - ref:.0f} ms (the GPU-only rows at 16,384 tokens "
+            f"of the `bench_optim*.log` runs, {low:.1f}–{high:.1f} ms, less the {ref:.1f} ms") \
+        in text
+    lane_all = preset_plan("1b", offload_fraction=1.0, state_tier="cpu", gpu_step_fraction=1)
+    assert f"fp32 state would take {lane_all.step_time.seconds['pcie']:.3f} s" in text

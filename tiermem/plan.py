@@ -78,8 +78,9 @@ together could hold the offloaded state at all (with fp32 and with bf16 moments)
 Time per step (``plan.step_time``, :func:`step_time`; docs/sizing.md, "Time per step"): from the
 placement and the tokens per optimizer step (``batch x seq x grad_accumulation_steps``), the
 predicted seconds of GPU forward + backward, PCIe, CPU Adam and NVMe per optimizer step, from
-:class:`MachineRates` (defaults: the H200 machine's logs in ``docs/results``). Predictions, not
-measurements.
+:class:`MachineRates` (defaults: the H200 machine's logs in ``docs/results``), with HybridAdam's
+``gpu_step_fraction`` (the GPU lane: its share of the offloaded params crosses PCIe as state
+both ways instead of being stepped by the CPU). Predictions, not measurements.
 
 MoE models (``n_experts``, ``top_k``, ``d_expert``): parameters, gradients and optimizer state
 count every parameter (the total, ``MoEConfig.num_params()``); the activations depend on
@@ -232,9 +233,10 @@ class StepTime:
         tokens: tokens per optimizer step (micro-batch x sequence x accumulation steps).
         micro_batch_tokens: tokens per micro-batch (micro-batch x sequence).
         seconds: per resource (:data:`RESOURCES`): ``gpu`` forward + backward of all
-            micro-batches; ``pcie`` the offloaded gradients off and updated params back, plus
-            offloaded activations; ``cpu_adam`` the CPU Adam kernel on the offloaded params;
-            ``nvme`` the NVMe-resident state (and activations) read and written.
+            micro-batches; ``pcie`` the CPU-stepped offloaded params' gradients off and updated
+            params back, the GPU lane's state both ways, plus offloaded activations;
+            ``cpu_adam`` the CPU Adam kernel on the offloaded params the CPU steps; ``nvme``
+            the NVMe-resident state (and activations) read and written.
         bound: the resource with the longest time (ties: the first of :data:`RESOURCES`).
         overlapped_s: ``max(seconds)``: every resource overlapping every other (a floor).
         serial_s: ``sum(seconds)``: none overlapping.
@@ -244,10 +246,13 @@ class StepTime:
             traffic per token outgrowing the compute per token).
         gpu_bound_grad_accumulation_steps: the least accumulation steps at this micro-batch
             that reach ``gpu_bound_tokens`` (None with it).
-        moved: what the times are sized by: ``pcie_d2h_bytes``, ``pcie_h2d_bytes``,
-            ``cpu_adam_params``, ``nvme_read_bytes``, ``nvme_write_bytes``, ``gpu_flops``
-            (6 or 8 x active params x tokens).
+        moved: what the times are sized by: ``pcie_d2h_bytes``, ``pcie_h2d_bytes`` (all
+            PCIe bytes each way), ``pcie_gpu_lane_bytes`` (of which the GPU lane's state, the
+            same each way), ``cpu_adam_params``, ``gpu_lane_params`` (offloaded params the GPU
+            lane steps instead), ``nvme_read_bytes``, ``nvme_write_bytes``, ``gpu_flops`` (6
+            or 8 x active params x tokens).
         rates: the rates used.
+        gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps.
     """
 
     tokens: int
@@ -262,24 +267,35 @@ class StepTime:
     gpu_bound_grad_accumulation_steps: int | None
     moved: dict[str, float]
     rates: MachineRates
+    gpu_step_fraction: float = 0.0
+
+
+_LANE_MEANING = ("it is HybridAdam's share of the offloaded chunks the GPU steps by streaming "
+                 "their state through it (0.0: the CPU steps all)")
+"""What ``gpu_step_fraction`` is, for its range errors (as HybridAdam words it)."""
 
 
 def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               moments_dtype="float32", checkpoint: bool = False, micro_batch_tokens: int,
               grad_accumulation_steps: int = 1, nvme_state_bytes: int = 0,
               activation_offload_bytes: int = 0, activation_tier: str = "cpu",
-              rates: MachineRates | None = None) -> StepTime:
+              gpu_step_fraction: float = 0.0, rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
 
     - GPU: ``c·active_params·T / rates.gpu_flops``, ``c`` = 6 (forward + backward) or 8 with
       ``checkpoint`` (the forward again in backward);
-    - PCIe: ``offloaded_params·param_bytes`` each way once per optimizer step (gradients off,
-      updated params back), plus ``activation_offload_bytes`` each way per micro-batch; the
+    - PCIe: each way once per optimizer step, ``c_p·param_bytes`` for the ``c_p`` offloaded
+      params the CPU steps (gradients off, updated params back) plus ``l_p·w`` for the ``l_p``
+      the GPU lane steps (their state H2D and back D2H; ``w = 4·state_numel(1, moments)``:
+      12 B/param with fp32 moments, 8 with bf16; their gradients stay on the GPU and their
+      params are not copied), plus ``activation_offload_bytes`` each way per micro-batch; the
       time is the largest of D2H bytes / D2H rate, H2D bytes / H2D rate and both / the rate
-      both ways at once (the two directions overlapping as far as the link allows);
-    - CPU Adam: ``offloaded_params`` / the kernel's rate for ``moments_dtype``;
+      both ways at once (the two directions overlapping as far as the link allows). ``l_p =
+      round(gpu_step_fraction·offloaded_params)``, ``c_p = offloaded_params - l_p`` (HybridAdam
+      picks whole chunks, Note [gpu lane]: the same share when the chunks are of one size);
+    - CPU Adam: ``c_p`` / the kernel's rate for ``moments_dtype``;
     - NVMe: ``nvme_state_bytes`` read and written once per optimizer step, one after the other
       on one disk (plus ``activation_offload_bytes`` per micro-batch with
       ``activation_tier="nvme"``).
@@ -287,7 +303,10 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     Every term is ``fixed + per_token·T``; the GPU's is ``g·T``, so the GPU bounds the step
     from ``T* = max(fixed / (g - per_token))`` over the other terms (closed form; no such T
     when a term grows as fast as the GPU's). The GPU-side Adam on the rest of the params, the
-    launch overheads, page faults and the first step's allocation are not counted.
+    GPU lane's own fused Adam (small next to the lane's PCIe traffic: docs/sizing.md), the
+    launch overheads, page faults and the first step's
+    allocation are not counted; nor that the CPU kernel and the lane's copies draw on the same
+    host memory (docs/sizing.md, "Time per step").
 
     Args:
         active_params: params one token uses (the compute; the total for a dense model).
@@ -300,11 +319,14 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         nvme_state_bytes: the offloaded state on NVMe (``state_tier`` nvme or split).
         activation_offload_bytes: activations one micro-batch offloads.
         activation_tier: ``"cpu"`` or ``"nvme"``: where they go.
+        gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps, in
+            [0.0, 1.0] (0: the CPU steps all).
         rates: :class:`MachineRates`; None: the H200 machine's.
 
     Raises:
         ValueError, TypeError: a count that is not a positive int (zero allowed for the
-            offloaded and NVMe ones), an unknown dtype or tier, ``rates`` not MachineRates.
+            offloaded and NVMe ones), an unknown dtype or tier, ``gpu_step_fraction`` not a
+            number in [0.0, 1.0], ``rates`` not MachineRates.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -321,11 +343,17 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         check_int(who, name, value, low=0)
     moments = dtype_name(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
     check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
+    share = check_fraction(who, "gpu_step_fraction", gpu_step_fraction, _LANE_MEANING)
     r = rates
     tokens = micro_batch_tokens * grad_accumulation_steps
     flops_per_token = (8 if checkpoint else 6) * active_params
     act_per_token = activation_offload_bytes / micro_batch_tokens  # each way
-    opt_bytes = offloaded_params * param_bytes  # each way, once per optimizer step
+    lane_params = round(share * offloaded_params)  # Note [gpu lane]: stepped by the GPU
+    cpu_params = offloaded_params - lane_params
+    lane_bytes = lane_params * 4 * state_numel(1, getattr(torch, moments))  # state, each way
+    # each way, once per optimizer step: the CPU chunks' gradients off and params back, the
+    # lane chunks' state (fp32 master + moments) in and back
+    opt_bytes = cpu_params * param_bytes + lane_bytes
     adam_rate = r.cpu_adam_params_per_s if moments == "float32" else \
         r.cpu_adam_bf16_moments_params_per_s
     disk = 1 / r.nvme_read_bytes_per_s + 1 / r.nvme_write_bytes_per_s  # s per byte read + written
@@ -335,7 +363,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                  (opt_bytes / r.pcie_h2d_bytes_per_s, act_per_token / r.pcie_h2d_bytes_per_s),
                  (2 * opt_bytes / r.pcie_both_bytes_per_s,
                   2 * act_per_token / r.pcie_both_bytes_per_s)],
-        "cpu_adam": [(offloaded_params / adam_rate, 0.0)],
+        "cpu_adam": [(cpu_params / adam_rate, 0.0)],
         "nvme": [(nvme_state_bytes * disk,
                   act_per_token * disk if activation_tier == "nvme" else 0.0)],
     }
@@ -357,7 +385,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     moved = dict(gpu_flops=float(flops_per_token * tokens),
                  pcie_d2h_bytes=float(opt_bytes + act_total),
                  pcie_h2d_bytes=float(opt_bytes + act_total),
-                 cpu_adam_params=float(offloaded_params),
+                 pcie_gpu_lane_bytes=float(lane_bytes),
+                 cpu_adam_params=float(cpu_params),
+                 gpu_lane_params=float(lane_params),
                  nvme_read_bytes=float(nvme_state_bytes
                                        + (act_total if activation_tier == "nvme" else 0)),
                  nvme_write_bytes=float(nvme_state_bytes
@@ -369,7 +399,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                     gpu_bound_tokens=gpu_bound,
                     gpu_bound_grad_accumulation_steps=None if gpu_bound is None else
                     max(1, math.ceil(gpu_bound / micro_batch_tokens)),
-                    moved=moved, rates=rates)
+                    moved=moved, rates=rates, gpu_step_fraction=share)
 
 
 def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
@@ -385,8 +415,13 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
                f"{st.rates.gpu_flops / 1e12:,.1f} TFLOP/s"
                + (" (checkpointing: the forward twice)" if checkpoint else ""),
         "pcie": f"{m['pcie_d2h_bytes'] / GiB:,.1f} GiB D2H + {m['pcie_h2d_bytes'] / GiB:,.1f} "
-                f"GiB H2D",
-        "cpu_adam": f"{m['cpu_adam_params'] / 1e9:,.2f}B params",
+                f"GiB H2D" + (f" (of which {m['pcie_gpu_lane_bytes'] / GiB:,.1f} GiB each way: "
+                              f"the state of the {m['gpu_lane_params'] / 1e9:,.2f}B params the "
+                              f"GPU lane steps, gpu_step_fraction={st.gpu_step_fraction:g})"
+                              if m.get("gpu_lane_params") else ""),
+        "cpu_adam": f"{m['cpu_adam_params'] / 1e9:,.2f}B params"
+                    + (" (the rest of the offloaded: GPU lane)" if m.get("gpu_lane_params")
+                       else ""),
         "nvme": f"{m['nvme_read_bytes'] / GiB:,.1f} GiB read + {m['nvme_write_bytes'] / GiB:,.1f}"
                 f" GiB written",
     }
@@ -620,7 +655,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
          eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
          chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
-         grad_accumulation_steps: int = 1, rates: MachineRates | None = None) -> Plan:
+         grad_accumulation_steps: int = 1, gpu_step_fraction: float = 0.0,
+         rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
@@ -667,6 +703,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             elements, see :func:`tiermem.optim.partition.auto_chunk_numel`).
         grad_accumulation_steps: micro-batches per optimizer step: only the time per step
             depends on it (``batch x seq x grad_accumulation_steps`` tokens), not the memory.
+        gpu_step_fraction: HybridAdam's share of the offloaded chunks the GPU steps (Note [gpu
+            lane] in ``tiermem/optim/hybrid_adam.py``), in [0, 1]: only the time per step
+            depends on it (that share crosses PCIe as state both ways instead of being stepped
+            by the CPU; :func:`step_time`); the lane's device slots are not in the memory.
         rates: :class:`MachineRates` the time per step is predicted from; None: the H200
             machine's.
 
@@ -675,9 +715,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
 
     Raises:
         ValueError: a missing or non-positive size, an unknown dtype or tier, a fraction
-            outside [0, 1], ``offload_layers`` outside [0, n_layers), an MoE shape given in
-            part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of the
-            experts a token skips, naming the argument.
+            (``offload_fraction``, ``gpu_step_fraction``) outside [0, 1], ``offload_layers``
+            outside [0, n_layers), an MoE shape given in part, ``top_k`` > ``n_experts``, or
+            ``num_params`` not above the parameters of the experts a token skips, naming the
+            argument.
         TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
             that is not an int, or a fraction that is not a number (naming the argument);
             ``rates`` not a :class:`MachineRates`.
@@ -756,6 +797,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     if offload_fraction is not None:
         check_fraction("plan: ", "offload_fraction", offload_fraction,
                        "the optimizer state off the GPU, or None: the least that fits")
+    gpu_step_fraction = check_fraction("plan: ", "gpu_step_fraction", gpu_step_fraction,
+                                       _LANE_MEANING)
     check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
                  "auto: RAM if it fits, else split")
     check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
@@ -779,7 +822,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
-                  n_experts=n_experts, top_k=top_k, d_expert=d_expert,
+                  gpu_step_fraction=gpu_step_fraction, n_experts=n_experts, top_k=top_k,
+                  d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
                   checkpoint=checkpoint, activation_tier=activation_tier,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
@@ -869,7 +913,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
         grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
         activation_offload_bytes=best.offload_layers * kept_per_block,
-        activation_tier=activation_tier, rates=rates)
+        activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction, rates=rates)
     _add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best
@@ -893,6 +937,8 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.d
             cfg.append(f"optimizer.state_tier={pl.state_tier}")
         if moments_dtype != "float32":
             cfg.append(f"optimizer.moments_dtype={moments_dtype}")
+        if f > 0 and pl.inputs.get("gpu_step_fraction"):
+            cfg.append(f"optimizer.gpu_step_fraction={pl.inputs['gpu_step_fraction']:g}")
         cfg.append(f"activations.enabled={'true' if pl.offload_layers else 'false'}")
         if pl.offload_layers:
             cfg.append(f"activations.num_layers={pl.offload_layers}")
@@ -974,6 +1020,13 @@ def _layers(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not an int or 'auto'") from None
 
 
+def _share(text: str) -> float:
+    try:
+        return float(text)  # the range is plan()'s check, one message for both
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]") from None
+
+
 def _count(text: str) -> float:
     try:
         value = float(text)
@@ -1031,6 +1084,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-depth", type=int, default=1, help="blocks reloaded ahead (1)")
     p.add_argument("--eager-attention", action="store_true",
                    help="attention saves its softmax (no flash/efficient SDPA kernel)")
+    p.add_argument("--gpu-step-fraction", type=_share, default=0.0, metavar="S",
+                   help="share of the offloaded chunks HybridAdam's GPU lane steps "
+                        "(optimizer.gpu_step_fraction), 0..1, for the time per step: that share "
+                        "crosses PCIe as state both ways instead of being stepped by the CPU "
+                        "(default 0: the CPU steps all)")
     p.add_argument("--grad-accumulation-steps", type=int, default=1, metavar="N",
                    help="micro-batches per optimizer step, for the time per step: tokens per "
                         "step = batch x seq x N (default 1; the memory does not depend on it)")
@@ -1104,6 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_tier=args.activation_tier, checkpoint=args.checkpoint,
             prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
             grad_accumulation_steps=args.grad_accumulation_steps,
+            gpu_step_fraction=args.gpu_step_fraction,
             rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
                                   for flag, fld, scale, _, _ in _RATE_FLAGS
                                   if getattr(args, flag[2:].replace("-", "_")) is not None}),
