@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                          "step; the plan prints from how many the GPU bounds the step)")
     ap.add_argument("--gpu-step-fraction", type=float, default=None,
                     help="override optimizer.gpu_step_fraction (share of the offloaded chunks "
-                         "the GPU steps by streaming their state, 0..1; not in the plan's "
-                         "step time)")
+                         "the GPU steps by streaming their state, 0..1; the plan's step "
+                         "time counts its PCIe traffic)")
     ap.add_argument("--nvme-dir", default=None,
                     help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
     args = ap.parse_args(argv)
