@@ -17,8 +17,12 @@ The Llama is built from a config (no weights are downloaded; ``--preset tiny``: 
 gate/up/down of every layer and freezes everything else. Activations saved inside the decoder
 layers go to the store's pinned-RAM tier (all layers but the last; with ``--checkpoint`` every
 layer checkpoints and the checkpointed inputs of all layers go). The adapters' own saved
-tensors are inside those layers, so the same block hooks take them: no tensor-level offload is
-needed. HybridAdam keeps the adapters' fp32 masters and moments in pinned RAM and steps them on
+tensors are inside those layers, so the same block hooks take them. ``--offload adapters``
+shows tensor-level offload instead (:func:`~tiermem.offload.offload_tensors`, the way
+Megatron-Core marks the tensors of its LoRA linear_in/linear_out path): one region entered
+around every ``lora_A`` / ``lora_B`` call by forward hooks, so only what the adapters save goes
+to pinned RAM; ``--offload layers+adapters`` adds that region to the block offloader (it then
+also takes the last layer's adapter tensors, which the block offloader keeps). HybridAdam keeps the adapters' fp32 masters and moments in pinned RAM and steps them on
 the CPU. The frozen base weights are neither copied, offloaded nor given optimizer state.
 
 It prints each step's loss and time and, on CUDA, the peak GPU memory; ``--compare`` also
@@ -28,6 +32,7 @@ exits 1 if a loss differs by more than ``--tolerance``.
     pip install -e ".[lora]"
     python examples/train_lora.py --compare                 # CPU: tiny Llama, fp32, exact
     python examples/train_lora.py --compare --checkpoint
+    python examples/train_lora.py --compare --offload adapters
     python examples/train_lora.py --preset 7b --device cuda --seq 4096 --steps 10
 """
 
@@ -43,10 +48,12 @@ import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama)
-from tiermem.offload import ActivationOffloader, offload_activations
+from tiermem.offload import ActivationOffloader, offload_activations, offload_tensors
 from tiermem.optim import HybridAdam
 
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+OFFLOAD_MODES = ("layers", "adapters", "layers+adapters")
+"""``--offload``: the decoder layers' blocks, the adapters' tensors (a region), or both."""
 
 
 @dataclass
@@ -77,17 +84,91 @@ def make_optimizer(model: torch.nn.Module, hybrid: bool,
     return torch.optim.AdamW(params, **HP, fused=True)
 
 
-def make_offloader(model: torch.nn.Module, checkpoint: bool, **kw) -> ActivationOffloader:
-    """Offload the decoder layers' saved activations: all layers but the last (their backward
-    comes first), or with checkpointing every layer's checkpointed inputs. ``kw`` goes to
-    :func:`~tiermem.offload.offload_activations` (e.g. ``store=``)."""
-    layers = decoder_layers(model)
-    chosen = range(len(layers)) if checkpoint else range(len(layers) - 1)
-    return offload_activations(layers, layers=chosen, **kw)
+def make_offloader(model: torch.nn.Module, checkpoint: bool, mode: str = "layers", **kw):
+    """The activation offload of ``--offload`` (:data:`OFFLOAD_MODES`), entered around each
+    forward: ``"layers"`` offloads the decoder layers' saved activations, all layers but the
+    last (their backward comes first), or with checkpointing every layer's checkpointed inputs;
+    ``kw`` goes to :func:`~tiermem.offload.offload_activations` (e.g. ``store=``).
+    ``"adapters"`` / ``"layers+adapters"``: an :class:`AdapterOffload` without / with them.
+
+    Raises:
+        ValueError: an unknown ``mode``, or ``"adapters"`` with ``checkpoint`` (a checkpointed
+            layer saves only its input: the region would offload nothing).
+    """
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"--offload={mode!r} is not one of {', '.join(OFFLOAD_MODES)}")
+    if mode == "adapters" and checkpoint:
+        raise ValueError("--offload=adapters with --checkpoint offloads nothing (a checkpointed "
+                         "layer saves only its input); use --offload layers or layers+adapters")
+    blocks = None
+    if mode != "adapters":
+        layers = decoder_layers(model)
+        chosen = range(len(layers)) if checkpoint else range(len(layers) - 1)
+        blocks = offload_activations(layers, layers=chosen, **kw)
+        if mode == "layers":
+            return blocks
+    return AdapterOffload(model, blocks)
+
+
+class AdapterOffload:
+    """Tensor-level offload of the LoRA adapters (:func:`~tiermem.offload.offload_tensors`):
+    one region, entered by a forward pre-hook and left by an always-called forward hook around
+    every ``lora_A`` / ``lora_B`` module, so every tensor autograd saves inside an adapter
+    (``lora_A``'s input, which peft casts to the adapter dtype, and ``lora_A``'s output, which
+    ``lora_B`` saves) goes to pinned RAM and comes back prefetched in backward. Alone it
+    offloads nothing else; inside ``blocks`` (entered around the forward) the region joins that
+    context and its store. Entered like an offloader (it enters ``blocks``, if any).
+
+    Args:
+        model: the peft LoRA model.
+        blocks: the block offloader the region joins, or None.
+
+    Raises:
+        ValueError: the model has no ``lora_A`` / ``lora_B`` module.
+    """
+
+    def __init__(self, model: torch.nn.Module, blocks: ActivationOffloader | None) -> None:
+        self.blocks = blocks
+        self.region = offload_tensors(store=blocks.store if blocks is not None else None)
+        self._handles = []
+        for name, module in model.named_modules():
+            if name.split(".")[-2:-1] in (["lora_A"], ["lora_B"]):  # ...lora_A.default
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        if not self._handles:
+            raise ValueError("AdapterOffload: the model has no lora_A / lora_B modules")
+
+    def _enter(self, module: torch.nn.Module, args: tuple) -> None:
+        self.region.__enter__()
+
+    def _exit(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self.region.__exit__(None, None, None)
+
+    def __enter__(self) -> "AdapterOffload":
+        if self.blocks is not None:
+            self.blocks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.blocks is not None:
+            self.blocks.__exit__(*exc)
+
+    def stats(self) -> dict:
+        """The offload counters (the block offloader's, which the region's traffic joins)."""
+        return (self.blocks if self.blocks is not None else self.region).stats()
+
+    def close(self) -> None:
+        """Remove the hooks and close the region and the block offloader."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.region.close()
+        if self.blocks is not None:
+            self.blocks.close()
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer,
-          offloader: ActivationOffloader | None, batches: list[torch.Tensor],
+          offloader: "ActivationOffloader | AdapterOffload | None", batches: list[torch.Tensor],
           timed: bool = False, log=None) -> Run:
     """Train one step per batch; return the losses (read after the last step unless
     ``timed``: then every step is synchronised, timed and passed to ``log``)."""
@@ -123,7 +204,7 @@ def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print
     """Build, train ``args.steps`` steps (offload + HybridAdam, or neither) and clean up."""
     model = build(args, device)
     opt = make_optimizer(model, hybrid=offload, offload_fraction=args.offload_fraction)
-    offloader = make_offloader(model, args.checkpoint) if offload else None
+    offloader = make_offloader(model, args.checkpoint, args.offload) if offload else None
     batches = lora_batches(SHAPES[args.preset].vocab, args.batch, args.seq, args.steps, device)
     try:
         return train(model, opt, offloader, batches, timed=True, log=log)
@@ -146,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="checkpoint every decoder layer (offload then takes their inputs)")
+    parser.add_argument("--offload", choices=OFFLOAD_MODES, default="layers",
+                        help="what goes to pinned RAM: the decoder layers' activations, only "
+                             "the LoRA adapters' saved tensors (tensor-level), or both")
     parser.add_argument("--offload-fraction", type=float, default=1.0,
                         help="share of the adapters' optimizer state in pinned RAM")
     parser.add_argument("--no-offload", action="store_true",
@@ -158,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("seq", "batch", "steps", "rank"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.offload == "adapters" and args.checkpoint:
+        parser.error("--offload=adapters with --checkpoint offloads nothing (a checkpointed "
+                     "layer saves only its input); use --offload layers or layers+adapters")
     device = torch.device(args.device)
     shape = SHAPES[args.preset]
     print(f"model: LlamaForCausalLM '{args.preset}' ({shape.layers} layers, hidden "
@@ -168,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print("without tiermem: torch.optim.AdamW(fused=True) on the adapters, nothing offloaded")
         run(args, device, offload=False)
         return 0
-    print("tiermem: decoder-layer activations -> pinned RAM, HybridAdam on the adapters")
+    what = {"layers": "decoder-layer activations", "adapters": "the LoRA adapters' saved tensors",
+            "layers+adapters": "decoder-layer activations and every adapter's saved tensors"}
+    print(f"tiermem: {what[args.offload]} -> pinned RAM, HybridAdam on the adapters")
     off = run(args, device, offload=True)
     print(f"offloaded {off.offload_stats['put_bytes'] / args.steps / 2**20:.1f} MiB of "
           f"activations per step")

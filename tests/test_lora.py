@@ -73,8 +73,12 @@ def _reference(ex, checkpoint: bool):
     return run, after, _flat(adapter_parameters(model))
 
 
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["offload", "checkpoint+offload"])
-def test_lora_trains_as_without_offload_and_leaves_the_base_alone(ex, puts, checkpoint):
+@pytest.mark.parametrize("checkpoint, mode", [(False, "layers"), (True, "layers"),
+                                              (False, "adapters"), (False, "layers+adapters"),
+                                              (True, "layers+adapters")],
+                         ids=["offload", "checkpoint+offload", "adapter-tensors",
+                              "offload+adapter-tensors", "checkpoint+offload+adapter-tensors"])
+def test_lora_trains_as_without_offload_and_leaves_the_base_alone(ex, puts, checkpoint, mode):
     ref, ref_after, ref_adapters = _reference(ex, checkpoint)
     # the reference really trains: a different batch and new adapters at every step
     assert len(set(ref.losses)) == STEPS
@@ -85,7 +89,7 @@ def test_lora_trains_as_without_offload_and_leaves_the_base_alone(ex, puts, chec
     frozen = frozen_parameters(model)
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in frozen.items()}
     opt = ex.make_optimizer(model, hybrid=True)
-    offloader = ex.make_offloader(model, checkpoint)
+    offloader = ex.make_offloader(model, checkpoint, mode)
     got = ex.train(model, opt, offloader, lora_batches(256, 2, SEQ, STEPS))
     state = opt.state_dict()["state"]
     opt.close()
@@ -123,6 +127,52 @@ def test_the_adapters_saved_activations_go_through_the_store(ex, puts):
     assert outputs and outputs[0] in {ptr for ptr, _ in puts}
     loss.backward()
     offloader.close()
+
+
+def test_adapter_tensor_offload_takes_the_adapters_tensors_only(ex, monkeypatch):
+    """--offload adapters (tensor-level, Note [offload rules] rule 10): what the adapters save
+    goes through the store, in every layer, the last included (which the block offloader keeps);
+    what the frozen base saves outside the adapters does not (the MLP activation's input, which
+    SiLU saves). Every tensor involved is held to the end, so equal storage addresses mean the
+    same storage (no address is freed and reused in between)."""
+    held: list[torch.Tensor] = []
+    real = TierStore.put
+
+    def put(self, key, tensor, tier=None):
+        held.append(tensor)
+        return real(self, key, tensor, tier)
+
+    monkeypatch.setattr(TierStore, "put", put)
+    model = ex.build(_args(False), torch.device("cpu"))
+    layers = model.base_model.model.model.layers
+    lora_out, act_in = [], []
+    for layer in (layers[0], layers[-1]):
+        layer.mlp.up_proj.lora_A["default"].register_forward_hook(
+            lambda m, a, out: lora_out.append(out))
+        layer.mlp.act_fn.register_forward_hook(lambda m, a, out: act_in.append(a[0]))
+    offloader = ex.make_offloader(model, False, "adapters")
+    ids = lora_batches(256, 2, SEQ, 1)[0]
+    with offloader:
+        loss = model(input_ids=ids, labels=ids).loss
+    put_ptrs = {t.untyped_storage().data_ptr() for t in held}
+    assert len(lora_out) == 2 and all(t.untyped_storage().data_ptr() in put_ptrs
+                                      for t in lora_out)
+    assert len(act_in) == 2 and not put_ptrs & {t.untyped_storage().data_ptr() for t in act_in}
+    loss.backward()
+    assert offloader.stats()["offloaded"] > 0
+    offloader.close()  # removes its hooks: the adapters run plainly again
+    assert not layers[0].mlp.up_proj.lora_A["default"]._forward_pre_hooks
+
+
+def test_adapter_tensor_offload_refuses_checkpointing_alone(ex):
+    model = ex.build(_args(True), torch.device("cpu"))
+    with pytest.raises(ValueError, match="--offload=adapters with --checkpoint offloads nothing"):
+        ex.make_offloader(model, True, "adapters")
+    with pytest.raises(ValueError, match="--offload='blocks' is not one of"):
+        ex.make_offloader(model, False, "blocks")
+    with pytest.raises(SystemExit) as exc:
+        ex.main(["--offload", "adapters", "--checkpoint"])
+    assert exc.value.code == 2
 
 
 def test_the_frozen_weight_check_can_fail(ex, puts):
