@@ -18,12 +18,12 @@ gate/up/down of every layer and freezes everything else. Activations saved insid
 layers go to the store's pinned-RAM tier (all layers but the last; with ``--checkpoint`` every
 layer checkpoints and the checkpointed inputs of all layers go). The adapters' own saved
 tensors are inside those layers, so the same block hooks take them. ``--offload adapters``
-shows tensor-level offload instead (:func:`~tiermem.offload.offload_tensors`, the way
-Megatron-Core marks the tensors of its LoRA linear_in/linear_out path): one region entered
-around every ``lora_A`` / ``lora_B`` call by forward hooks, so only what the adapters save goes
-to pinned RAM; ``--offload layers+adapters`` adds that region to the block offloader (it then
-also takes the last layer's adapter tensors, which the block offloader keeps). HybridAdam keeps the adapters' fp32 masters and moments in pinned RAM and steps them on
-the CPU. The frozen base weights are neither copied, offloaded nor given optimizer state.
+shows tensor-level offload instead, the way Megatron-Core marks the tensors of its LoRA
+linear_in/linear_out path: :func:`~tiermem.offload.offload_in_modules` enters one region around
+every ``lora_A`` / ``lora_B`` call by forward hooks, so only what the adapters save goes to
+pinned RAM; ``--offload layers+adapters`` adds that region to the block offloader (it then
+also takes the last layer's adapter tensors, which the block offloader keeps). HybridAdam
+keeps the adapters' fp32 masters and moments in pinned RAM and steps them on the CPU. The frozen base weights are neither copied, offloaded nor given optimizer state.
 
 It prints each step's loss and time and, on CUDA, the peak GPU memory; ``--compare`` also
 trains the same model without offload (torch AdamW on the adapters, nothing offloaded) and
@@ -48,7 +48,7 @@ import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama)
-from tiermem.offload import ActivationOffloader, offload_activations, offload_tensors
+from tiermem.offload import ActivationOffloader, offload_activations, offload_in_modules
 from tiermem.optim import HybridAdam
 
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -110,14 +110,19 @@ def make_offloader(model: torch.nn.Module, checkpoint: bool, mode: str = "layers
     return AdapterOffload(model, blocks)
 
 
+def lora_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The peft model's ``lora_A`` / ``lora_B`` Linears (``...q_proj.lora_A.default``)."""
+    return [m for name, m in model.named_modules()
+            if name.split(".")[-2:-1] in (["lora_A"], ["lora_B"])]
+
+
 class AdapterOffload:
-    """Tensor-level offload of the LoRA adapters (:func:`~tiermem.offload.offload_tensors`):
-    one region, entered by a forward pre-hook and left by an always-called forward hook around
-    every ``lora_A`` / ``lora_B`` module, so every tensor autograd saves inside an adapter
+    """Tensor-level offload of the LoRA adapters: :func:`~tiermem.offload.offload_in_modules`
+    over every ``lora_A`` / ``lora_B``, so every tensor autograd saves inside an adapter
     (``lora_A``'s input, which peft casts to the adapter dtype, and ``lora_A``'s output, which
     ``lora_B`` saves) goes to pinned RAM and comes back prefetched in backward. Alone it
-    offloads nothing else; inside ``blocks`` (entered around the forward) the region joins that
-    context and its store. Entered like an offloader (it enters ``blocks``, if any).
+    offloads nothing else; inside ``blocks`` (entered around the forward, like an offloader) the
+    region joins that context and its store.
 
     Args:
         model: the peft LoRA model.
@@ -129,20 +134,8 @@ class AdapterOffload:
 
     def __init__(self, model: torch.nn.Module, blocks: ActivationOffloader | None) -> None:
         self.blocks = blocks
-        self.region = offload_tensors(store=blocks.store if blocks is not None else None)
-        self._handles = []
-        for name, module in model.named_modules():
-            if name.split(".")[-2:-1] in (["lora_A"], ["lora_B"]):  # ...lora_A.default
-                self._handles.append(module.register_forward_pre_hook(self._enter))
-                self._handles.append(module.register_forward_hook(self._exit, always_call=True))
-        if not self._handles:
-            raise ValueError("AdapterOffload: the model has no lora_A / lora_B modules")
-
-    def _enter(self, module: torch.nn.Module, args: tuple) -> None:
-        self.region.__enter__()
-
-    def _exit(self, module: torch.nn.Module, args: tuple, output: object) -> None:
-        self.region.__exit__(None, None, None)
+        self.regions = offload_in_modules(
+            lora_modules(model), store=blocks.store if blocks is not None else None)
 
     def __enter__(self) -> "AdapterOffload":
         if self.blocks is not None:
@@ -155,14 +148,11 @@ class AdapterOffload:
 
     def stats(self) -> dict:
         """The offload counters (the block offloader's, which the region's traffic joins)."""
-        return (self.blocks if self.blocks is not None else self.region).stats()
+        return (self.blocks if self.blocks is not None else self.regions).stats()
 
     def close(self) -> None:
         """Remove the hooks and close the region and the block offloader."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.region.close()
+        self.regions.close()
         if self.blocks is not None:
             self.blocks.close()
 

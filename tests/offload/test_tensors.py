@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from models import TinyGPT, make_batch
-from tiermem.offload import mark_for_offload, offload_activations, offload_tensors
+from tiermem.offload import (mark_for_offload, offload_activations, offload_in_modules,
+                             offload_tensors)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,3 +120,79 @@ def test_a_region_alone_inside_checkpointed_blocks_leaves_checkpoint_in_charge(m
     got = _train(_model(region=region, checkpoint=True))
     _assert_same(got, ref)
     assert region.stats()["offloaded"] == 0  # checkpoint saved nothing there to offload
+
+
+def _adapters(model) -> list[nn.Module]:
+    return [m for block in model.blocks for m in (block.fc.lora_a, block.fc.lora_b)]
+
+
+def test_module_regions_offload_what_the_modules_save_exactly(make_store):
+    """offload_in_modules: hooks enter one region around every adapter call; training (weights
+    change every step, a new batch each) is bit-identical to no offload, what the adapters save
+    is offloaded and prefetched back, nothing else; close() removes the hooks."""
+    ref = _train(_model())
+    store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
+    model = _model()
+    regions = offload_in_modules(_adapters(model), store=store)
+    got = _train(model)
+    _assert_same(got, ref)
+    stats = regions.stats()
+    assert stats["offloaded"] > 0 and stats["reloads"] > 0 and stats["prefetches"] > 0
+    # per step: each adapter pair saves lora_a's input and output (3 blocks x 2), no more
+    assert stats["offloaded"] == 4 * 3 * 2
+    regions.close()
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in _adapters(model))
+    assert regions.region.live_keys == 0 and len(store) == 0
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_module_regions_inside_offload_activations_join_it(make_store, checkpoint):
+    ref = _train(_model(checkpoint=checkpoint))
+    store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
+    model = _model(checkpoint=checkpoint)
+    regions = offload_in_modules(_adapters(model), store=store)
+    off = offload_activations(model.blocks, store=store, layers=[1])
+    got = _train(model, off)
+    _assert_same(got, ref)
+    assert off.stats()["offloaded"] > 0 and off.live_keys == 0
+    regions.close()
+
+
+def test_a_module_that_raises_still_leaves_the_region(make_store):
+    model = _model()
+    regions = offload_in_modules([model.blocks[0].fc.lora_a], store=make_store())
+    bad = torch.zeros(2, 16, 7)  # wrong width: lora_a raises inside the region
+    with pytest.raises(RuntimeError):
+        model.blocks[0].fc(bad)
+    assert not regions.region._host  # left: the next forward starts outside any region
+    _, loss = model(*make_batch(0))
+    loss.backward()
+    regions.close()
+
+
+def test_offload_in_modules_rejects_bad_input():
+    with pytest.raises(ValueError, match="modules is empty"):
+        offload_in_modules([])
+    with pytest.raises(TypeError, match="expected nn.Module elements, got Tensor"):
+        offload_in_modules([torch.zeros(1)])
+
+
+def test_a_region_alone_never_offloads_a_weight(make_store, monkeypatch):
+    """Note [offload rules], rule 1: inside a region there are no blocks, yet the frozen base
+    weight (saved as ``weight.t()``, a view) and the adapters' weights are not copied out; only
+    activations are. Every put tensor is held, so storage addresses are not reused."""
+    from tiermem.store import TierStore
+    held: list[torch.Tensor] = []
+    real = TierStore.put
+
+    def put(self, key, tensor, tier=None):
+        held.append(tensor)
+        return real(self, key, tensor, tier)
+
+    monkeypatch.setattr(TierStore, "put", put)
+    region = offload_tensors(store=make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20))
+    model = _model(region=region)
+    _train(model, steps=1)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    put = {t.untyped_storage().data_ptr() for t in held}
+    assert held and not weights & put

@@ -11,7 +11,9 @@ from tiermem.offload.activations import (
     offload_activations,
     resolve_layers,
 )
-from tiermem.offload.tensors import TensorOffloader, mark_for_offload, offload_tensors
+from tiermem.offload.tensors import (ModuleRegions, TensorOffloader, mark_for_offload,
+                                     offload_in_modules, offload_tensors)
 
 __all__ = ["offload_activations", "ActivationOffloader", "LayerPolicy", "default_store_config",
-           "resolve_layers", "offload_tensors", "mark_for_offload", "TensorOffloader"]
+           "resolve_layers", "offload_tensors", "mark_for_offload", "TensorOffloader",
+           "offload_in_modules", "ModuleRegions"]

@@ -14,8 +14,10 @@ Note [offload rules] (referred to from code and tests):
    outside every block belongs to the next block entered in the same forward: this is how the
    input of a ``torch.utils.checkpoint`` region (saved just before the block runs) is offloaded
    with its block. If backward starts first (the tail of the model: final norm, LM head, loss)
-   it stays on the device. Skipped: parameters and buffers of the blocks (unless
-   ``offload_weights``), tensors smaller than ``min_offload_bytes``, tensors not on the store's
+   it stays on the device. Skipped: parameters and buffers of the blocks and any parameter or
+   view of one (a ``Linear`` saves ``weight.t()``; a region of tensor-level offload has no
+   blocks, and without this it copied a LoRA layer's frozen base weight out every step), unless
+   ``offload_weights``; tensors smaller than ``min_offload_bytes``, tensors not on the store's
    compute device (e.g. CPU tensors when the device is CUDA), non-strided tensors, and anything
    saved while backward runs (checkpoint recomputation, double backward).
 2. *Storage, not tensors.* What moves is the tensor's whole storage, once: two saved tensors on
@@ -769,7 +771,9 @@ class ActivationOffloader:
 
     def _is_candidate(self, t: torch.Tensor) -> bool:
         strided = t.layout == torch.strided and type(t) in (torch.Tensor, nn.Parameter)
-        is_weight = isinstance(t, nn.Parameter) or (
+        # a parameter, a view of any parameter (a Linear saves weight.t()), or a tensor on the
+        # storage of a block's parameter or buffer (Note [offload rules], rule 1)
+        is_weight = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or (
             strided and t.untyped_storage().data_ptr() in self._weight_ptrs)
         return self.policy.offloads_tensor(t.numel() * t.element_size(), is_weight,
                                            t.device == self._store.device, strided)

@@ -13,6 +13,11 @@ module, e.g. the adapter path of a LoRA layer::
 ``mark_for_offload(t)`` marks one tensor instead: it is offloaded when autograd saves it under
 an active ``offload_activations`` context, even inside a block that context keeps.
 
+``offload_in_modules(modules)`` does the entering for you: one region, entered around every
+call of the given modules by forward hooks (e.g. every LoRA ``lora_A`` / ``lora_B`` of a peft
+model), so only what those modules save is offloaded: the module-level mode for code you do
+not want to edit.
+
 Under other saved-tensor hooks (inside ``torch.utils.checkpoint``, ``save_on_cpu``) a region
 alone does nothing: those decide what is saved (a checkpointed block saves nothing to offload;
 with ``offload_activations`` its input is offloaded with the block).
@@ -21,6 +26,10 @@ with ``offload_activations`` its input is offloaded with the block).
 from __future__ import annotations
 
 import torch
+
+from typing import Iterable
+
+from torch import nn
 
 from tiermem.offload.activations import MARK, ActivationOffloader, _in_backward, mark_storage
 from tiermem.store import TierStore
@@ -119,3 +128,77 @@ def mark_for_offload(tensor: torch.Tensor) -> torch.Tensor:
     setattr(tensor, MARK, True)
     mark_storage(tensor)  # views of it that an op saves count too
     return tensor
+
+
+class ModuleRegions:
+    """What :func:`offload_in_modules` returns: its region (``.region``), the forward hooks
+    that enter and leave it around each module's call, ``stats()`` and ``close()``."""
+
+    def __init__(self, modules: list[nn.Module], region: TensorOffloader) -> None:
+        self.region = region
+        self._handles = []
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            # always_call: a forward that raises still leaves the region
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self.region.__enter__()
+
+    def _leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.region.__exit__(None, None, None)
+
+    def stats(self) -> dict:
+        """The region's offload counters (``ActivationOffloader.stats``); inside an
+        ``offload_activations`` context its traffic is counted by that context instead.
+
+        Raises:
+            Nothing.
+        """
+        return self.region.stats()
+
+    def close(self) -> None:
+        """Remove the hooks (the modules run plainly again) and close the region.
+
+        Raises:
+            Nothing.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.region.close()
+
+
+def offload_in_modules(modules: Iterable[nn.Module], *, store: TierStore | None = None,
+                       tier: str = "cpu", prefetch_depth: int = 1,
+                       min_offload_bytes: int = 1024) -> ModuleRegions:
+    """Offload every tensor autograd saves inside a call of any of ``modules``: one
+    :func:`offload_tensors` region, entered by a forward pre-hook and left by an always-called
+    forward hook of each module (nested calls nest). Alone it offloads nothing else; inside an
+    active :func:`~tiermem.offload.offload_activations` context the region joins it (pass that
+    context's store, or none). Call ``close()`` when done.
+
+    Args:
+        modules: the modules whose saved tensors go (e.g. a peft model's ``lora_A`` and
+            ``lora_B`` Linears); at least one.
+        store, tier, prefetch_depth, min_offload_bytes: as :func:`offload_tensors`.
+
+    Returns:
+        a :class:`ModuleRegions`.
+
+    Raises:
+        TypeError: an element of ``modules`` is not an ``nn.Module``; ``store`` is not a
+            TierStore.
+        ValueError: no module; what :func:`offload_tensors` refuses.
+    """
+    modules = list(modules)
+    if not modules:
+        raise ValueError("offload_in_modules: modules is empty; give the modules whose saved "
+                         "tensors should be offloaded")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"offload_in_modules: expected nn.Module elements, got "
+                            f"{type(m).__name__}")
+    region = offload_tensors(store=store, tier=tier, prefetch_depth=prefetch_depth,
+                             min_offload_bytes=min_offload_bytes)
+    return ModuleRegions(modules, region)
