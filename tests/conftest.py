@@ -46,3 +46,19 @@ def make_store(tmp_path):
     yield make
     for s in stores:
         s.close()
+
+
+@pytest.fixture
+def held_puts(monkeypatch):
+    """Every tensor any TierStore.put receives, held until the test ends: equal storage
+    addresses then mean the same storage (none is freed and reused in between)."""
+    from tiermem.store import TierStore
+    held: list = []
+    real = TierStore.put
+
+    def put(self, key, tensor, tier=None):
+        held.append(tensor)
+        return real(self, key, tensor, tier)
+
+    monkeypatch.setattr(TierStore, "put", put)
+    return held

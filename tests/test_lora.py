@@ -129,20 +129,11 @@ def test_the_adapters_saved_activations_go_through_the_store(ex, puts):
     offloader.close()
 
 
-def test_adapter_tensor_offload_takes_the_adapters_tensors_only(ex, monkeypatch):
+def test_adapter_tensor_offload_takes_the_adapters_tensors_only(ex, held_puts):
     """--offload adapters (tensor-level, Note [offload rules] rule 10): what the adapters save
     goes through the store, in every layer, the last included (which the block offloader keeps);
     what the frozen base saves outside the adapters does not (the MLP activation's input, which
-    SiLU saves). Every tensor involved is held to the end, so equal storage addresses mean the
-    same storage (no address is freed and reused in between)."""
-    held: list[torch.Tensor] = []
-    real = TierStore.put
-
-    def put(self, key, tensor, tier=None):
-        held.append(tensor)
-        return real(self, key, tensor, tier)
-
-    monkeypatch.setattr(TierStore, "put", put)
+    SiLU saves)."""
     model = ex.build(_args(False), torch.device("cpu"))
     layers = model.base_model.model.model.layers
     lora_out, act_in = [], []
@@ -154,7 +145,7 @@ def test_adapter_tensor_offload_takes_the_adapters_tensors_only(ex, monkeypatch)
     ids = lora_batches(256, 2, SEQ, 1)[0]
     with offloader:
         loss = model(input_ids=ids, labels=ids).loss
-    put_ptrs = {t.untyped_storage().data_ptr() for t in held}
+    put_ptrs = {t.untyped_storage().data_ptr() for t in held_puts}
     assert len(lora_out) == 2 and all(t.untyped_storage().data_ptr() in put_ptrs
                                       for t in lora_out)
     assert len(act_in) == 2 and not put_ptrs & {t.untyped_storage().data_ptr() for t in act_in}

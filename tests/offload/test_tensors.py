@@ -177,22 +177,13 @@ def test_offload_in_modules_rejects_bad_input():
         offload_in_modules([torch.zeros(1)])
 
 
-def test_a_region_alone_never_offloads_a_weight(make_store, monkeypatch):
+def test_a_region_alone_never_offloads_a_weight(make_store, held_puts):
     """Note [offload rules], rule 1: inside a region there are no blocks, yet the frozen base
     weight (saved as ``weight.t()``, a view) and the adapters' weights are not copied out; only
-    activations are. Every put tensor is held, so storage addresses are not reused."""
-    from tiermem.store import TierStore
-    held: list[torch.Tensor] = []
-    real = TierStore.put
-
-    def put(self, key, tensor, tier=None):
-        held.append(tensor)
-        return real(self, key, tensor, tier)
-
-    monkeypatch.setattr(TierStore, "put", put)
+    activations are."""
     region = offload_tensors(store=make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20))
     model = _model(region=region)
     _train(model, steps=1)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    put = {t.untyped_storage().data_ptr() for t in held}
-    assert held and not weights & put
+    put = {t.untyped_storage().data_ptr() for t in held_puts}
+    assert held_puts and not weights & put
