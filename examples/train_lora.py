@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
-                                       lora_llama)
+                                       lora_llama, lora_modules)
 from tiermem.offload import ActivationOffloader, offload_activations, offload_in_modules
 from tiermem.optim import HybridAdam
 
@@ -108,12 +108,6 @@ def make_offloader(model: torch.nn.Module, checkpoint: bool, mode: str = "layers
         if mode == "layers":
             return blocks
     return AdapterOffload(model, blocks)
-
-
-def lora_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The peft model's ``lora_A`` / ``lora_B`` Linears (``...q_proj.lora_A.default``)."""
-    return [m for name, m in model.named_modules()
-            if name.split(".")[-2:-1] in (["lora_A"], ["lora_B"])]
 
 
 class AdapterOffload:

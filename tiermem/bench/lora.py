@@ -11,7 +11,9 @@ batch every step) for ``--warmup`` + ``--steps`` steps, with the same optimizer 
 - ``checkpointing``: transformers' activation checkpointing of every decoder layer;
 - ``offload``: :func:`~tiermem.offload.offload_activations` of all decoder layers but the last
   to pinned RAM (the adapters' saved tensors are inside the layers, so they go too);
-- ``checkpointing + offload``: every layer checkpointed and its checkpointed input offloaded.
+- ``checkpointing + offload``: every layer checkpointed and its checkpointed input offloaded;
+- ``offload adapter tensors``: tensor-level offload of what the adapters alone save
+  (:func:`~tiermem.offload.offload_in_modules` over every ``lora_A`` / ``lora_B``), nothing else.
 
 ``ms/step`` is the median over ``--repeats`` runs of each run's median timed step (forward,
 backward, optimizer step), with the spread (min-max of those run medians); ``peak GiB`` is
@@ -45,16 +47,19 @@ from tiermem.bench.common import bench_device, bench_main, sync
 from tiermem.names import gib, mib
 from tiermem.bench.parity import noise_of, verdict, worst_verdict
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
-                                       lora_llama, set_checkpointing)
-from tiermem.offload import default_store_config, offload_activations
+                                       lora_llama, lora_modules, set_checkpointing)
+from tiermem.offload import default_store_config, offload_activations, offload_in_modules
 from tiermem.optim import HybridAdam
 from tiermem.store import TierStore
 
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 _AGAIN = "no offload (again: its noise)"
-# (name, checkpointing, offload): the rows of every sequence length, in order
-SETUPS = (("no offload", False, False), (_AGAIN, False, False), ("checkpointing", True, False),
-          ("offload", False, True), ("checkpointing + offload", True, True))
+# (name, checkpointing, offload: None, "layers" (offload_activations of the decoder layers) or
+# "adapters" (offload_in_modules over the lora_A / lora_B Linears)): the rows of every sequence
+# length, in order
+SETUPS = (("no offload", False, None), (_AGAIN, False, None), ("checkpointing", True, None),
+          ("offload", False, "layers"), ("checkpointing + offload", True, "layers"),
+          ("offload adapter tensors", False, "adapters"))
 
 
 @dataclass
@@ -115,19 +120,23 @@ def _optimizer(model, name: str) -> torch.optim.Optimizer:
 
 
 def _run(model, init: list[torch.Tensor], batches: list[torch.Tensor], args, ckpt: bool,
-         offload: bool, store: TierStore) -> tuple[list[float], list[float], int | None, int | None]:
-    """One run from the initial adapters (checkpointing already set to ``ckpt``): (losses, timed
-    step seconds, peak bytes, activation bytes put per step)."""
+         offload: str | None, store: TierStore
+         ) -> tuple[list[float], list[float], int | None, int | None]:
+    """One run from the initial adapters (checkpointing already set to ``ckpt``; ``offload`` as
+    in :data:`SETUPS`): (losses, timed step seconds, peak bytes, activation bytes put per
+    step)."""
     device = batches[0].device
     with torch.no_grad():
         for p, v in zip(adapter_parameters(model), init):
             p.copy_(v)
     opt = _optimizer(model, args.optimizer)
     layers = decoder_layers(model)
-    ctx = contextlib.nullcontext()
-    if offload:
+    ctx, regions = contextlib.nullcontext(), None
+    if offload == "layers":
         chosen = range(len(layers)) if ckpt else range(len(layers) - 1)
         ctx = offload_activations(layers, store=store, layers=chosen)
+    elif offload == "adapters":  # entered by hooks around every adapter call
+        regions = offload_in_modules(lora_modules(model), store=store)
     times, losses, peak = [], [], None
     try:
         for step, ids in enumerate(batches[:-1]):
@@ -149,12 +158,15 @@ def _run(model, init: list[torch.Tensor], batches: list[torch.Tensor], args, ckp
             opt.synchronize()
         with torch.no_grad():  # the final adapters, seen through one more batch
             losses.append(model(input_ids=batches[-1], labels=batches[-1]).loss)
-        moved = ctx.stats()["put_bytes"] // len(times) if offload else None
+        counted = regions if regions is not None else ctx if offload else None
+        moved = counted.stats()["put_bytes"] // len(times) if counted is not None else None
     finally:
         if isinstance(opt, HybridAdam):
             opt.close()
-        if offload:
+        if offload == "layers":
             ctx.close()
+        if regions is not None:
+            regions.close()
     return [float(x) for x in losses], times[args.warmup:], peak, moved
 
 

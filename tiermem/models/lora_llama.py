@@ -149,6 +149,13 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def lora_modules(model: nn.Module) -> list[nn.Module]:
+    """peft's ``lora_A`` / ``lora_B`` Linears (``...q_proj.lora_A.default``), in module order:
+    what :func:`tiermem.offload.offload_in_modules` takes to offload the adapters' tensors."""
+    return [m for name, m in model.named_modules()
+            if name.split(".")[-2:-1] in (["lora_A"], ["lora_B"])]
+
+
 def frozen_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The frozen base parameters by name (embeddings, projections, norms, LM head)."""
     return {n: p for n, p in model.named_parameters() if not p.requires_grad}
