@@ -130,7 +130,7 @@ def make_plan(cfg: dict):
                 dtype=t.dtype, moments_dtype=o.moments_dtype, **b.kwargs(),
                 offload_fraction=o.offload_fraction, state_tier=o.state_tier,
                 checkpoint=t.checkpoint, grad_accumulation_steps=t.grad_accumulation_steps,
-                gpu_step_fraction=o.gpu_step_fraction,
+                gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
                 host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
                 chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks)
 

@@ -590,10 +590,82 @@ def test_each_resource_is_its_closed_form():
         pytest.approx(6e9 / r.cpu_adam_bf16_moments_params_per_s)
     assert st.seconds["nvme"] == pytest.approx(8e9 / r.nvme_read_bytes_per_s
                                                + 8e9 / r.nvme_write_bytes_per_s)
-    assert st.bound == "nvme" and st.overlapped_s == max(st.seconds.values())
+    assert st.bound == "nvme"
     assert st.serial_s == pytest.approx(sum(st.seconds.values()))
     assert st.tokens_per_s_overlapped == pytest.approx(tokens / st.overlapped_s)
     assert st.tokens_per_s_serial == pytest.approx(tokens / st.serial_s)
+
+
+@pytest.mark.parametrize("checkpoint, share", [(True, 6 / 8), (False, 4 / 6)])
+@pytest.mark.parametrize("accum", [1, 4])
+def test_the_floor_is_forward_backward_then_the_optimizer_tail(checkpoint, share, accum):
+    """Note [optimizer tail]: the optimizer phase (PCIe, CPU Adam, NVMe pipelined: their max;
+    one after another: their sum) follows forward + backward, overlapping at most the last
+    micro-batch's backward (its share of the 6·N·T / 8·N·T count), and none of it with
+    max_grad_norm; the floor is the GPU plus what is left, the ceiling the sum of all four."""
+    for kw in ({}, {"nvme_state_bytes": 0}, {"moments_dtype": "bf16", "gpu_step_fraction": 0.5},
+               {"offloaded_params": 10**8, "nvme_state_bytes": 0}):
+        free = _st(checkpoint=checkpoint, grad_accumulation_steps=accum, **kw)
+        clip = _st(checkpoint=checkpoint, grad_accumulation_steps=accum, max_grad_norm=1.0, **kw)
+        gpu = free.seconds["gpu"]
+        opt = [free.seconds[k] for k in ("pcie", "cpu_adam", "nvme")]
+        for st in (free, clip):
+            assert st.seconds == free.seconds and st.bound == free.bound
+            assert st.fwd_bwd_s == gpu  # no offloaded activations: forward + backward is the GPU's
+            assert st.optimizer_overlapped_s == pytest.approx(max(opt))
+            assert st.optimizer_serial_s == pytest.approx(sum(opt))
+            assert st.serial_s == pytest.approx(gpu + sum(opt))
+            assert st.overlapped_s == pytest.approx(gpu + st.optimizer_tail_s)
+            assert max(st.seconds.values()) <= st.overlapped_s * (1 + 1e-12)
+            assert st.overlapped_s <= st.serial_s * (1 + 1e-12)
+            assert st.gpu_share_of_floor == pytest.approx(gpu / st.overlapped_s)
+            assert st.tokens_per_s_overlapped == pytest.approx(st.tokens / st.overlapped_s)
+        assert free.overlap_window_s == pytest.approx(gpu / accum * share)
+        assert free.optimizer_tail_s == pytest.approx(max(0.0, max(opt) - gpu / accum * share))
+        assert clip.overlap_window_s == 0 and clip.max_grad_norm == 1.0
+        assert free.max_grad_norm is None
+        assert clip.optimizer_tail_s == pytest.approx(max(opt))
+        assert clip.overlapped_s == pytest.approx(gpu + max(opt))
+    # a window longer than the optimizer phase hides it all: the floor is the GPU's time
+    small = _st(offloaded_params=10**6, nvme_state_bytes=0, grad_accumulation_steps=1)
+    assert small.optimizer_tail_s == 0 and small.overlapped_s == small.seconds["gpu"]
+    assert small.gpu_share_of_floor == 1.0
+
+
+def test_offloaded_activations_cross_during_forward_and_backward():
+    """Offloaded activations are forward + backward's traffic, not the optimizer's: alone, the
+    floor is the larger of the GPU's time and theirs; sharing PCIe with the optimizer's
+    traffic, the floor is never less than the link's whole time."""
+    slow = MachineRates(pcie_h2d_bytes_per_s=4e9, pcie_d2h_bytes_per_s=4e9,
+                        pcie_both_bytes_per_s=8e9)
+    act = _st(offloaded_params=0, nvme_state_bytes=0, activation_offload_bytes=4 * 10**9,
+              rates=slow)
+    assert act.bound == "pcie" and act.optimizer_serial_s == 0 == act.optimizer_tail_s
+    assert act.fwd_bwd_s == act.overlapped_s == act.seconds["pcie"] > act.seconds["gpu"]
+    both = _st(nvme_state_bytes=0, activation_offload_bytes=4 * 10**9, rates=slow)
+    opt_pcie = 6 * 10**9 * 2 / 4e9  # the gradients and params each way at 4 GB/s
+    assert both.optimizer_overlapped_s == pytest.approx(max(opt_pcie, both.seconds["cpu_adam"]))
+    assert both.seconds["pcie"] == pytest.approx(act.seconds["pcie"] + opt_pcie)
+    assert both.overlapped_s == pytest.approx(both.seconds["pcie"])  # the link's whole time
+    assert both.overlapped_s == pytest.approx(both.fwd_bwd_s + both.optimizer_tail_s)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1.0, ValueError),
+                                          (float("nan"), ValueError), ("1", TypeError),
+                                          (True, TypeError)])
+def test_a_bad_max_grad_norm_is_a_one_line_error_naming_it(value, error, capsys):
+    for call, who in ((lambda: preset_plan("13b", max_grad_norm=value), "plan: "),
+                      (lambda: _st(max_grad_norm=value), "step_time: ")):
+        with pytest.raises(error) as err:
+            call()
+        message = str(err.value)
+        assert message.startswith(f"{who}max_grad_norm") and "\n" not in message, message
+        assert "or None for no clipping" in message
+    assert main(["--model-size", "13b", "--max-grad-norm", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "max_grad_norm=0.0 must be > 0.0" in err, err
+    assert main(["--model-size", "13b", "--max-grad-norm", "big"]) == 2
+    assert "'big' is not a number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kw, act_per_token", [
@@ -698,13 +770,33 @@ def test_the_table_prints_the_time_per_step():
     for name, key in (("GPU fwd+bwd", "gpu"), ("PCIe", "pcie"), ("CPU Adam", "cpu_adam"),
                       ("NVMe", "nvme")):
         assert re.search(rf"^  {re.escape(name)}\s+{st.seconds[key]:.3f} s  ", text, re.M), name
-    assert (f"bound: NVMe; step {st.overlapped_s:.3f} s (all overlapped) to {st.serial_s:.3f} s "
-            f"(none overlapped): {st.tokens_per_s_overlapped:,.0f} to "
-            f"{st.tokens_per_s_serial:,.0f} tokens/s") in text
-    assert (f"the GPU bounds the step from {st.gpu_bound_tokens:,} tokens per optimizer step "
-            f"(grad_accumulation_steps >= {st.gpu_bound_grad_accumulation_steps} at 2,048 "
-            f"tokens per micro-batch)") in text
-    assert "the GPU bounds the step at any batch" in preset_plan("1b").table()
+    assert (f"optimizer phase after backward: {st.optimizer_overlapped_s:.3f} s (PCIe, CPU "
+            f"Adam, NVMe pipelined per chunk) to {st.optimizer_serial_s:.3f} s (one after "
+            f"another); it overlaps up to {st.overlap_window_s:.3f} s of backward (the last "
+            f"micro-batch's, 6/8 of its GPU time") in text
+    assert (f"bound: NVMe; step {st.overlapped_s:.3f} s (floor: GPU fwd+bwd "
+            f"{st.seconds['gpu']:.3f} s + optimizer tail {st.optimizer_tail_s:.3f} s) to "
+            f"{st.serial_s:.3f} s (ceiling: nothing overlapped): "
+            f"{st.tokens_per_s_overlapped:,.0f} to {st.tokens_per_s_serial:,.0f} tokens/s") in text
+    assert (f"the GPU's time exceeds the optimizer's from {st.gpu_bound_tokens:,} tokens per "
+            f"optimizer step (grad_accumulation_steps >= {st.gpu_bound_grad_accumulation_steps} "
+            f"at 2,048 tokens per micro-batch); at 8,192 tokens the GPU computes "
+            f"{100 * st.gpu_share_of_floor:.0f} % of the floor step") in text
+    # with max_grad_norm nothing overlaps backward; when the GPU bounds, the tail adds to it
+    clip = preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6, checkpoint=True,
+                       grad_accumulation_steps=64, max_grad_norm=1.0)
+    ct = clip.step_time
+    assert ct.bound == "gpu" and ct.optimizer_tail_s == ct.seconds["nvme"]
+    assert ("it overlaps no backward (max_grad_norm=1: the CPU step waits for the global norm)"
+            in clip.table())
+    assert (f"bound: GPU fwd+bwd + optimizer tail {ct.optimizer_tail_s:.3f} s; step "
+            f"{ct.overlapped_s:.3f} s (floor) to {ct.serial_s:.3f} s (ceiling: nothing "
+            f"overlapped)") in clip.table()
+    alone = preset_plan("1b").table()
+    assert "the GPU's time exceeds every other resource's at any batch" in alone
+    assert "the GPU computes 100 % of the floor step" in alone
+    assert "optimizer phase after backward: - (no optimizer state offloaded)" in alone
+    assert "bound: GPU fwd+bwd; step 0.252 s (floor) to 0.252 s" in alone
     # a plan that does not fit keeps its prediction in to_dict, not in the table
     big = preset_plan("30b")
     assert not big.fits and big.step_time is not None and "time per optimizer step" not in \
@@ -716,8 +808,8 @@ def test_the_command_prints_the_time_per_step_and_takes_the_batch_and_rates(caps
     assert main(argv) == 0
     one = capsys.readouterr().out
     assert "2,048 tokens = 1 x 2048 x 1 accumulated" in one
-    for row in ("GPU fwd+bwd", "PCIe", "CPU Adam", "NVMe", "bound: NVMe",
-                "the GPU bounds the step from"):
+    for row in ("GPU fwd+bwd", "PCIe", "CPU Adam", "NVMe", "optimizer phase after backward",
+                "bound: NVMe", "the GPU's time exceeds the optimizer's from"):
         assert row in one, row
     assert main([*argv, "--grad-accumulation-steps", "8"]) == 0
     assert "16,384 tokens = 1 x 2048 x 8 accumulated" in capsys.readouterr().out
@@ -732,6 +824,14 @@ def test_the_command_prints_the_time_per_step_and_takes_the_batch_and_rates(caps
                        rates=MachineRates(nvme_read_bytes_per_s=3.48e9,
                                           nvme_write_bytes_per_s=4.16e9, gpu_flops=1e15))
     assert st == json.loads(json.dumps(want.to_dict()))["step_time"]
+    assert st["max_grad_norm"] is None and st["overlap_window_s"] > 0
+    assert main([*argv, "--json", "--max-grad-norm", "1.0"]) == 0
+    clip = json.loads(capsys.readouterr().out)
+    assert clip["inputs"]["max_grad_norm"] == clip["step_time"]["max_grad_norm"] == 1.0
+    assert clip["step_time"] == json.loads(json.dumps(preset_plan(
+        "13b", checkpoint=True, host_bytes="80GiB", offload_fraction=0.6,
+        max_grad_norm=1.0).to_dict()))["step_time"]
+    assert clip["step_time"]["overlap_window_s"] == 0
     assert st["seconds"]["nvme"] == pytest.approx(
         preset_plan("13b", checkpoint=True, host_bytes="80GiB", offload_fraction=0.6)
         .step_time.seconds["nvme"] / 2)
@@ -760,8 +860,8 @@ def test_sizing_doc_time_example_is_what_the_command_prints(capsys):
 def test_sizing_doc_quotes_the_presets_predictions():
     """The comparison table of docs/sizing.md quotes what examples/train_large.py's plan
     predicts for the 13B and 20B presets at the 4 micro-batches their logged runs accumulated
-    (their --dry-run then), and the paragraph after it what it predicts at the presets' own
-    accumulation now (GPU bound)."""
+    (their --dry-run then, max_grad_norm 1.0 as now), and the paragraph after it what it
+    predicts at the presets' own accumulation now (the GPU's time the largest)."""
     import importlib.util
     root = pathlib.Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("train_large",
@@ -775,16 +875,18 @@ def test_sizing_doc_quotes_the_presets_predictions():
         now = train_large.make_plan(train_large.load(path))
         accum = now.inputs["grad_accumulation_steps"]
         st = now.step_time
-        assert st.bound == "gpu"
-        assert (f"`{preset}.yaml` {accum} ({st.tokens:,} tokens; " in text and
-                f"{st.overlapped_s:.1f} s" in text and f"{st.serial_s:.1f} s" in text), preset
+        assert st.bound == "gpu" and st.max_grad_norm == 1.0
+        assert (f"`{preset}.yaml` {accum} ({st.tokens:,} tokens; predicted "
+                f"{st.overlapped_s:.1f} s floor to {st.serial_s:.1f} s ceiling, the GPU "
+                f"{100 * st.gpu_share_of_floor:.0f} % of the floor)") in text, (preset, st)
         cfg = train_large.load(path, grad_accumulation_steps=4)
         st = train_large.make_plan(cfg).step_time
-        assert st.tokens == 8192 and st.bound == "nvme"
+        assert st.tokens == 8192 and st.bound == "nvme" and st.overlap_window_s == 0
         row = next(line for line in lines
                    if f"`{preset}.yaml` dry run when it accumulated 4 micro-batches" in line)
-        assert (f"{st.overlapped_s:.2f} s (NVMe bound) to {st.serial_s:.2f} s; GPU "
-                f"{st.seconds['gpu']:.2f} s, CPU Adam {st.seconds['cpu_adam']:.2f} s") in row, \
+        assert (f"{st.overlapped_s:.2f} s (NVMe bound: GPU {st.seconds['gpu']:.2f} s + NVMe "
+                f"{st.seconds['nvme']:.2f} s) to {st.serial_s:.2f} s; CPU Adam "
+                f"{st.seconds['cpu_adam']:.2f} s") in row, \
             (preset, st.seconds, st.overlapped_s, st.serial_s)
 
 
@@ -846,11 +948,13 @@ def _lane_cases(**kw):
 @pytest.mark.parametrize("kw", [{}, {"gpu_step_fraction": 0.0}, {"gpu_step_fraction": 0}])
 def test_no_gpu_lane_leaves_the_step_time_as_it_was(kw):
     """gpu_step_fraction 0 (or not given) predicts what the plan predicted before it knew the
-    lane: every second, the bound, the GPU-bound batch and the bytes, exactly."""
+    lane: every second, the bound, the ceiling, the GPU-bound batch and the bytes, exactly
+    (the floor has since become Note [optimizer tail]'s)."""
     for name, st in _lane_cases(**kw).items():
         seconds, serial, gpu_bound, moved = BEFORE_LANE[name]
         assert st.seconds == seconds and st.serial_s == serial, name
-        assert st.overlapped_s == max(seconds.values()) and st.gpu_bound_tokens == gpu_bound
+        assert st.overlapped_s == pytest.approx(st.fwd_bwd_s + st.optimizer_tail_s)
+        assert st.gpu_bound_tokens == gpu_bound
         for key, value in moved.items():
             assert st.moved[key] == value, (name, key)
         assert st.moved["pcie_h2d_bytes"] == st.moved["pcie_d2h_bytes"]
@@ -984,18 +1088,22 @@ def test_sizing_doc_quotes_the_lane_predictions():
     text = " ".join(lines)
     none = tl.make_plan(tl.load(RAM_20B)).step_time
     half = tl.make_plan(tl.load(RAM_20B, gpu_step_fraction=0.5)).step_time
-    assert half.bound == none.bound == "gpu"
-    assert (f"predicted {none.overlapped_s:.1f} s (GPU bound, all overlapped) to "
-            f"{none.serial_s:.1f} s (none overlapped)") in text
+    assert half.bound == none.bound == "gpu" and none.overlap_window_s == 0
+    assert (f"predicted {none.overlapped_s:.1f} s (floor: GPU {none.seconds['gpu']:.1f} s, then "
+            f"CPU Adam's {none.optimizer_tail_s:.1f} s) to {none.serial_s:.1f} s (ceiling), "
+            f"{none.tokens_per_s_overlapped / 1e3:.1f}k to {none.tokens_per_s_serial / 1e3:.1f}k "
+            f"tokens/s, the GPU {100 * none.gpu_share_of_floor:.0f} % of the floor") in text
     assert (f"`--gpu-step-fraction 0.5` half of the offloaded chunks go to the GPU lane (Note "
-            f"[gpu lane]): predicted {half.overlapped_s:.1f} s (GPU bound) to "
+            f"[gpu lane]): predicted {half.overlapped_s:.1f} s (floor: GPU + PCIe's "
+            f"{half.optimizer_tail_s:.2f} s) to "
             f"{half.serial_s:.1f} s, {half.tokens_per_s_overlapped / 1e3:.1f}k to "
             f"{half.tokens_per_s_serial / 1e3:.1f}k tokens/s (PCIe {half.seconds['pcie']:.2f} s "
             f"for {half.moved['pcie_d2h_bytes'] / GiB:.1f} GiB each way, "
             f"{half.moved['pcie_gpu_lane_bytes'] / GiB:.1f} GiB of it lane state; CPU Adam "
             f"{half.seconds['cpu_adam']:.2f} s instead of {none.seconds['cpu_adam']:.2f} s)") \
         in text
-    assert f"smaller than the {none.serial_s - half.serial_s:.2f} s the sum drops" in text
+    assert (f"smaller than the {none.overlapped_s - half.overlapped_s:.2f} s the floor drops "
+            f"(the ceiling {none.serial_s - half.serial_s:.2f} s)") in text
     names = {"gpu": "GPU", "pcie": "PCIe", "cpu_adam": "CPU Adam"}
 
     def measured(log, setup):
@@ -1014,6 +1122,7 @@ def test_sizing_doc_quotes_the_lane_predictions():
         for s, log, suffix in cases:
             st = preset_plan("1b", offload_fraction=1.0, state_tier="cpu", moments_dtype=moments,
                              gpu_step_fraction=s).step_time
+            assert st.max_grad_norm is None and st.tokens == 16384  # bench optim's setting
             assert (f"{s:g}: {st.overlapped_s:.3f} s ({names[st.bound]} bound) to "
                     f"{st.serial_s:.3f} s") in row, (moments, s, st.seconds)
             assert f"{s:g}: {measured(log, 'HybridAdam f=1 cpu' + suffix)}" in row, (moments, s)
@@ -1027,3 +1136,52 @@ def test_sizing_doc_quotes_the_lane_predictions():
         in text
     lane_all = preset_plan("1b", offload_fraction=1.0, state_tier="cpu", gpu_step_fraction=1)
     assert f"fp32 state would take {lane_all.step_time.seconds['pcie']:.3f} s" in text
+
+
+def _verdict(measured: float, st) -> str:
+    """How docs/sizing.md words a measured step against the predicted [floor, ceiling]."""
+    if measured < st.overlapped_s:
+        return f"{abs(measured / st.overlapped_s - 1) * 100:.0f} % below the floor"
+    if measured > st.serial_s:
+        return f"{abs(measured / st.serial_s - 1) * 100:.0f} % above the ceiling"
+    return "within"
+
+
+def test_sizing_doc_says_which_measured_runs_fall_within_floor_and_ceiling():
+    """The comparison table's last column, recomputed from the logs and the plan now: the 1.34B
+    HybridAdam runs (bench optim: no max_grad_norm, one micro-batch, so the window is the
+    backward's 4/6 of the GPU time) and the large presets' logged steps 1-4 (max_grad_norm 1.0)."""
+    tl = _train_large()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    lines = (root / "docs" / "sizing.md").read_text().splitlines()
+    text = " ".join(lines)
+    fp0 = preset_plan("1b", offload_fraction=1.0, state_tier="cpu").step_time
+    assert fp0.overlap_window_s == pytest.approx(fp0.seconds["gpu"] * 4 / 6)
+    assert (f"(window: {fp0.overlap_window_s:.3f} s, the backward's 4/6 of "
+            f"{fp0.seconds['gpu']:.3f} s)") in text
+    for moments, cases in (("fp32", [(0, "bench_optim_s3_final.log", ""),
+                                      (0.5, "bench_optim_s3_final.log", " gpu=0.5"),
+                                      (1, "bench_optim_lane_share.log", " gpu=1")]),
+                           ("bf16", [(0, "bench_optim_bf16_lane.log", " bf16m"),
+                                     (1, "bench_optim_bf16_lane.log", " bf16m gpu=1")])):
+        row = next(line for line in lines if line.startswith(
+            "| 1.34B, 8 × 2048 tokens" if moments == "fp32" else
+            "| the same with bf16 moments, `gpu_step_fraction`"))
+        verdicts = row.rstrip(" |").rsplit("|", 1)[1]
+        for s, log, suffix in cases:
+            st = preset_plan("1b", offload_fraction=1.0, state_tier="cpu", moments_dtype=moments,
+                             gpu_step_fraction=s).step_time
+            ms = re.search(rf"^HybridAdam f=1 cpu{re.escape(suffix)}\s+16384\s+([\d.]+)",
+                           (RESULTS / log).read_text(), re.M)[1]
+            assert f"{s:g}: {_verdict(float(ms) / 1e3, st)}" in verdicts, (moments, s, verdicts)
+    for preset, log in (("h200_13b_nvme", "large_13b.log"), ("h200_20b_bf16", "large_20b.log")):
+        st = tl.make_plan(tl.load(str(root / "examples" / "configs" / "large" / f"{preset}.yaml"),
+                                  grad_accumulation_steps=4)).step_time
+        steps = [float(m[2]) for m in re.finditer(r"^step (\d+) .*?, ([\d.]+) s \|",
+                                                  (RESULTS / log).read_text(), re.M)
+                 if int(m[1]) >= 1]
+        assert len(steps) == 4 and min(steps) > st.serial_s  # all above the ceiling
+        low, high = (_verdict(x, st).split(" %")[0] for x in (min(steps), max(steps)))
+        row = next(line for line in lines
+                   if f"`{preset}.yaml` dry run when it accumulated 4 micro-batches" in line)
+        assert row.rstrip(" |").endswith(f"| {low}–{high} % above the ceiling"), (preset, row)

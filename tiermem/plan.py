@@ -80,12 +80,38 @@ placement and the tokens per optimizer step (``batch x seq x grad_accumulation_s
 predicted seconds of GPU forward + backward, PCIe, CPU Adam and NVMe per optimizer step, from
 :class:`MachineRates` (defaults: the H200 machine's logs in ``docs/results``), with HybridAdam's
 ``gpu_step_fraction`` (the GPU lane: its share of the offloaded params crosses PCIe as state
-both ways instead of being stepped by the CPU). Predictions, not measurements.
+both ways instead of being stepped by the CPU), and the step's two ends: a floor where the
+optimizer's resources pipeline per chunk after (part of) the last micro-batch's backward, and a
+ceiling where nothing overlaps (Note [optimizer tail]). Predictions, not measurements.
 
 MoE models (``n_experts``, ``top_k``, ``d_expert``): parameters, gradients and optimizer state
 count every parameter (the total, ``MoEConfig.num_params()``); the activations depend on
 ``top_k`` and ``d_expert`` only; the plan also reports the active parameters (those one token
 uses, ``MoEConfig.active_params()``: what the compute per token scales with).
+
+Note [optimizer tail]
+~~~~~~~~~~~~~~~~~~~~
+HybridAdam cannot hide its work behind forward + backward: gradients are shipped to the CPU side
+on the last accumulation pass only, so an offloaded chunk can be stepped no earlier than the last
+micro-batch's backward, and with ``max_grad_norm`` no earlier than ``step()``'s global norm (no
+gradient is copied before the clip: Note [hybrid step] in ``tiermem/optim/hybrid_adam.py``);
+the next forward needs the updated params (``param_sync="step"``; ``"forward"`` lets its
+modules wait one by one, not counted). So :func:`step_time` predicts a step as forward +
+backward followed by an optimizer phase:
+
+- the optimizer phase takes from ``opt_max = max(PCIe, CPU Adam, NVMe)`` (the chunks
+  pipelined: one chunk's copy, kernel and disk I/O while the next's run) to ``opt_sum``, their
+  sum (counting only the optimizer's traffic: offloaded activations cross during forward and
+  backward, next to the GPU's work);
+- it can overlap a window of backward: without ``max_grad_norm`` the backward share of one
+  micro-batch, ``GPU / grad_accumulation_steps x 4/6`` (6/8 with checkpointing: backward and
+  the recomputed forward of the ``6·N·T`` / ``8·N·T`` count); with ``max_grad_norm`` none;
+- floor (``overlapped_s``): ``max(GPU, activation traffic) + max(0, opt_max - window)``, and
+  never less than the busiest resource's own time (a link or disk that carries offloaded
+  activations and optimizer traffic does one after the other); ceiling (``serial_s``): the sum
+  of every resource's time, nothing overlapping.
+
+The docs/sizing.md comparison table shows the logged H200 runs against both ends.
 
 Note [block activations, measured]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -238,12 +264,31 @@ class StepTime:
             ``cpu_adam`` the CPU Adam kernel on the offloaded params the CPU steps; ``nvme``
             the NVMe-resident state (and activations) read and written.
         bound: the resource with the longest time (ties: the first of :data:`RESOURCES`).
-        overlapped_s: ``max(seconds)``: every resource overlapping every other (a floor).
-        serial_s: ``sum(seconds)``: none overlapping.
-        tokens_per_s_overlapped, tokens_per_s_serial: ``tokens`` over those.
-        gpu_bound_tokens: the least tokens per optimizer step at which the GPU's time is at
-            least every other resource's (0: at any batch; None: at none, the activation
-            traffic per token outgrowing the compute per token).
+        overlapped_s: the floor (seconds): ``fwd_bwd_s + optimizer_tail_s``, forward +
+            backward and then what of the optimizer phase the backward cannot hide (Note
+            [optimizer tail]); not ``max(seconds)``, which HybridAdam cannot reach.
+        serial_s: the ceiling (seconds): ``sum(seconds)``, nothing overlapping.
+        tokens_per_s_overlapped, tokens_per_s_serial: ``tokens`` over those (tokens/s).
+        fwd_bwd_s: forward + backward of all micro-batches (seconds): the GPU's time, or the
+            offloaded activations' traffic (PCIe, NVMe) when that takes longer.
+        optimizer_overlapped_s: the optimizer phase with its resources pipelined per chunk
+            (seconds): the largest of its PCIe, CPU Adam and NVMe times (without the
+            activations' traffic).
+        optimizer_serial_s: the same resources one after another (seconds): their sum.
+        overlap_window_s: seconds of backward the optimizer phase can overlap: 0 with
+            ``max_grad_norm``, else the last micro-batch's backward, ``seconds["gpu"] /
+            accumulation steps x 4/6`` (6/8 with checkpointing).
+        optimizer_tail_s: what the optimizer adds to forward + backward at the floor
+            (seconds): ``max(0, optimizer_overlapped_s - overlap_window_s)``, or more when the
+            busiest resource's own time exceeds ``fwd_bwd_s`` by more (offloaded activations
+            and optimizer traffic on one link or disk).
+        gpu_share_of_floor: ``seconds["gpu"] / overlapped_s``, the fraction of the floor step
+            the GPU computes (1.0 when nothing else takes time).
+        gpu_bound_tokens: the least tokens per optimizer step from which the GPU's time is at
+            least every other resource's, the optimizer's included (0: at any batch; None: at
+            none, the activation traffic per token outgrowing the compute per token). The
+            floor step still has the optimizer tail after backward there (with
+            ``max_grad_norm``: all of ``optimizer_overlapped_s``).
         gpu_bound_grad_accumulation_steps: the least accumulation steps at this micro-batch
             that reach ``gpu_bound_tokens`` (None with it).
         moved: what the times are sized by: ``pcie_d2h_bytes``, ``pcie_h2d_bytes`` (all
@@ -253,6 +298,7 @@ class StepTime:
             or 8 x active params x tokens).
         rates: the rates used.
         gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps.
+        max_grad_norm: HybridAdam's gradient clipping norm; None: no clipping.
     """
 
     tokens: int
@@ -263,11 +309,18 @@ class StepTime:
     serial_s: float
     tokens_per_s_overlapped: float
     tokens_per_s_serial: float
+    fwd_bwd_s: float
+    optimizer_overlapped_s: float
+    optimizer_serial_s: float
+    overlap_window_s: float
+    optimizer_tail_s: float
+    gpu_share_of_floor: float
     gpu_bound_tokens: int | None
     gpu_bound_grad_accumulation_steps: int | None
     moved: dict[str, float]
     rates: MachineRates
     gpu_step_fraction: float = 0.0
+    max_grad_norm: float | None = None
 
 
 _LANE_MEANING = ("it is HybridAdam's share of the offloaded chunks the GPU steps by streaming "
@@ -275,11 +328,24 @@ _LANE_MEANING = ("it is HybridAdam's share of the offloaded chunks the GPU steps
 """What ``gpu_step_fraction`` is, for its range errors (as HybridAdam words it)."""
 
 
+def _check_max_grad_norm(who: str, value) -> None:
+    """Refuse a ``max_grad_norm`` that is not None or a number > 0, as HybridAdam does.
+
+    Raises:
+        TypeError: not a number (a bool included); ValueError: nan or not above 0.
+    """
+    if value is not None:
+        check_number(who, "max_grad_norm", value, low=0.0, low_open=True,
+                     fix="HybridAdam's gradient clipping norm, or None for no clipping "
+                         "(command line: --max-grad-norm)")
+
+
 def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               moments_dtype="float32", checkpoint: bool = False, micro_batch_tokens: int,
               grad_accumulation_steps: int = 1, nvme_state_bytes: int = 0,
               activation_offload_bytes: int = 0, activation_tier: str = "cpu",
-              gpu_step_fraction: float = 0.0, rates: MachineRates | None = None) -> StepTime:
+              gpu_step_fraction: float = 0.0, max_grad_norm: float | None = None,
+              rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
@@ -300,10 +366,16 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
       on one disk (plus ``activation_offload_bytes`` per micro-batch with
       ``activation_tier="nvme"``).
 
-    Every term is ``fixed + per_token·T``; the GPU's is ``g·T``, so the GPU bounds the step
-    from ``T* = max(fixed / (g - per_token))`` over the other terms (closed form; no such T
-    when a term grows as fast as the GPU's). The GPU-side Adam on the rest of the params, the
-    GPU lane's own fused Adam (small next to the lane's PCIe traffic: docs/sizing.md), the
+    The step (Note [optimizer tail]): the floor is forward + backward (the GPU, or the
+    offloaded activations' traffic if slower) plus what of the optimizer phase (its PCIe, CPU
+    Adam and NVMe, pipelined per chunk: their max) outlasts the backward it overlaps (none
+    with ``max_grad_norm``, else the last micro-batch's backward); the ceiling is the sum of
+    all four resources.
+
+    Every term is ``fixed + per_token·T``; the GPU's is ``g·T``, so the GPU's time is the
+    largest from ``T* = max(fixed / (g - per_token))`` over the other terms (closed form; no
+    such T when a term grows as fast as the GPU's). The GPU-side Adam on the rest of the params,
+    the GPU lane's own fused Adam (small next to the lane's PCIe traffic: docs/sizing.md), the
     launch overheads, page faults and the first step's
     allocation are not counted; nor that the CPU kernel and the lane's copies draw on the same
     host memory (docs/sizing.md, "Time per step").
@@ -321,12 +393,15 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         activation_tier: ``"cpu"`` or ``"nvme"``: where they go.
         gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps, in
             [0.0, 1.0] (0: the CPU steps all).
+        max_grad_norm: HybridAdam's gradient clipping norm (> 0); None: no clipping. With it
+            the optimizer phase overlaps no backward (it waits for the global norm).
         rates: :class:`MachineRates`; None: the H200 machine's.
 
     Raises:
         ValueError, TypeError: a count that is not a positive int (zero allowed for the
             offloaded and NVMe ones), an unknown dtype or tier, ``gpu_step_fraction`` not a
-            number in [0.0, 1.0], ``rates`` not MachineRates.
+            number in [0.0, 1.0], ``max_grad_norm`` not a number > 0 (or None), ``rates``
+            not MachineRates.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -344,6 +419,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     moments = dtype_name(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
     check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
     share = check_fraction(who, "gpu_step_fraction", gpu_step_fraction, _LANE_MEANING)
+    _check_max_grad_norm(who, max_grad_norm)
     r = rates
     tokens = micro_batch_tokens * grad_accumulation_steps
     flops_per_token = (8 if checkpoint else 6) * active_params
@@ -372,7 +448,20 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     for name, ts in terms.items():
         seconds[name] = max(fixed + per * tokens for fixed, per in ts)
     bound = max(RESOURCES, key=lambda k: (seconds[k], -RESOURCES.index(k)))
-    overlapped, serial = seconds[bound], sum(seconds.values())
+    # Note [optimizer tail]: forward + backward, then the optimizer phase less what of it
+    # overlaps the last micro-batch's backward (nothing with max_grad_norm)
+    pcie_per_byte = max(1 / r.pcie_d2h_bytes_per_s, 1 / r.pcie_h2d_bytes_per_s,
+                        2 / r.pcie_both_bytes_per_s)  # s per byte moved each way
+    act_bytes = act_per_token * tokens  # each way, all micro-batches
+    fwd_bwd = max(seconds["gpu"], act_bytes * pcie_per_byte,
+                  act_bytes * disk if activation_tier == "nvme" else 0.0)
+    opt = (opt_bytes * pcie_per_byte, cpu_params / adam_rate, nvme_state_bytes * disk)
+    window = 0.0 if max_grad_norm is not None else \
+        seconds["gpu"] / grad_accumulation_steps * ((6 / 8) if checkpoint else (4 / 6))
+    # at least the busiest resource's own time: a link or disk carrying both activations
+    # and optimizer traffic does not do both at once
+    tail = max(0.0, max(opt) - window, seconds[bound] - fwd_bwd)
+    overlapped, serial = fwd_bwd + tail, sum(seconds.values())
     need = 0.0  # T*: g·T >= fixed + per·T for every term
     for fixed, per in (t for ts in terms.values() for t in ts):
         if per >= g and (fixed > 0 or per > g):
@@ -395,16 +484,27 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     return StepTime(tokens=tokens, micro_batch_tokens=micro_batch_tokens, seconds=seconds,
                     bound=bound, overlapped_s=overlapped, serial_s=serial,
                     tokens_per_s_overlapped=tokens / overlapped,
-                    tokens_per_s_serial=tokens / serial,
+                    tokens_per_s_serial=tokens / serial, fwd_bwd_s=fwd_bwd,
+                    optimizer_overlapped_s=max(opt), optimizer_serial_s=sum(opt),
+                    overlap_window_s=window, optimizer_tail_s=tail,
+                    gpu_share_of_floor=seconds["gpu"] / overlapped,
                     gpu_bound_tokens=gpu_bound,
                     gpu_bound_grad_accumulation_steps=None if gpu_bound is None else
                     max(1, math.ceil(gpu_bound / micro_batch_tokens)),
-                    moved=moved, rates=rates, gpu_step_fraction=share)
+                    moved=moved, rates=rates, gpu_step_fraction=share,
+                    max_grad_norm=max_grad_norm)
 
 
 def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
                     checkpoint: bool = False) -> list[str]:
-    """The time per step as printed by :meth:`Plan.table` (and ``examples/train_large.py``)."""
+    """The time per step as printed by :meth:`Plan.table` (and ``examples/train_large.py``):
+    each resource's seconds, the optimizer phase and the backward it overlaps, the bound with
+    the floor and ceiling (seconds, tokens/s), and from which tokens per step the GPU's time
+    exceeds the optimizer's, with the GPU's share of the floor step at this batch.
+
+    Raises:
+        Nothing: formatting of a :class:`StepTime` that :func:`step_time` made.
+    """
     default = st.rates == MachineRates()
     accum = st.tokens // st.micro_batch_tokens
     shape = f" = {batch} x {seq} x {accum} accumulated" if batch and seq else ""
@@ -433,19 +533,47 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
         s = st.seconds[k]
         lines.append(f"  {RESOURCE_NAMES[k].ljust(width)}  "
                      f"{(f'{s:.3f} s' if s else '-').rjust(9)}  {what[k] if s else ''}".rstrip())
-    lines.append(f"  bound: {RESOURCE_NAMES[st.bound]}; step {st.overlapped_s:.3f} s (all "
-                 f"overlapped) to {st.serial_s:.3f} s (none overlapped): "
-                 f"{st.tokens_per_s_overlapped:,.0f} to {st.tokens_per_s_serial:,.0f} tokens/s")
-    if st.gpu_bound_tokens == 0:
-        lines.append("  the GPU bounds the step at any batch (no optimizer state is offloaded)")
-    elif st.gpu_bound_tokens is None:
-        lines.append("  the GPU bounds the step at no batch: offloaded activations cross PCIe "
-                     "(or NVMe) faster per token than the GPU computes")
+    gpu = st.seconds["gpu"]
+    if st.max_grad_norm is not None:
+        window = (f"overlaps no backward (max_grad_norm={st.max_grad_norm:g}: the CPU step waits "
+                  f"for the global norm)")
     else:
-        lines.append(f"  the GPU bounds the step from {st.gpu_bound_tokens:,} tokens per "
-                     f"optimizer step (grad_accumulation_steps >= "
+        window = (f"overlaps up to {st.overlap_window_s:.3f} s of backward (the last "
+                  f"micro-batch's, {'6/8' if checkpoint else '4/6'} of its GPU time: gradients "
+                  f"are shipped on the last pass only)")
+    if st.optimizer_serial_s:
+        lines.append(f"  optimizer phase after backward: {st.optimizer_overlapped_s:.3f} s (PCIe, "
+                     f"CPU Adam, NVMe pipelined per chunk) to {st.optimizer_serial_s:.3f} s (one "
+                     f"after another); it {window}")
+    else:
+        lines.append("  optimizer phase after backward: - (no optimizer state offloaded)")
+    if st.bound == "gpu":  # then forward + backward is the GPU's (it outlasts the activations')
+        bound = RESOURCE_NAMES["gpu"] + (f" + optimizer tail {st.optimizer_tail_s:.3f} s"
+                                         if st.optimizer_tail_s else "")
+        floor = "floor"
+    else:
+        bound = RESOURCE_NAMES[st.bound]
+        fwd_bwd = "GPU fwd+bwd" if st.fwd_bwd_s == gpu else \
+            "fwd+bwd (the offloaded activations' traffic)"
+        floor = (f"floor: {fwd_bwd} {st.fwd_bwd_s:.3f} s + optimizer tail "
+                 f"{st.optimizer_tail_s:.3f} s")
+    lines.append(f"  bound: {bound}; step {st.overlapped_s:.3f} s ({floor}) to "
+                 f"{st.serial_s:.3f} s (ceiling: nothing overlapped): "
+                 f"{st.tokens_per_s_overlapped:,.0f} to "
+                 f"{st.tokens_per_s_serial:,.0f} tokens/s")
+    share = (f"at {st.tokens:,} tokens the GPU computes {100 * st.gpu_share_of_floor:.0f} % of "
+             f"the floor step")
+    if st.gpu_bound_tokens == 0:
+        lines.append(f"  the GPU's time exceeds every other resource's at any batch (no optimizer "
+                     f"state is offloaded); {share}")
+    elif st.gpu_bound_tokens is None:
+        lines.append(f"  the GPU's time exceeds the others' at no batch: offloaded activations "
+                     f"cross PCIe (or NVMe) faster per token than the GPU computes; {share}")
+    else:
+        lines.append(f"  the GPU's time exceeds the optimizer's from {st.gpu_bound_tokens:,} "
+                     f"tokens per optimizer step (grad_accumulation_steps >= "
                      f"{st.gpu_bound_grad_accumulation_steps} at {st.micro_batch_tokens:,} "
-                     f"tokens per micro-batch)")
+                     f"tokens per micro-batch); {share}")
     return lines
 
 
@@ -656,7 +784,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
          chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
          grad_accumulation_steps: int = 1, gpu_step_fraction: float = 0.0,
-         rates: MachineRates | None = None) -> Plan:
+         max_grad_norm: float | None = None, rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
@@ -707,6 +835,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             lane] in ``tiermem/optim/hybrid_adam.py``), in [0, 1]: only the time per step
             depends on it (that share crosses PCIe as state both ways instead of being stepped
             by the CPU; :func:`step_time`); the lane's device slots are not in the memory.
+        max_grad_norm: HybridAdam's gradient clipping norm (a number > 0), or None (no
+            clipping): only the time per step depends on it (with it the optimizer phase
+            overlaps no backward: Note [optimizer tail]).
         rates: :class:`MachineRates` the time per step is predicted from; None: the H200
             machine's.
 
@@ -715,13 +846,13 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
 
     Raises:
         ValueError: a missing or non-positive size, an unknown dtype or tier, a fraction
-            (``offload_fraction``, ``gpu_step_fraction``) outside [0, 1], ``offload_layers``
-            outside [0, n_layers), an MoE shape given in part, ``top_k`` > ``n_experts``, or
-            ``num_params`` not above the parameters of the experts a token skips, naming the
-            argument.
+            (``offload_fraction``, ``gpu_step_fraction``) outside [0, 1], ``max_grad_norm``
+            not above 0 or nan, ``offload_layers`` outside [0, n_layers), an MoE shape given
+            in part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of
+            the experts a token skips, naming the argument.
         TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
-            that is not an int, or a fraction that is not a number (naming the argument);
-            ``rates`` not a :class:`MachineRates`.
+            that is not an int, or a fraction or ``max_grad_norm`` that is not a number
+            (naming the argument); ``rates`` not a :class:`MachineRates`.
     """
     if model is not None and num_params is not None:
         raise TypeError("plan: pass num_params or model, not both")
@@ -799,6 +930,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                        "the optimizer state off the GPU, or None: the least that fits")
     gpu_step_fraction = check_fraction("plan: ", "gpu_step_fraction", gpu_step_fraction,
                                        _LANE_MEANING)
+    _check_max_grad_norm("plan: ", max_grad_norm)
     check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
                  "auto: RAM if it fits, else split")
     check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
@@ -822,8 +954,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
-                  gpu_step_fraction=gpu_step_fraction, n_experts=n_experts, top_k=top_k,
-                  d_expert=d_expert,
+                  gpu_step_fraction=gpu_step_fraction, max_grad_norm=max_grad_norm,
+                  n_experts=n_experts, top_k=top_k, d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
                   checkpoint=checkpoint, activation_tier=activation_tier,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
@@ -913,7 +1045,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
         grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
         activation_offload_bytes=best.offload_layers * kept_per_block,
-        activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction, rates=rates)
+        activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
+        max_grad_norm=max_grad_norm, rates=rates)
     _add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best
@@ -1027,6 +1160,14 @@ def _share(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]") from None
 
 
+def _norm(text: str) -> float:
+    try:
+        return float(text)  # the range is plan()'s check, one message for both
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (a clipping norm > 0, "
+                                         f"e.g. 1.0)") from None
+
+
 def _count(text: str) -> float:
     try:
         value = float(text)
@@ -1089,6 +1230,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(optimizer.gpu_step_fraction), 0..1, for the time per step: that share "
                         "crosses PCIe as state both ways instead of being stepped by the CPU "
                         "(default 0: the CPU steps all)")
+    p.add_argument("--max-grad-norm", type=_norm, default=None, metavar="X",
+                   help="HybridAdam's gradient clipping norm (optimizer.max_grad_norm), for the "
+                        "time per step: with it the optimizer phase cannot overlap backward (it "
+                        "waits for the global norm), so the floor step is the GPU's time plus "
+                        "the whole optimizer phase (default: no clipping)")
     p.add_argument("--grad-accumulation-steps", type=int, default=1, metavar="N",
                    help="micro-batches per optimizer step, for the time per step: tokens per "
                         "step = batch x seq x N (default 1; the memory does not depend on it)")
@@ -1162,7 +1308,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_tier=args.activation_tier, checkpoint=args.checkpoint,
             prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
             grad_accumulation_steps=args.grad_accumulation_steps,
-            gpu_step_fraction=args.gpu_step_fraction,
+            gpu_step_fraction=args.gpu_step_fraction, max_grad_norm=args.max_grad_norm,
             rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
                                   for flag, fld, scale, _, _ in _RATE_FLAGS
                                   if getattr(args, flag[2:].replace("-", "_")) is not None}),
