@@ -188,7 +188,8 @@ def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"train_large: one optimizer step of {st.tokens:,} tokens, measured (median of "
              f"{which}) and predicted by the plan (bound: {RESOURCE_NAMES[st.bound]}; the "
-             f"predicted step spans all resources overlapped to none):"]
+             f"predicted step spans forward + backward plus the optimizer's tail, to every "
+             f"resource one after another):"]
     lines += ["  " + r[0].ljust(w[0]) + "  " + r[1].rjust(w[1]) + "  " + r[2].rjust(w[2])
               for r in rows]
     return "\n".join(line.rstrip() for line in lines)
