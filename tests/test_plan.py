@@ -156,6 +156,27 @@ def test_host_buffers_are_what_hybrid_adam_allocates(tmp_path, dtype, moments_dt
     store.close()
 
 
+@pytest.mark.parametrize("moments_dtype", [torch.float32, torch.bfloat16], ids=["m32", "m16"])
+def test_gpu_lane_slots_are_what_hybrid_adam_allocates(moments_dtype):
+    """With gpu_step_fraction > 0 the plan counts the GPU lane's device slots (Note [gpu lane]:
+    3 chunks of fp32 state and fp32 gradients), the bytes a real HybridAdam allocates for them
+    (its memory_bytes()["gpu"] at f = 1, where nothing else is on the GPU side); without the
+    lane there is no such row."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 30))
+    kw = dict(n_layers=2, d_model=60, seq=8, batch=1, moments_dtype=moments_dtype,
+              offload_fraction=1.0, state_tier="cpu", gpu_bytes="1GiB", host_bytes="1GiB",
+              nvme_bytes=0, gpu_reserve_bytes=0, host_reserve_bytes=0, chunk_numel=1024)
+    rows = {i.name: i for i in plan(model, **kw, gpu_step_fraction=0.5).items}
+    assert "GPU lane slots" not in {i.name for i in plan(model, **kw).items}
+    opt = HybridAdam(model.parameters(), offload_fraction=1.0, moments_dtype=moments_dtype,
+                     chunk_numel=1024, gpu_step_fraction=0.5)
+    words = 3 if moments_dtype == torch.float32 else 2
+    assert rows["GPU lane slots"].gpu == 3 * 4 * 1024 * (words + 1)
+    assert opt.memory_bytes()["gpu"] == rows["GPU lane slots"].gpu
+    opt.close()
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.2, 0.6])
 @pytest.mark.parametrize("moments_dtype", [torch.float32, torch.bfloat16], ids=["m32", "m16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
@@ -1010,9 +1031,12 @@ def test_the_plan_times_the_lane_of_its_own_placement():
     assert st.moved["pcie_d2h_bytes"] == (off - lane) * 2 + lane * 8  # bf16 params, bf16 moments
     assert st.seconds["cpu_adam"] == pytest.approx(
         (off - lane) / MachineRates().cpu_adam_bf16_moments_params_per_s)
-    # placement and memory do not depend on it
+    # the placement does not depend on it; the memory only by the lane's device slots
     base = tl.make_plan(tl.load(RAM_20B))
-    assert p.items == base.items and p.offload_fraction == base.offload_fraction
+    assert p.offload_fraction == base.offload_fraction
+    lane_row = next(i for i in p.items if i.name == "GPU lane slots")
+    assert [i for i in p.items if i is not lane_row] == base.items
+    assert lane_row.gpu == 3 * 4 * 4194304 * (2 + 1)  # bf16 moments, the preset's chunk_numel
     act = preset_plan("13b", checkpoint=True, offload_layers=10, grad_accumulation_steps=3,
                       gpu_step_fraction=0.25)
     a_off = round(act.offload_fraction * act.num_params)

@@ -36,6 +36,9 @@ staging buffers             ``layout.ring_bytes(c, p)`` ≈ 6·c·p pinned RAM: 
 NVMe read-ahead             ``layout.nvme_staging_bytes(c, moments, lookahead)`` ≈
                             (lookahead+3)·c·(4 + 2·m) pinned RAM (``chunk_state_bytes`` per
                             chunk), with ``state_tier`` ``"nvme"`` and ``"split"``
+GPU lane slots              ``layout.lane_slot_bytes(c, moments)`` = 3·4·c·(3 or 2, +1) on the
+                            GPU with ``gpu_step_fraction`` > 0: three chunks of fp32 state and
+                            fp32 gradients (Note [gpu lane])
 activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
                             r (4: 17·b·s·d·a, 34·b·s·d in bf16 = Megatron's sbh·34 with
                             flash attention): block input, LN1 out, QKV (3), attention out,
@@ -140,7 +143,8 @@ from tiermem.config import parse_bytes
 from tiermem.names import (DTYPE_SPELLINGS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
                            STATE_TIERS, check_choice, check_fraction, check_int, check_number,
                            dtype_name)
-from tiermem.optim.layout import (GRAD_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS, gpu_side_state_bytes,
+from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS,
+                                  gpu_side_state_bytes, lane_slot_bytes,
                                   nvme_staging_bytes, ring_bytes, state_numel)
 from tiermem.optim.partition import auto_chunk_numel
 
@@ -985,6 +989,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         if staging:
             items.append(Item("NVMe read-ahead buffers", host=staging,
                               note=f"{nvme_lookahead_chunks}+{NVME_EXTRA_CHUNKS} chunks"))
+        if off_n and gpu_step_fraction > 0:  # Note [gpu lane]: device slots, not the state
+            lane_chunk = min(chunk_numel or auto_chunk_numel(off_n), off_n)
+            items.append(Item("GPU lane slots", gpu=lane_slot_bytes(lane_chunk, moments_dt),
+                              note=f"{LANE_SLOTS} chunks of state + fp32 grads"))
         on_gpu_blocks = n_layers - k
         window = min(k, prefetch_depth + 1)
         act = Item("activations", gpu=on_gpu_blocks * kept_per_block + window * kept_per_block,

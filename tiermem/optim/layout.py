@@ -61,6 +61,17 @@ def state_numel(numel: int, moments_dtype: torch.dtype) -> int:
     return numel * (3 if moments_dtype == torch.float32 else 2)
 
 
+def lane_slot_bytes(chunk_numel: int, moments_dtype: torch.dtype) -> int:
+    """GPU bytes of the GPU lane's ``LANE_SLOTS`` device slots (Note [gpu lane] in
+    hybrid_adam.py) for chunks of at most ``chunk_numel`` elements: per slot one chunk's fp32
+    state blob and its fp32 gradients.
+
+    Raises:
+        Nothing.
+    """
+    return LANE_SLOTS * 4 * (state_numel(chunk_numel, moments_dtype) + chunk_numel)
+
+
 def state_views(blob: torch.Tensor, numel: int, moments_dtype: torch.dtype):
     """(master fp32, exp_avg, exp_avg_sq) views of a chunk's fp32 state blob.
 
