@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.common import bench_device, bench_main, sync
+from tiermem.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.names import gib, mib
 from tiermem.bench.parity import noise_of, verdict, worst_verdict
 from tiermem.config import StoreConfig, parse_bytes
@@ -171,17 +171,6 @@ def _spans(layers: list[int]) -> str:
     return ",".join(out) or "none"
 
 
-def _batches(args, vocab: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A different batch for every step, plus one after the last (the same for every setup);
-    the target of a token is a fixed function of it, so the loss can fall."""
-    out = []
-    for step in range(args.warmup + args.steps + 1):
-        g = torch.Generator().manual_seed(step)
-        idx = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-        out.append((idx.to(device), ((idx * 7 + 3) % vocab).to(device)))
-    return out
-
-
 def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tuple:
     """One run of a setup from ``init``: (timed step seconds, losses, moved bytes, context,
     peak device bytes of the timed fwd+bwd windows without the optimizer's state)."""
@@ -225,7 +214,8 @@ def run(args, log=print) -> list[Row]:
     with torch.device(device):
         model = GPT(cfg, loss_chunk_tokens=args.loss_chunk_tokens).to(dtype=dtype)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = _batches(args, cfg.vocab, device)
+    batches = learnable_batches(cfg.vocab, args.batch, args.seq,
+                                args.warmup + args.steps + 1, device)  # + one after the last
     log(f"model: {cfg.num_params() / 1e9:.3f}B params, {dtype}, device {device}")
     base = default_store_config()
     if args.cpu_bytes is not None:

@@ -1,5 +1,6 @@
-"""What every ``tiermem bench`` shares: the device it runs on and timing that waits for the
-device (the byte columns are :func:`tiermem.names.gib` / :func:`tiermem.names.mib`)."""
+"""What every ``tiermem bench`` shares: the device it runs on, timing that waits for the
+device, the training batches (the byte columns are :func:`tiermem.names.gib` /
+:func:`tiermem.names.mib`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,23 @@ from tiermem.names import resolve_device
 def bench_device() -> torch.device:
     """The current CUDA device when CUDA is present, else the CPU."""
     return resolve_device("auto")
+
+
+def learnable_batches(vocab: int, batch: int, seq: int, count: int,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` different ``(idx, targets)`` batches of ``(batch, seq)`` token ids, batch ``i``
+    from seed ``i`` (the same for every setup of a bench); the target of a token is a fixed
+    function of it, so the loss can fall.
+
+    Raises:
+        Nothing.
+    """
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(i)
+        idx = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append((idx.to(device), ((idx * 7 + 3) % vocab).to(device)))
+    return out
 
 
 def sync(device: torch.device) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiermem.bench.common import bench_device, bench_main, sync
+from tiermem.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.bench.optim import HP, _GpuMasters
 from tiermem.bench.parity import NOISE_MULTIPLE, noise_of, verdict, worst_verdict
 from tiermem.models.gpt import GPT, GPTConfig
@@ -151,17 +151,6 @@ def _config(args) -> GPTConfig:
                      seq_len=args.seq, vocab=args.vocab)
 
 
-def _batches(args, vocab: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A different batch for every step, plus one after the last (the same for every row); the
-    target of a token is a fixed function of it, so the loss can fall."""
-    out = []
-    for step in range(args.warmup + args.steps + 1):
-        g = torch.Generator().manual_seed(step)
-        idx = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-        out.append((idx.to(device), ((idx * 7 + 3) % vocab).to(device)))
-    return out
-
-
 def _graph(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> nn.Module:
     """``module`` with its forward and backward replayed from CUDA graphs recorded on
     ``sample``, which become the graphs' static inputs (every call copies its arguments into
@@ -229,7 +218,8 @@ def run(args, log=print, device: torch.device | None = None) -> list[Row]:
         model = GPT(_config(args)).to(dtype=DTYPES[args.dtype])
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     del model
-    batches = _batches(args, args.vocab, device)
+    batches = learnable_batches(args.vocab, args.batch, args.seq,
+                                args.warmup + args.steps + 1, device)  # + one after the last
     log(f"model: {_config(args).num_params() / 1e9:.3f}B params, {args.dtype}, device {device}")
     rows: dict[str, Row] = {}
     runs_of: dict[str, list[list[float]]] = {}

@@ -31,7 +31,7 @@ import time
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.common import bench_device
+from tiermem.bench.common import bench_device, learnable_batches
 from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.optim import HybridAdam
 
@@ -164,24 +164,13 @@ def _label(name: str, device: torch.device) -> str:
 _AGAIN = "gpu again"  # the baseline run twice: its run-to-run noise
 
 
-def _batches(cfg: GPTConfig, batch: int, count: int, device: torch.device) -> list:
-    """A different micro-batch for every forward (the same for every setup); the target of a
-    token is a fixed function of it, so the loss can fall."""
-    out = []
-    for i in range(count):
-        g = torch.Generator().manual_seed(i)
-        idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=g)
-        out.append((idx.to(device), ((idx * 7 + 3) % cfg.vocab).to(device)))
-    return out
-
-
 def _run_setup(name, cfg, batch, accum, n_steps, nvme_dir, cpu_threads, device, dtype) -> dict:
     """Train one setup ``n_steps`` + 1 steps (the first warms up); times and losses."""
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg).to(dtype=dtype)
     opt = _make_opt("gpu" if name == _AGAIN else name, model, nvme_dir, accum, cpu_threads)
-    batches = _batches(cfg, batch, (n_steps + 1) * accum + 1, device)
+    batches = learnable_batches(cfg.vocab, batch, cfg.seq_len, (n_steps + 1) * accum + 1, device)
     cuda = device.type == "cuda"
     times, losses, adam_ms, stall_ms, worker_ms = [], [], [], [], []
     if cuda:
