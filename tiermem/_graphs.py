@@ -10,7 +10,14 @@ refused with ``RuntimeError`` the moment they would run inside a capture
 (:func:`refuse_capture`; tests/optim/test_hybrid_adam_graphs.py). What works: ``torch.cuda.make_graphed_callables`` on a module whose
 params HybridAdam steps. Its captured backward computes the param gradients with
 ``torch.autograd.grad`` (no accumulation inside the graph); autograd accumulates them into
-``p.grad`` eagerly after each replay, so HybridAdam's hooks run as without graphs. Activation
+``p.grad`` eagerly after each replay, so HybridAdam's hooks run as without graphs. They run in
+another order, though: the graphed backward is one autograd node that returns every gradient at
+once (an MLP's arrive as params 0, 2, 1, 3, against 3, 2, 1, 0 eager), so with
+``placement="trace"`` (Note [trace placement] in tiermem/optim/hybrid_adam.py) the GPU/CPU split
+of the state differs from an eager run's, and with it which elements torch's fused Adam (GPU)
+and tiermem's CPU kernel step; the two round differently in the last bit, so graphed and eager
+runs agree to rounding, not bit for bit. ``placement="given"`` gives both the same split, and
+then the same bits (tests/optim/test_hybrid_adam_graphs.py). Activation
 offload of a graphed module is refused: its saved tensors live in the graph's private memory
 pool, which offload cannot touch (checkpointing, which frees them, cannot be captured either).
 """

@@ -12,7 +12,8 @@ launches matter). CUDA only: a graph records GPU kernels.
   ``offload_fraction=F`` (``--offload-fraction``) and ``param_sync="step"``, which graphs need:
   the replayed backward leaves the gradients to be accumulated eagerly, so HybridAdam's hooks
   run as without graphs, and ``step()`` runs outside the graph (Note [cuda graphs] in
-  tiermem/_graphs.py).
+  tiermem/_graphs.py). Both with ``placement="given"``: the same GPU/CPU split of the state in
+  both rows, which ``"trace"`` would not give (Note [cuda graphs]).
 
 Every row trains a new model from the same initial weights on the same batches (a different
 one every step) for ``--warmup`` + ``--steps`` optimizer steps with real weight updates. Each
@@ -162,7 +163,7 @@ def _make_opt(kind: str, model: nn.Module, args):
     if kind == "adamw":
         return _GpuMasters(model.parameters())
     return HybridAdam(model.parameters(), **HP, offload_fraction=args.offload_fraction,
-                      param_sync="step", cpu_threads=args.cpu_threads)
+                      param_sync="step", placement="given", cpu_threads=args.cpu_threads)
 
 
 def _train(kind: str, graphed: bool, init: dict, batches, args, device: torch.device):
