@@ -757,6 +757,41 @@ def test_auto_layers_on_nvme_count_the_disk(make_store, monkeypatch):
     assert off.plan["layers"] == []  # a disk at 1-2 bytes/s hides nothing
 
 
+def test_timed_forward_puts_each_block_after_its_end_mark(make_store, monkeypatch):
+    """Note [timed forward]: in the timed forward no put runs between a block's start and end
+    marks (the host work of offloading is not timed as the block's compute); each offloaded
+    block's puts follow its end mark, their host time is in the plan, and training is exact."""
+    import tiermem.offload.activations as act
+    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
+    log = []
+    for name in ("enter", "exit"):
+        real = getattr(act._Calibration, name)
+        monkeypatch.setattr(act._Calibration, name, lambda self, i, d, real=real, name=name: (
+            log.append((name, i)), real(self, i, d))[1])
+    store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
+    real_put = store.put
+    monkeypatch.setattr(store, "put", lambda *a, **k: (log.append(("put", None)),
+                                                       real_put(*a, **k))[1])
+    ref, _ = _run(TinyGPT, _three_steps)
+    model, off = _run(TinyGPT, _three_steps,
+                      offload=lambda m: offload_activations(m.blocks, store=store))
+    _assert_equal_grads(_grads(ref), _grads(model))
+    timed = log[log.index(("enter", 0)):log.index(("exit", 3)) + 1]
+    inside, puts_after = None, {}
+    for what, i in timed:
+        if what == "enter":
+            inside = i
+        elif what == "exit":
+            inside, last = None, i
+        else:
+            assert inside is None, f"a put inside block {inside}'s timed span"
+            puts_after[last] = puts_after.get(last, 0) + 1
+    assert sorted(puts_after) == [0, 1, 2]  # every block but the last is offloaded
+    assert len(off.plan["offload_host_ms"]) == 4 and off.plan["offload_host_ms"][3] == 0.0
+    assert all(ms > 0 for ms in off.plan["offload_host_ms"][:3])
+    _assert_clean(store, off)
+
+
 def test_explicit_layers_make_no_plan(make_store):
     store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
     model, off = _run(TinyGPT, _three_steps, offload=lambda m: offload_activations(

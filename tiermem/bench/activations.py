@@ -246,8 +246,15 @@ def run(args, log=print) -> list[Row]:
                 verdicts = [verdict(r, baseline[0], noise) for r in runs]
                 parity = worst_verdict(verdicts)
             plan = getattr(ctx, "plan", None)
-            if plan is not None:  # layers="auto": say what it chose
+            if plan is not None:  # layers="auto": say what it chose, and from what
                 name = f"{name} ({len(plan['layers'])} blocks: {_spans(plan['layers'])})"
+                log(f"  auto's inputs (last run): block forward ms "
+                    f"{statistics.median(plan['fwd_ms']):.2f} (median of {len(plan['fwd_ms'])}, "
+                    f"sum {sum(plan['fwd_ms']):.1f}), saved MiB per block "
+                    f"{statistics.median(plan['nbytes']) / 2**20:.0f}, d2h {plan['d2h_gbps']:.1f} "
+                    f"/ h2d {plan['h2d_gbps']:.1f} GB/s, host ms to offload a block "
+                    f"{statistics.median(plan['offload_host_ms'][:-1] or [0.0]):.2f}, predicted "
+                    f"stall {plan['predicted_stall_ms']:.1f} ms")
             rows.append(Row(name, statistics.median(medians), peak, moved,
                             (min(medians), max(medians)), parity, runs[0]))
             log(f"  {name}: {rows[-1].ms_per_step:.1f} ms/step, {parity}")

@@ -58,7 +58,8 @@ Note [offload rules] (referred to from code and tests):
    offloader offload every block but the last; the second is timed per block (CUDA events at
    the block hooks, read later without a device-wide wait) and its saved bytes are counted per
    block, and the copy bandwidths are measured as it starts (its one device synchronisation;
-   with ``tier="nvme"`` also the spill directory's disk, and the slower of the two counts).
+   with ``tier="nvme"`` also the spill directory's disk, and the slower of the two counts);
+   its blocks' tensors are offloaded as each block exits (Note [timed forward]).
    When the third forward starts, :func:`tiermem.schedule.layers.choose_layers` picks the blocks
    whose copies hide behind compute and the policy keeps them from then on (``plan``). Make
    the offloader once and enter it every step: a new one starts measuring again.
@@ -267,6 +268,19 @@ class _Calibration:
 
     Times come from CUDA events on the compute stream (read once the forward is done), or the
     host clock without CUDA; bytes count each saved storage once per block.
+
+    Note [timed forward]: the timed forward offloads every block but the last (as the first
+    does: memory stays bounded while nothing is known), but it offloads each block's saved
+    tensors when the block exits, after its end event, instead of in the pack hook: what the
+    events bracket is then the block's own kernels, not the host work of its puts (store
+    bookkeeping, pinned slots, copy issue) nor any wait a put adds. With the puts in the pack
+    hook, the H200 timed the reference GPT's blocks (8 x 2048 tokens, d_model 2048) at a median
+    5.1-6.8 ms in three runs, while checkpointing's recompute puts a block's forward at ~2.4 ms;
+    choose_layers then believed 2-3x more copy time hid behind compute than does, chose 5-8
+    blocks, and the step took 1.03-1.24x of no offload (docs/benchmarks.md). The host seconds
+    of each block's deferred puts are kept (``offload_host_s``, ``plan["offload_host_ms"]``):
+    the host cost of offloading a block, which copies do not show. The peak of the timed
+    forward grows by at most one block's saved tensors.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -277,6 +291,8 @@ class _Calibration:
         # freed in forward and its address reused, so the pointer alone does not identify it)
         self.storages: list[dict[int, weakref.ref]] = [{} for _ in range(num_blocks)]
         self.bandwidths: tuple[float, float] | None = None  # (d2h, h2d) bytes/s
+        # host seconds each block's deferred offloads took at its exit (Note [timed forward])
+        self.offload_host_s = [0.0] * num_blocks
 
     def _mark(self, device: torch.device) -> Any:
         if device.type == "cuda":
@@ -566,6 +582,8 @@ class ActivationOffloader:
         self._last_block = -1
         self._current: int | None = None
         self._pending: list[weakref.ref] = []
+        # the timed forward's handles, offloaded at their block's exit (Note [timed forward])
+        self._deferred: list[tuple[weakref.ref, Hashable]] = []
         # open regions' groups, innermost last (Note [offload rules], rule 10)
         self._regions: list[Hashable] = []
         self._region_seq = itertools.count()
@@ -638,6 +656,7 @@ class ActivationOffloader:
         self._entered = False
         with self._lock:
             self._pending.clear()  # tensors saved after the last block stay where they are
+            self._deferred.clear()  # a block whose exit never ran keeps them on the device
             self._closing = True
             self._maybe_close()
             silent = self._unassigned and not self._blocks_run and self.policy.layers
@@ -693,6 +712,7 @@ class ActivationOffloader:
         if not torch.is_grad_enabled() or _in_backward():
             return  # eval forwards and checkpoint recomputation change no state
         with self._lock:
+            self._offload_deferred()  # an enclosing block's, or one whose exit hook never ran
             if self._fresh or index <= self._last_block:
                 self._fwd += 1
                 self._fresh = False
@@ -717,7 +737,10 @@ class ActivationOffloader:
                 if handle is not None and handle.tensor is not None \
                         and handle.tensor._version == handle.version \
                         and (layer_offloaded or handle.marked):
-                    self._offload(handle, (self._fwd, index))
+                    if self._calibrating():  # Note [timed forward]
+                        self._deferred.append((ref, (self._fwd, index)))
+                    else:
+                        self._offload(handle, (self._fwd, index))
 
     def _on_block_exit(self, index: int) -> None:
         if not torch.is_grad_enabled() or _in_backward():
@@ -725,7 +748,22 @@ class ActivationOffloader:
         with self._lock:
             self._current = None
             if self._calibrating():
-                self._calibration.exit(index, self._store.device)
+                self._calibration.exit(index, self._store.device)  # before the deferred offloads
+                if self._deferred:
+                    t0 = time.perf_counter()
+                    self._offload_deferred()
+                    self._calibration.offload_host_s[index] = time.perf_counter() - t0
+
+    def _offload_deferred(self) -> None:
+        """Offload the timed forward's handles held back until their block ended (Note [timed
+        forward]); a tensor modified in place since it was saved stays on the device, as a
+        pending one does."""
+        deferred, self._deferred = self._deferred, []
+        for ref, group in deferred:
+            handle = ref()
+            if handle is not None and handle.tensor is not None \
+                    and handle.tensor._version == handle.version:
+                self._offload(handle, group)
 
     # ------------------------------------------------------------------ layers="auto"
 
@@ -765,7 +803,8 @@ class ActivationOffloader:
         self.plan = {"layers": sorted(layers), "fwd_ms": [1e3 * f for f in fwd],
                      "nbytes": list(cal.nbytes), "d2h_gbps": d2h / 1e9, "h2d_gbps": h2d / 1e9,
                      "max_kept_bytes": limit, "kept_bytes": timeline.kept_bytes,
-                     "predicted_stall_ms": 1e3 * (timeline.stall_s + timeline.late_s)}
+                     "predicted_stall_ms": 1e3 * (timeline.stall_s + timeline.late_s),
+                     "offload_host_ms": [1e3 * s for s in cal.offload_host_s]}
 
     # ------------------------------------------------------------------ pack
 
@@ -803,6 +842,9 @@ class ActivationOffloader:
                 self.counters["kept"] += 1
                 return t.detach()
             handle = _Saved(self, t.detach())
+            if self._calibrating():  # Note [timed forward]: offloaded once the block has ended
+                self._deferred.append((weakref.ref(handle), (self._fwd, layer)))
+                return handle
             self._offload(handle, (self._fwd, layer))
             return handle
 
@@ -882,6 +924,7 @@ class ActivationOffloader:
             return
         self._graph_task = task
         self._pending.clear()  # the model's tail (after the last block) stays on the device
+        self._deferred.clear()
         self._fresh = True
         self._entered_groups.clear()
         self._prefetch(self.policy.prefetch_targets(list(self._groups), None))
