@@ -114,8 +114,9 @@ def optimizer_kwargs(cfg: dict, store: TierStore | None) -> dict:
                                    grad_accumulation_steps=cfg["train"].grad_accumulation_steps)
 
 
-def make_plan(cfg: dict):
-    """Plan the preset ``cfg`` (see :func:`load`) with :func:`tiermem.plan.plan`.
+def make_plan(cfg: dict, rates=None):
+    """Plan the preset ``cfg`` (see :func:`load`) with :func:`tiermem.plan.plan`, predicting
+    the step from ``rates`` (a :class:`tiermem.plan.MachineRates`; None: the H200 machine's).
 
     Raises:
         ValueError: store.cpu_bytes larger than budgets.host_bytes, or what the planner refuses.
@@ -132,7 +133,8 @@ def make_plan(cfg: dict):
                 checkpoint=t.checkpoint, grad_accumulation_steps=t.grad_accumulation_steps,
                 gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
                 host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
-                chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks)
+                chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
+                rates=rates)
 
 
 class _GpuTimer:

@@ -212,7 +212,7 @@ class MachineRates:
 
     The defaults are the H200 machine's, one run each (logs in ``docs/results``); pass your
     own (``tiermem bench transfer|adam|io|activations`` measure them) to predict another
-    machine. Every field is a positive finite number.
+    machine. Every rate is a positive finite number (``worker_s_per_chunk``, a time, may be 0).
 
     Attributes:
         gpu_flops: effective forward + backward rate as ``6·N·tokens`` per second (FLOP/s).
@@ -221,6 +221,9 @@ class MachineRates:
         cpu_adam_params_per_s: the CPU Adam kernel with fp32 moments (params/s).
         cpu_adam_bf16_moments_params_per_s: the same with bf16 moments.
         nvme_read_bytes_per_s, nvme_write_bytes_per_s: the spill files' read and write rates.
+        worker_s_per_chunk: HybridAdam's chunk worker's seconds per offloaded chunk besides the
+            Adam kernel (store get and release, copy issue, events, the GPU lane's hand-off):
+            one thread does them between kernels, so they add to the CPU Adam time.
 
     Raises:
         ValueError: a rate that is not positive or not finite (naming the field);
@@ -241,12 +244,18 @@ class MachineRates:
     # io_backend): "write 2.08 GB/s, read 1.74 GB/s"
     nvme_read_bytes_per_s: float = 1.74e9
     nvme_write_bytes_per_s: float = 2.08e9
+    # large_20b_ram.log (3,593 chunks of 4M): "optimizer step wall 4.516 s" less "CPU Adam
+    # (kernel, summed) 2.790 s", per chunk; the archived chunk-size run agrees (f=1 at 16k
+    # tokens: 16M chunks instead of 4M, 240 chunks fewer, 103 ms less: 0.43 ms a chunk)
+    worker_s_per_chunk: float = (4.516 - 2.790) / 3593
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            time = f.name == "worker_s_per_chunk"  # a time: 0 counts no worker time
             check_number("MachineRates: ", f.name, getattr(self, f.name), low=0,
-                         low_open=True, high=math.inf, high_open=True,
-                         fix="a rate is a positive finite number per second")
+                         low_open=not time, high=math.inf, high_open=True,
+                         fix="a time is a finite number of seconds >= 0" if time else
+                         "a rate is a positive finite number per second")
 
 
 RESOURCES = ("gpu", "pcie", "cpu_adam", "nvme")
@@ -298,8 +307,9 @@ class StepTime:
         moved: what the times are sized by: ``pcie_d2h_bytes``, ``pcie_h2d_bytes`` (all
             PCIe bytes each way), ``pcie_gpu_lane_bytes`` (of which the GPU lane's state, the
             same each way), ``cpu_adam_params``, ``gpu_lane_params`` (offloaded params the GPU
-            lane steps instead), ``nvme_read_bytes``, ``nvme_write_bytes``, ``gpu_flops`` (6
-            or 8 x active params x tokens).
+            lane steps instead), ``offloaded_chunks`` (each costing the chunk worker
+            ``rates.worker_s_per_chunk``), ``nvme_read_bytes``, ``nvme_write_bytes``,
+            ``gpu_flops`` (6 or 8 x active params x tokens).
         rates: the rates used.
         gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps.
         max_grad_norm: HybridAdam's gradient clipping norm; None: no clipping.
@@ -349,7 +359,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               grad_accumulation_steps: int = 1, nvme_state_bytes: int = 0,
               activation_offload_bytes: int = 0, activation_tier: str = "cpu",
               gpu_step_fraction: float = 0.0, max_grad_norm: float | None = None,
-              rates: MachineRates | None = None) -> StepTime:
+              offloaded_chunks: int = 0, rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
@@ -365,7 +375,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
       both ways at once (the two directions overlapping as far as the link allows). ``l_p =
       round(gpu_step_fraction·offloaded_params)``, ``c_p = offloaded_params - l_p`` (HybridAdam
       picks whole chunks, Note [gpu lane]: the same share when the chunks are of one size);
-    - CPU Adam: ``c_p`` / the kernel's rate for ``moments_dtype``;
+    - CPU Adam: ``c_p`` / the kernel's rate for ``moments_dtype``, plus
+      ``offloaded_chunks x rates.worker_s_per_chunk`` (the chunk worker's own time per chunk,
+      lane chunks included: fewer, larger chunks shorten it);
     - NVMe: ``nvme_state_bytes`` read and written once per optimizer step, one after the other
       on one disk (plus ``activation_offload_bytes`` per micro-batch with
       ``activation_tier="nvme"``).
@@ -399,6 +411,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             [0.0, 1.0] (0: the CPU steps all).
         max_grad_norm: HybridAdam's gradient clipping norm (> 0); None: no clipping. With it
             the optimizer phase overlaps no backward (it waits for the global norm).
+        offloaded_chunks: HybridAdam's offloaded chunks (``ceil(offloaded_params /
+            chunk_numel)``; :func:`plan` passes them), each costing the worker
+            ``rates.worker_s_per_chunk``; 0: not counted.
         rates: :class:`MachineRates`; None: the H200 machine's.
 
     Raises:
@@ -418,7 +433,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     check_int(who, "grad_accumulation_steps", grad_accumulation_steps)
     for name, value in (("offloaded_params", offloaded_params),
                         ("nvme_state_bytes", nvme_state_bytes),
-                        ("activation_offload_bytes", activation_offload_bytes)):
+                        ("activation_offload_bytes", activation_offload_bytes),
+                        ("offloaded_chunks", offloaded_chunks)):
         check_int(who, name, value, low=0)
     moments = dtype_name(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
     check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
@@ -443,7 +459,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                  (opt_bytes / r.pcie_h2d_bytes_per_s, act_per_token / r.pcie_h2d_bytes_per_s),
                  (2 * opt_bytes / r.pcie_both_bytes_per_s,
                   2 * act_per_token / r.pcie_both_bytes_per_s)],
-        "cpu_adam": [(cpu_params / adam_rate, 0.0)],
+        "cpu_adam": [(cpu_params / adam_rate + offloaded_chunks * r.worker_s_per_chunk, 0.0)],
         "nvme": [(nvme_state_bytes * disk,
                   act_per_token * disk if activation_tier == "nvme" else 0.0)],
     }
@@ -459,7 +475,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     act_bytes = act_per_token * tokens  # each way, all micro-batches
     fwd_bwd = max(seconds["gpu"], act_bytes * pcie_per_byte,
                   act_bytes * disk if activation_tier == "nvme" else 0.0)
-    opt = (opt_bytes * pcie_per_byte, cpu_params / adam_rate, nvme_state_bytes * disk)
+    opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"], nvme_state_bytes * disk)
     window = 0.0 if max_grad_norm is not None else \
         seconds["gpu"] / grad_accumulation_steps * ((6 / 8) if checkpoint else (4 / 6))
     # at least the busiest resource's own time: a link or disk carrying both activations
@@ -480,6 +496,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                  pcie_h2d_bytes=float(opt_bytes + act_total),
                  pcie_gpu_lane_bytes=float(lane_bytes),
                  cpu_adam_params=float(cpu_params),
+                 offloaded_chunks=float(offloaded_chunks),
                  gpu_lane_params=float(lane_params),
                  nvme_read_bytes=float(nvme_state_bytes
                                        + (act_total if activation_tier == "nvme" else 0)),
@@ -525,7 +542,10 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
                               if m.get("gpu_lane_params") else ""),
         "cpu_adam": f"{m['cpu_adam_params'] / 1e9:,.2f}B params"
                     + (" (the rest of the offloaded: GPU lane)" if m.get("gpu_lane_params")
-                       else ""),
+                       else "")
+                    + (f" + {m['offloaded_chunks']:,.0f} chunks x "
+                       f"{st.rates.worker_s_per_chunk * 1e3:.2f} ms (the worker's own time)"
+                       if m.get("offloaded_chunks") else ""),
         "nvme": f"{m['nvme_read_bytes'] / GiB:,.1f} GiB read + {m['nvme_write_bytes'] / GiB:,.1f}"
                 f" GiB written",
     }
@@ -1048,13 +1068,16 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             break
     assert best is not None
     state_item = next(i for i in best.items if i.name == "optimizer state, offloaded")
+    off_n = round(best.offload_fraction * n)
+    chunk = min(chunk_numel or auto_chunk_numel(off_n), off_n) if off_n else 0
     best.step_time = step_time(
         active_params=active, offloaded_params=round(best.offload_fraction * n), param_bytes=p,
         moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
         grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
         activation_offload_bytes=best.offload_layers * kept_per_block,
         activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
-        max_grad_norm=max_grad_norm, rates=rates)
+        max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
+        rates=rates)
     _add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best
