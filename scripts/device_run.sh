@@ -5,6 +5,7 @@
 #
 #   stage              machine          what
 #   cuda_tests         nvidia-h200      pytest -m cuda but the parity matrix and tests/distributed
+#   cuda_graphs_auto   nvidia-h200      the CUDA tests of graphs and of activation offload only
 #   parity             nvidia-h200      the CUDA training-parity matrix (~9 min: its own call)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
@@ -17,6 +18,7 @@
 #   large13, large20   nvidia-h200      examples/train_large.py presets
 #   large20_ram        nvidia-h200      h200_20b_ram.yaml (state in RAM, 16 micro-batches)
 #   large20_ram_lane   nvidia-h200      the same with --gpu-step-fraction 0.5
+#   large20_ram_128k   nvidia-h200      h200_20b_ram.yaml at 64 micro-batches (131,072 tokens)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -42,6 +44,8 @@ for stage in "$@"; do
   case $stage in
     cuda_tests) run cuda_tests 300 "${PYTEST[@]}" tests --ignore=tests/distributed \
       --ignore=tests/test_cuda_training_parity.py ;;
+    cuda_graphs_auto) run cuda_graphs_auto 240 "${PYTEST[@]}" tests/optim/test_hybrid_adam_graphs.py \
+      tests/test_bench_graphs.py tests/offload/test_activations.py tests/offload/test_cuda_graphs.py ;;
     parity) run parity 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py ;;
     bench_activations) run bench_activations 420 tiermem bench activations "${GPT[@]}" \
       --batch 8 --steps 3 --warmup 2 --repeats 3 \
@@ -70,6 +74,9 @@ for stage in "$@"; do
     large20_ram_lane) run large_20b_ram_lane 480 python3 examples/train_large.py \
       --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" \
       --gpu-step-fraction 0.5 ;;
+    large20_ram_128k) run large_20b_ram_128k 540 python3 examples/train_large.py \
+      --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" \
+      --grad-accumulation-steps 64 ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done

@@ -543,7 +543,8 @@ def test_ram_plus_nvme_note_counts_the_pinned_buffers_hybrid_adam_allocates():
 
 # ---------------------------------------------------------------- time per step (issue 19)
 
-from tiermem.plan import (H200_GPU_FLOPS, REFERENCE_FWD_BWD_S, REFERENCE_TOKENS,  # noqa: E402
+from tiermem.plan import (H200_GPU_FLOPS, H200_GPU_FLOPS_CHECKPOINTED,  # noqa: E402
+                          REFERENCE_CHECKPOINTED_S, REFERENCE_FWD_BWD_S, REFERENCE_TOKENS,
                           RESOURCES, MachineRates, step_time)
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -583,6 +584,12 @@ def test_default_rates_are_the_figures_of_the_logs():
     assert "layers=24 d_model=2048 heads=16 seq=2048 batch=8 vocab=32000" in act
     assert REFERENCE_FWD_BWD_S * 1e3 == float(re.search(r"no offload: ([\d.]+) ms/step", act)[1])
     assert REFERENCE_TOKENS == 8 * 2048
+    assert REFERENCE_CHECKPOINTED_S * 1e3 == float(
+        re.search(r"checkpoint every block: ([\d.]+) ms/step", act)[1])
+    assert r.gpu_flops_checkpointed == H200_GPU_FLOPS_CHECKPOINTED == pytest.approx(
+        8 * 1343868928 * 16384 / 0.3095)
+    ckpt = preset_plan("1b", checkpoint=True).step_time
+    assert ckpt.seconds["gpu"] == pytest.approx(0.3095)  # the second calibration point
     assert r.gpu_flops == H200_GPU_FLOPS == pytest.approx(524.65e12, rel=1e-4)
     # the reference run's forward + backward is what the model predicts for it (the calibration)
     ref = preset_plan("1b").step_time
@@ -606,8 +613,8 @@ def test_each_resource_is_its_closed_form():
     r = MachineRates()
     st = _st()
     tokens = 4 * 2048
-    assert st.seconds["gpu"] == pytest.approx(8 * 10**10 * tokens / r.gpu_flops)
-    assert _st(checkpoint=False).seconds["gpu"] == pytest.approx(st.seconds["gpu"] * 6 / 8)
+    assert st.seconds["gpu"] == pytest.approx(8 * 10**10 * tokens / r.gpu_flops_checkpointed)
+    assert _st(checkpoint=False).seconds["gpu"] == pytest.approx(6 * 10**10 * tokens / r.gpu_flops)
     moved = 6 * 10**9 * 2  # gradients off and params back, once per optimizer step
     assert st.seconds["pcie"] == pytest.approx(max(moved / r.pcie_d2h_bytes_per_s,
                                                    moved / r.pcie_h2d_bytes_per_s,
@@ -984,8 +991,10 @@ BEFORE_LANE = {
 
 def _lane_cases(**kw):
     """The configurations of BEFORE_LANE, their StepTime with ``kw`` (gpu_step_fraction) and
-    no worker time per chunk (MachineRates.worker_s_per_chunk, counted since)."""
-    kw = {"rates": MachineRates(worker_s_per_chunk=0.0), **kw}
+    the rates of then: no worker time per chunk (MachineRates.worker_s_per_chunk) and the
+    checkpointed forward + backward at the 6·N rate (gpu_flops_checkpointed), both added since."""
+    kw = {"rates": MachineRates(worker_s_per_chunk=0.0, gpu_flops_checkpointed=H200_GPU_FLOPS),
+          **kw}
     tl = _train_large()
     return {
         "13b split": preset_plan("13b", host_bytes="80GiB", offload_fraction=0.6,
@@ -1242,7 +1251,8 @@ def test_sizing_doc_says_which_measured_runs_fall_within_floor_and_ceiling():
              dict(grad_accumulation_steps=4), None),
             ("h200_20b_bf16", "large_20b.log", "dry run when it accumulated 4 micro-batches",
              dict(grad_accumulation_steps=4), None),
-            ("h200_13b_nvme", "large_13b_c0c5ed4.log", "at its 20 micro-batches", {}, None),
+            ("h200_13b_nvme", "large_13b_c0c5ed4.log", "at the 20 micro-batches it had then",
+             dict(grad_accumulation_steps=20), None),
             ("h200_20b_ram", "large_20b_ram.log", "with its 4M chunks then", {}, 4194304),
             ("h200_20b_ram", "large_20b_ram_lane.log", "--gpu-step-fraction 0.5",
              dict(gpu_step_fraction=0.5), 4194304)):

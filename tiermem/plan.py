@@ -204,6 +204,15 @@ H200_GPU_FLOPS = 6 * PRESETS["1b"].num_params() * REFERENCE_TOKENS / REFERENCE_F
 """The H200's effective rate, 6·N·tokens per second of forward + backward, from the reference
 run: 6 x 1,343,868,928 x 16,384 / 0.2518 s = 524.7e12 (attention's own FLOPs and every
 overhead are folded into it, as they were in that run)."""
+REFERENCE_CHECKPOINTED_S = 0.3095
+"""Seconds of the reference forward + backward with every block checkpointed on the H200: the
+same log, "checkpoint every block: 309.5 ms/step"."""
+H200_GPU_FLOPS_CHECKPOINTED = (8 * PRESETS["1b"].num_params() * REFERENCE_TOKENS
+                               / REFERENCE_CHECKPOINTED_S)
+"""The same with checkpointing, counted as 8·N·tokens (the forward twice): 569.2e12. The
+recomputed forward runs faster per FLOP than the first (it saves nothing), so the 6·N rate
+scaled by 8/6 would put the reference at 336 ms; the large checkpointed models ran faster still
+(20B: 8.80 s where this rate predicts 9.38 s; 13B: 7.17 s against 7.44 s; docs/sizing.md)."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,7 @@ class MachineRates:
 
     Attributes:
         gpu_flops: effective forward + backward rate as ``6·N·tokens`` per second (FLOP/s).
+        gpu_flops_checkpointed: the same with every block checkpointed, as ``8·N·tokens``.
         pcie_h2d_bytes_per_s, pcie_d2h_bytes_per_s: pinned copies one direction at a time.
         pcie_both_bytes_per_s: both directions at once, the sum of the two.
         cpu_adam_params_per_s: the CPU Adam kernel with fp32 moments (params/s).
@@ -231,6 +241,7 @@ class MachineRates:
     """
 
     gpu_flops: float = H200_GPU_FLOPS
+    gpu_flops_checkpointed: float = H200_GPU_FLOPS_CHECKPOINTED
     # bench_transfer.log, "raw GB/s" column (HybridAdam's rings copy with plain pinned copy_):
     pcie_h2d_bytes_per_s: float = 54.56e9   # "H2D (host -> device) 54.56"
     pcie_d2h_bytes_per_s: float = 54.48e9   # "D2H (device -> host) 54.48"
@@ -364,8 +375,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
 
-    - GPU: ``c·active_params·T / rates.gpu_flops``, ``c`` = 6 (forward + backward) or 8 with
-      ``checkpoint`` (the forward again in backward);
+    - GPU: ``6·active_params·T / rates.gpu_flops`` (forward + backward), or with
+      ``checkpoint`` ``8·active_params·T / rates.gpu_flops_checkpointed`` (the forward again in
+      backward, at its own measured rate);
     - PCIe: each way once per optimizer step, ``c_p·param_bytes`` for the ``c_p`` offloaded
       params the CPU steps (gradients off, updated params back) plus ``l_p·w`` for the ``l_p``
       the GPU lane steps (their state H2D and back D2H; ``w = 4·state_numel(1, moments)``:
@@ -463,7 +475,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         "nvme": [(nvme_state_bytes * disk,
                   act_per_token * disk if activation_tier == "nvme" else 0.0)],
     }
-    g = flops_per_token / r.gpu_flops
+    g = flops_per_token / (r.gpu_flops_checkpointed if checkpoint else r.gpu_flops)
     seconds = {"gpu": g * tokens}
     for name, ts in terms.items():
         seconds[name] = max(fixed + per * tokens for fixed, per in ts)
@@ -533,7 +545,8 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
     c = 8 if checkpoint else 6
     what = {
         "gpu": f"{c} x {m['gpu_flops'] / c / st.tokens / 1e9:,.2f}B params x tokens at "
-               f"{st.rates.gpu_flops / 1e12:,.1f} TFLOP/s"
+               f"{(st.rates.gpu_flops_checkpointed if checkpoint else st.rates.gpu_flops) / 1e12:,.1f}"
+               f" TFLOP/s"
                + (" (checkpointing: the forward twice)" if checkpoint else ""),
         "pcie": f"{m['pcie_d2h_bytes'] / GiB:,.1f} GiB D2H + {m['pcie_h2d_bytes'] / GiB:,.1f} "
                 f"GiB H2D" + (f" (of which {m['pcie_gpu_lane_bytes'] / GiB:,.1f} GiB each way: "
@@ -1282,6 +1295,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 _RATE_FLAGS = (
     ("--gpu-tflops", "gpu_flops", 1e12, "TFLOP/s of forward + backward counted as 6·N·tokens",
+     "bench_activations.log"),
+    ("--gpu-tflops-checkpointed", "gpu_flops_checkpointed", 1e12,
+     "TFLOP/s of forward + backward with every block checkpointed, counted as 8·N·tokens",
      "bench_activations.log"),
     ("--pcie-h2d", "pcie_h2d_bytes_per_s", 1e9, "GB/s host to device", "bench_transfer.log"),
     ("--pcie-d2h", "pcie_d2h_bytes_per_s", 1e9, "GB/s device to host", "bench_transfer.log"),
