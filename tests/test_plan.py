@@ -1268,3 +1268,22 @@ def test_sizing_doc_says_which_measured_runs_fall_within_floor_and_ceiling():
         assert f"{st.overlapped_s:.2f} s" in row and f"{st.serial_s:.2f} s" in row, (log, st)
         assert row.rstrip(" |").endswith(
             f"| {_verdict(min(steps), st)}; {_verdict(max(steps), st)}"), (log, row)
+
+
+def test_checkpointed_runs_take_their_own_gpu_rate(capsys):
+    """--gpu-tflops-checkpointed prices a checkpointed step (8·N·T); --gpu-tflops one without
+    (6·N·T); each flag leaves the other kind of step alone."""
+    argv = ["--model-size", "13b", "--host", "80GiB", "--offload-fraction", "0.6", "--json"]
+    seconds = {}
+    for ckpt in ([], ["--checkpoint"]):
+        for flag in ("--gpu-tflops", "--gpu-tflops-checkpointed"):
+            assert main([*argv, *ckpt, flag, "1000"]) == 0
+            seconds[(bool(ckpt), flag)] = json.loads(capsys.readouterr().out)["step_time"]
+    n = preset_plan("13b").active_params
+    assert seconds[(False, "--gpu-tflops")]["seconds"]["gpu"] == pytest.approx(6 * n * 2048 / 1e15)
+    assert seconds[(True, "--gpu-tflops-checkpointed")]["seconds"]["gpu"] == \
+        pytest.approx(8 * n * 2048 / 1e15)
+    assert seconds[(False, "--gpu-tflops-checkpointed")]["seconds"]["gpu"] == \
+        pytest.approx(6 * n * 2048 / H200_GPU_FLOPS)
+    assert seconds[(True, "--gpu-tflops")]["seconds"]["gpu"] == \
+        pytest.approx(8 * n * 2048 / H200_GPU_FLOPS_CHECKPOINTED)

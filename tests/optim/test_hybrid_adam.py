@@ -754,3 +754,26 @@ def test_clipping_after_backward_is_refused_with_overlap_and_exact_without():
         train(ref, ref_opt, 4, accum=1, clip=0.05), rel=1e-6)
     assert_params_close(model, ref, exact=False)
     opt.close()
+
+
+@pytest.mark.parametrize("fraction", [0.74, 1.0])
+def test_the_chunk_size_changes_no_bit(fraction):
+    """chunk_numel decides how the offloaded elements are cut into chunks (the unit of the CPU
+    step and its copies), not what they compute: 8 steps of bf16 training with bf16 moments,
+    clipping and 2 micro-batches (the 20B RAM preset's settings, which took 16M chunks instead
+    of 4M) give the same losses and params with chunks of 1024, 4096 and 16384 elements."""
+    runs = []
+    for chunk in (1024, 4096, 16384):
+        model = make_models(dtype=torch.bfloat16)
+        opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, state_tier="cpu",
+                         moments_dtype=torch.bfloat16, max_grad_norm=1.0, chunk_numel=chunk,
+                         grad_accumulation_steps=2)
+        losses = train(model, opt, 8)
+        opt.close()
+        runs.append((losses, model))
+    start = make_models(dtype=torch.bfloat16)
+    assert not all(torch.equal(a, b) for a, b in zip(start.parameters(),
+                                                     runs[0][1].parameters()))  # it trained
+    for losses, model in runs[1:]:
+        assert losses == runs[0][0]
+        assert_params_close(runs[0][1], model, exact=True)
