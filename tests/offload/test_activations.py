@@ -788,6 +788,7 @@ def test_timed_forward_puts_each_block_after_its_end_mark(make_store, monkeypatc
             puts_after[last] = puts_after.get(last, 0) + 1
     assert sorted(puts_after) == [0, 1, 2]  # every block but the last is offloaded
     assert len(off.plan["offload_host_ms"]) == 4 and off.plan["offload_host_ms"][3] == 0.0
+    assert len(off.plan["host_ms"]) == 4 and all(ms > 0 for ms in off.plan["host_ms"])
     assert all(ms > 0 for ms in off.plan["offload_host_ms"][:3])
     _assert_clean(store, off)
 

@@ -101,6 +101,42 @@ def test_max_kept_bytes_offloads_more_least_stall_first():
     assert choose_layers(costs, 1.0, 1.0, max_kept_bytes=10 ** 9) == hidden
 
 
+def test_without_host_times_nothing_changes():
+    costs = _uniform(8, 1.0, 3)
+    zero = BlockCosts(costs.fwd_s, costs.bwd_s, costs.nbytes, host_s=(0.0,) * 8,
+                      offload_host_s=(0.0,) * 8)
+    for layers in ([], [0], [0, 3, 6], range(8)):
+        assert simulate(zero, layers, 1.0, 1.0) == simulate(costs, layers, 1.0, 1.0)
+    assert choose_layers(zero, 1.0, 1.0) == choose_layers(costs, 1.0, 1.0)
+
+
+def test_host_work_of_an_offload_can_stall_the_forward():
+    """4 blocks of 1 s on the device, 0.1 s each to issue, 1.5 s more to offload one; copies
+    free. Block 0 offloaded: the host is done issuing it at 1.6 s, so the device ends it there,
+    0.6 s late. Block 1 alone: the host has it issued by 1.7 s, the device ends it at 2 s:
+    hidden. Blocks 1 and 2: the host is done with block 2 at 3.3 s, the device would end it at
+    3 s: 0.3 s late. So block 1 alone is chosen (block 3, the last, never is)."""
+    costs = BlockCosts((1.0,) * 4, (2.0,) * 4, (1,) * 4, host_s=(0.1,) * 4,
+                       offload_host_s=(1.5,) * 4)
+    t = simulate(costs, [0], 1e9, 1e9)
+    assert t.host_stall_s == pytest.approx(0.6) and t.forward_s == pytest.approx(4.6)
+    assert not t.hidden
+    assert simulate(costs, [1], 1e9, 1e9).hidden
+    assert simulate(costs, [1, 2], 1e9, 1e9).host_stall_s == pytest.approx(0.3)
+    assert choose_layers(costs, 1e9, 1e9) == frozenset({1})
+    assert choose_layers(BlockCosts(costs.fwd_s, costs.bwd_s, costs.nbytes), 1e9, 1e9) == \
+        frozenset({0, 1, 2})  # without the host clock every block but the last
+    # a host-bound stack (issuing takes longer than computing): any offload delays forward
+    slow = BlockCosts((1.0,) * 4, (2.0,) * 4, (1,) * 4, host_s=(1.5,) * 4,
+                      offload_host_s=(0.1,) * 4)
+    assert simulate(slow, [2], 1e9, 1e9).host_stall_s == pytest.approx(0.1)
+    assert choose_layers(slow, 1e9, 1e9) == frozenset()
+    with pytest.raises(ValueError, match=r"host_s must be empty or have one entry per block"):
+        BlockCosts((1.0,), (1.0,), (1,), host_s=(0.1, 0.2))
+    with pytest.raises(ValueError, match=r"BlockCosts.offload_host_s\[0\]=-1.0 must be"):
+        BlockCosts((1.0,), (1.0,), (1,), offload_host_s=(-1.0,))
+
+
 def test_bad_input_names_the_field():
     with pytest.raises(ValueError, match=r"one entry per block"):
         BlockCosts((1.0,), (1.0, 2.0), (1,))

@@ -252,7 +252,8 @@ def run(args, log=print) -> list[Row]:
                     f"{statistics.median(plan['fwd_ms']):.2f} (median of {len(plan['fwd_ms'])}, "
                     f"sum {sum(plan['fwd_ms']):.1f}), saved MiB per block "
                     f"{statistics.median(plan['nbytes']) / 2**20:.0f}, d2h {plan['d2h_gbps']:.1f} "
-                    f"/ h2d {plan['h2d_gbps']:.1f} GB/s, host ms to offload a block "
+                    f"/ h2d {plan['h2d_gbps']:.1f} GB/s, host ms to issue a block "
+                    f"{statistics.median(plan['host_ms']):.2f}, host ms to offload a block "
                     f"{statistics.median(plan['offload_host_ms'][:-1] or [0.0]):.2f}, predicted "
                     f"stall {plan['predicted_stall_ms']:.1f} ms")
             rows.append(Row(name, statistics.median(medians), peak, moved,

@@ -278,9 +278,12 @@ class _Calibration:
     5.1-6.8 ms in three runs, while checkpointing's recompute puts a block's forward at ~2.4 ms;
     choose_layers then believed 2-3x more copy time hid behind compute than does, chose 5-8
     blocks, and the step took 1.03-1.24x of no offload (docs/benchmarks.md). The host seconds
-    of each block's deferred puts are kept (``offload_host_s``, ``plan["offload_host_ms"]``):
-    the host cost of offloading a block, which copies do not show. The peak of the timed
-    forward grows by at most one block's saved tensors.
+    of each block, start to end hook (``plan["host_ms"]``), and of its deferred puts
+    (``offload_host_s``, ``plan["offload_host_ms"]``) are kept too: on CUDA the host only
+    issues the work, and choose_layers runs a host clock beside the device's
+    (tiermem/schedule/layers.py), so a block whose puts would leave the device waiting for the
+    host is not chosen; on the CPU the host computes the blocks, and its clock is the one
+    timed. The peak of the timed forward grows by at most one block's saved tensors.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -293,6 +296,7 @@ class _Calibration:
         self.bandwidths: tuple[float, float] | None = None  # (d2h, h2d) bytes/s
         # host seconds each block's deferred offloads took at its exit (Note [timed forward])
         self.offload_host_s = [0.0] * num_blocks
+        self.host_marks: dict[int, list] = {}  # block -> [host start, host end] (perf_counter)
 
     def _mark(self, device: torch.device) -> Any:
         if device.type == "cuda":
@@ -302,11 +306,19 @@ class _Calibration:
         return time.perf_counter()
 
     def enter(self, index: int, device: torch.device) -> None:
+        self.host_marks[index] = [time.perf_counter(), None]
         self.marks[index] = [self._mark(device), None]
 
     def exit(self, index: int, device: torch.device) -> None:
         if index in self.marks:
             self.marks[index][1] = self._mark(device)
+            self.host_marks[index][1] = time.perf_counter()
+
+    def host_seconds(self) -> list[float]:
+        """Host seconds from each block's start to its end hook (its Python and launches; the
+        deferred puts come after, in ``offload_host_s``)."""
+        return [max(0.0, end - start) for start, end in
+                (self.host_marks[i] for i in range(self.num_blocks))]
 
     def saved(self, index: int, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -788,8 +800,12 @@ class ActivationOffloader:
         unused so far."""
         cal, self._calibration = self._calibration, None
         fwd = cal.fwd_seconds()
-        costs = BlockCosts(tuple(fwd), tuple(_BWD_PER_FWD * f for f in fwd), tuple(cal.nbytes))
         device = self._store.device
+        cuda = device.type == "cuda"  # a host clock apart from the device's (Note [timed forward])
+        host = cal.host_seconds()
+        costs = BlockCosts(tuple(fwd), tuple(_BWD_PER_FWD * f for f in fwd), tuple(cal.nbytes),
+                           host_s=tuple(host) if cuda else (),
+                           offload_host_s=tuple(cal.offload_host_s) if cuda else ())
         d2h, h2d = cal.bandwidths
         limit = self.max_kept_bytes
         if limit is None and device.type == "cuda":
@@ -803,7 +819,9 @@ class ActivationOffloader:
         self.plan = {"layers": sorted(layers), "fwd_ms": [1e3 * f for f in fwd],
                      "nbytes": list(cal.nbytes), "d2h_gbps": d2h / 1e9, "h2d_gbps": h2d / 1e9,
                      "max_kept_bytes": limit, "kept_bytes": timeline.kept_bytes,
-                     "predicted_stall_ms": 1e3 * (timeline.stall_s + timeline.late_s),
+                     "predicted_stall_ms": 1e3 * (timeline.stall_s + timeline.late_s
+                                                  + timeline.host_stall_s),
+                     "host_ms": [1e3 * s for s in host],
                      "offload_host_ms": [1e3 * s for s in cal.offload_host_s]}
 
     # ------------------------------------------------------------------ pack

@@ -8,7 +8,12 @@ the last ``prefetch_depth`` offloaded blocks, as :class:`tiermem.offload.activat
 prefetches) and must have landed when backward reaches block ``i``, or backward stalls.
 
 :func:`simulate` replays one step of that pipeline from measured per-block times and bytes
-(one D2H and one H2D stream, each copying at its bandwidth, in order); :func:`choose_layers`
+(one D2H and one H2D stream, each copying at its bandwidth, in order). On a GPU the host issues
+the work and the device runs it: when block costs carry host times (the block's own Python and
+launches, and the extra host work of offloading it: store puts, copy issue), the forward also
+runs a host clock, a block's kernels cannot finish before the host has issued them, and what
+offloading adds to the forward's end on the device is a stall like a late copy (from a standing
+start: the host is not assumed ahead of the device when forward begins). :func:`choose_layers`
 adds blocks in forward order -- the first blocks' reloads have the most backward compute to
 hide behind -- keeping each one whose addition leaves the step without a stall, then, if
 ``max_kept_bytes`` is given, offloads more blocks (least added stall first) until what stays on
@@ -37,18 +42,28 @@ class BlockCosts:
         fwd_s: forward compute seconds per block.
         bwd_s: backward compute seconds per block (commonly ~2x forward).
         nbytes: bytes of saved activations the block would offload.
+        host_s: host seconds to issue the block's forward (its Python and kernel launches);
+            empty: no host clock (the CPU, where the host computes the blocks itself).
+        offload_host_s: extra host seconds when the block is offloaded (its store puts and
+            copy issue); empty: none.
     """
 
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     nbytes: tuple[int, ...]
+    host_s: tuple[float, ...] = ()
+    offload_host_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
         if not n or len(self.bwd_s) != n or len(self.nbytes) != n:
             raise ValueError(f"BlockCosts: fwd_s, bwd_s and nbytes must have one entry per block "
                              f"(got {len(self.fwd_s)}, {len(self.bwd_s)}, {len(self.nbytes)})")
-        for name in ("fwd_s", "bwd_s", "nbytes"):
+        for name in ("host_s", "offload_host_s"):
+            if len(getattr(self, name)) not in (0, n):
+                raise ValueError(f"BlockCosts: {name} must be empty or have one entry per block "
+                                 f"(got {len(getattr(self, name))} for {n} blocks)")
+        for name in ("fwd_s", "bwd_s", "nbytes", "host_s", "offload_host_s"):
             for i, x in enumerate(getattr(self, name)):
                 if not (isinstance(x, (int, float)) and x >= 0 and math.isfinite(x)):
                     raise ValueError(f"BlockCosts.{name}[{i}]={x!r} must be a finite number >= 0")
@@ -59,21 +74,26 @@ class Timeline:
     """What :func:`simulate` predicts for one step.
 
     Attributes:
-        forward_s: forward compute time (the sum of ``fwd_s``).
+        forward_s: when forward ends on the device: the sum of ``fwd_s``, or later where the
+            host could not issue the blocks in time.
         late_s: how long after the end of forward the last D2H copy ends (0: all hidden).
         stall_s: total time backward waits for reloads.
         kept_bytes: activation bytes of the blocks that are not offloaded.
+        host_stall_s: how much later forward ends on the device than with nothing offloaded,
+            because of the offloaded blocks' host work (0 without host times).
     """
 
     forward_s: float
     late_s: float
     stall_s: float
     kept_bytes: int
+    host_stall_s: float = 0.0
 
     @property
     def hidden(self) -> bool:
-        """True when every copy hides behind compute (no late D2H, no backward stall)."""
-        return self.late_s <= 1e-12 and self.stall_s <= 1e-12
+        """True when every copy, and the host work of issuing it, hides behind compute (no late
+        D2H, no backward stall, no host delay to forward)."""
+        return self.late_s <= 1e-12 and self.stall_s <= 1e-12 and self.host_stall_s <= 1e-12
 
 
 def simulate(costs: BlockCosts, layers: Sequence[int] | frozenset[int], d2h_bytes_per_s: float,
@@ -94,13 +114,13 @@ def simulate(costs: BlockCosts, layers: Sequence[int] | frozenset[int], d2h_byte
     if order and not (0 <= order[0] and order[-1] < n):
         raise ValueError(f"simulate: layers {order} must be block indices in [0, {n})")
     # forward: each offloaded block's copy starts when the block ends and the stream is free
-    t, d2h_free = 0.0, 0.0
     offloaded = set(order)
-    for i in range(n):
-        t += costs.fwd_s[i]
-        if i in offloaded:
-            d2h_free = max(d2h_free, t) + costs.nbytes[i] / d2h_bytes_per_s
-    forward_s = t
+    ends = _forward_ends(costs, offloaded)
+    d2h_free = 0.0
+    for i in order:
+        d2h_free = max(d2h_free, ends[i]) + costs.nbytes[i] / d2h_bytes_per_s
+    forward_s = ends[-1]
+    host_stall = max(0.0, forward_s - _forward_ends(costs, set())[-1]) if order else 0.0
     late = max(0.0, d2h_free - forward_s)
     # backward: reload of order[k] is issued when backward enters order[k + depth]
     t = forward_s + late  # a reload cannot start before its copy is off the device
@@ -122,7 +142,23 @@ def simulate(costs: BlockCosts, layers: Sequence[int] | frozenset[int], d2h_byte
             ready[b] = h2d_free
         t += costs.bwd_s[i]
     kept = sum(costs.nbytes[i] for i in range(n) if i not in offloaded)
-    return Timeline(forward_s, late, stall, kept)
+    return Timeline(forward_s, late, stall, kept, host_stall)
+
+
+def _forward_ends(costs: BlockCosts, offloaded: set[int]) -> list[float]:
+    """When each block's forward ends on the device: after the block before it and its own
+    compute, and not before the host has issued it (``host_s``, plus ``offload_host_s`` for an
+    offloaded block; a host clock only where the costs carry host times)."""
+    n = len(costs.fwd_s)
+    host_s = costs.host_s or (0.0,) * n
+    extra = costs.offload_host_s or (0.0,) * n
+    host = device = 0.0
+    ends = []
+    for i in range(n):
+        host += host_s[i] + (extra[i] if i in offloaded else 0.0)
+        device = max(device + costs.fwd_s[i], host)
+        ends.append(device)
+    return ends
 
 
 def choose_layers(costs: BlockCosts, d2h_bytes_per_s: float, h2d_bytes_per_s: float,
@@ -165,7 +201,7 @@ def choose_layers(costs: BlockCosts, d2h_bytes_per_s: float, h2d_bytes_per_s: fl
             break
         def cost(i: int) -> tuple[float, int]:
             t = sim(chosen | {i})  # least extra time first, the larger block on a tie
-            return t.late_s + t.stall_s, -costs.nbytes[i]
+            return t.late_s + t.stall_s + t.host_stall_s, -costs.nbytes[i]
 
         best = min(rest, key=cost)
         chosen.add(best)
