@@ -1054,8 +1054,9 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
             the last and the second is timed per block (forward time, saved bytes); when the
             third starts, the blocks whose copies hide behind compute are chosen
             (:func:`tiermem.schedule.layers.choose_layers`; backward taken as twice forward,
-            copy bandwidths measured once, with ``tier="nvme"`` no faster than the disk) and
-            kept from then on; ``plan`` says what was chosen and why.
+            copy bandwidths measured once, with ``tier="nvme"`` no faster than the disk, and on
+            CUDA the host's time to issue and to offload each block counted: Note [timed
+            forward]) and kept from then on; ``plan`` says what was chosen and why.
         prefetch_depth: when backward enters layer ``i``, layers ``i-1 ... i-prefetch_depth``
             are reloaded in the background (>= 1).
         min_offload_bytes: saved tensors smaller than this many bytes stay on the device.
