@@ -919,12 +919,8 @@ def test_sizing_doc_quotes_the_presets_predictions():
     predicts for the 13B and 20B presets at the 4 micro-batches their logged runs accumulated
     (their --dry-run then, max_grad_norm 1.0 as now), and the paragraph after it what it
     predicts at the presets' own accumulation now (the GPU's time the largest)."""
-    import importlib.util
     root = pathlib.Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("train_large",
-                                                  root / "examples" / "train_large.py")
-    train_large = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_large)
+    train_large = _train_large()
     lines = (root / "docs" / "sizing.md").read_text().splitlines()
     text = " ".join(lines)
     for preset in ("h200_13b_nvme", "h200_20b_bf16"):

@@ -711,6 +711,15 @@ def _short(name: str) -> str:
     return min((s for s, canon in DTYPE_SPELLINGS.items() if canon == name), key=len)
 
 
+def _largest_chunk(offloaded_numel: int, chunk_numel: int | None) -> int:
+    """Elements of HybridAdam's largest offloaded chunk: ``min(chunk_numel, offloaded_numel)``,
+    ``chunk_numel`` None meaning :func:`tiermem.optim.partition.auto_chunk_numel` (0: nothing
+    offloaded)."""
+    if not offloaded_numel:
+        return 0
+    return min(chunk_numel or auto_chunk_numel(offloaded_numel), offloaded_numel)
+
+
 def host_buffer_bytes(offloaded_numel: int, chunk_numel: int | None, dtype, moments_dtype,
                       nvme_lookahead_chunks: int, state_tier: str) -> tuple[int, int]:
     """``(pinned rings, NVMe staging)``: the pinned host bytes HybridAdam allocates besides the
@@ -732,7 +741,7 @@ def host_buffer_bytes(offloaded_numel: int, chunk_numel: int | None, dtype, mome
     """
     if not offloaded_numel:
         return 0, 0
-    chunk = min(chunk_numel or auto_chunk_numel(offloaded_numel), offloaded_numel)
+    chunk = _largest_chunk(offloaded_numel, chunk_numel)
     rings = ring_bytes(chunk, dtype.itemsize)
     staging = nvme_staging_bytes(chunk, moments_dtype, nvme_lookahead_chunks) \
         if state_tier in ("nvme", "split") else 0
@@ -1023,8 +1032,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             items.append(Item("NVMe read-ahead buffers", host=staging,
                               note=f"{nvme_lookahead_chunks}+{NVME_EXTRA_CHUNKS} chunks"))
         if off_n and gpu_step_fraction > 0:  # Note [gpu lane]: device slots, not the state
-            lane_chunk = min(chunk_numel or auto_chunk_numel(off_n), off_n)
-            items.append(Item("GPU lane slots", gpu=lane_slot_bytes(lane_chunk, moments_dt),
+            items.append(Item("GPU lane slots",
+                              gpu=lane_slot_bytes(_largest_chunk(off_n, chunk_numel), moments_dt),
                               note=f"{LANE_SLOTS} chunks of state + fp32 grads"))
         on_gpu_blocks = n_layers - k
         window = min(k, prefetch_depth + 1)
@@ -1082,7 +1091,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     assert best is not None
     state_item = next(i for i in best.items if i.name == "optimizer state, offloaded")
     off_n = round(best.offload_fraction * n)
-    chunk = min(chunk_numel or auto_chunk_numel(off_n), off_n) if off_n else 0
+    chunk = _largest_chunk(off_n, chunk_numel)
     best.step_time = step_time(
         active_params=active, offloaded_params=round(best.offload_fraction * n), param_bytes=p,
         moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,

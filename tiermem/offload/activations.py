@@ -808,7 +808,7 @@ class ActivationOffloader:
                            offload_host_s=tuple(cal.offload_host_s) if cuda else ())
         d2h, h2d = cal.bandwidths
         limit = self.max_kept_bytes
-        if limit is None and device.type == "cuda":
+        if limit is None and cuda:
             room = torch.cuda.get_device_properties(device).total_memory \
                 - torch.cuda.max_memory_allocated(device)
             kept_now = sum(n for i, n in enumerate(cal.nbytes) if i not in self.policy.layers)
