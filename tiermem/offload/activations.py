@@ -275,9 +275,9 @@ class _Calibration:
     events bracket is then the block's own kernels, not the host work of its puts (store
     bookkeeping, pinned slots, copy issue) nor any wait a put adds. With the puts in the pack
     hook, the H200 timed the reference GPT's blocks (8 x 2048 tokens, d_model 2048) at a median
-    5.1-6.8 ms in three runs, while checkpointing's recompute puts a block's forward at ~2.4 ms;
-    choose_layers then believed 2-3x more copy time hid behind compute than does, chose 5-8
-    blocks, and the step took 1.03-1.24x of no offload (docs/benchmarks.md). The host seconds
+    5.1 and 6.8 ms in two runs, while checkpointing's recompute puts a block's forward at ~2.4 ms;
+    choose_layers then believed 2-3x more copy time hid behind compute than does and chose 5-8
+    blocks: the table row with the chunked loss took 1.24x of no offload (docs/benchmarks.md). The host seconds
     of each block, start to end hook (``plan["host_ms"]``), and of its deferred puts
     (``offload_host_s``, ``plan["offload_host_ms"]``) are kept too: on CUDA the host only
     issues the work, and choose_layers runs a host clock beside the device's
