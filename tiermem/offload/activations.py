@@ -277,9 +277,11 @@ class _Calibration:
     hook, the H200 timed the reference GPT's blocks (8 x 2048 tokens, d_model 2048) at a median
     5.1 and 6.8 ms in two runs, while checkpointing's recompute puts a block's forward at ~2.4 ms;
     choose_layers then believed 2-3x more copy time hid behind compute than does and chose 5-8
-    blocks: the table row with the chunked loss took 1.24x of no offload (docs/benchmarks.md). The host seconds
-    of each block, start to end hook (``plan["host_ms"]``), and of its deferred puts
-    (``offload_host_s``, ``plan["offload_host_ms"]``) are kept too: on CUDA the host only
+    blocks: the table row with the chunked loss took 1.24x of no offload. With the puts after
+    the end event and the host clock below, the H200 timed a block at 2.99 ms and auto chose 3
+    blocks at 0.99x (docs/benchmarks.md, at ee65090). The host seconds of each block, start
+    to end hook (``plan["host_ms"]``), and of its deferred puts (``offload_host_s``,
+    ``plan["offload_host_ms"]``) are kept too: on CUDA the host only
     issues the work, and choose_layers runs a host clock beside the device's
     (tiermem/schedule/layers.py), so a block whose puts would leave the device waiting for the
     host is not chosen; on the CPU the host computes the blocks, and its clock is the one
