@@ -6,7 +6,9 @@
 #   stage              machine          what
 #   cuda_tests         nvidia-h200      pytest -m cuda but the parity matrix and tests/distributed
 #   cuda_graphs_auto   nvidia-h200      the CUDA tests of graphs and of activation offload only
-#   parity             nvidia-h200      the CUDA training-parity matrix (~9 min: its own call)
+#   parity_adamw       nvidia-h200      the CUDA training-parity matrix: its torch AdamW rows (~5 min)
+#   parity_hybrid      nvidia-h200      its HybridAdam rows (~6 min: its own call)
+#   parity_more        nvidia-h200      its other tests (stale-buffer check, torch.compile; ~5 min)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs
@@ -19,6 +21,8 @@
 #   large20_ram        nvidia-h200      h200_20b_ram.yaml (state in RAM, 16 micro-batches)
 #   large20_ram_lane   nvidia-h200      the same with --gpu-step-fraction 0.5
 #   large20_ram_128k   nvidia-h200      h200_20b_ram.yaml at 64 micro-batches (131,072 tokens)
+#   large20_ram_chunks nvidia-h200      h200_20b_ram.yaml with 4M then 16M chunks (one call)
+#   large20_ram_bf     nvidia-h200      h200_20b_ram.yaml, then breadth-first 0 (depth-first)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,7 +50,12 @@ for stage in "$@"; do
       --ignore=tests/test_cuda_training_parity.py ;;
     cuda_graphs_auto) run cuda_graphs_auto 240 "${PYTEST[@]}" tests/optim/test_hybrid_adam_graphs.py \
       tests/test_bench_graphs.py tests/offload/test_activations.py tests/offload/test_cuda_graphs.py ;;
-    parity) run parity 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py ;;
+    parity_adamw) run parity_adamw 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
+      -k "training_parity and adamw" ;;
+    parity_hybrid) run parity_hybrid 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
+      -k "training_parity and not adamw" ;;
+    parity_more) run parity_more 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
+      -k "not training_parity" ;;
     bench_activations) run bench_activations 420 tiermem bench activations "${GPT[@]}" \
       --batch 8 --steps 3 --warmup 2 --repeats 3 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
@@ -77,6 +86,16 @@ for stage in "$@"; do
     large20_ram_128k) run large_20b_ram_128k 540 python3 examples/train_large.py \
       --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" \
       --grad-accumulation-steps 64 ;;
+    large20_ram_chunks)
+      run large_20b_ram_4m 280 python3 examples/train_large.py \
+        --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" --chunk-numel 4194304
+      run large_20b_ram_16m 280 python3 examples/train_large.py \
+        --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" --chunk-numel 16777216 ;;
+    large20_ram_bf)
+      run large_20b_ram_bf 280 python3 examples/train_large.py \
+        --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL"
+      run large_20b_ram_df 280 python3 examples/train_large.py \
+        --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" --breadth-first-blocks 0 ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done

@@ -184,6 +184,49 @@ def test_trace_placement_keeps_the_first_executed_layers_on_the_gpu(placement):
         HybridAdam(model.parameters(), placement="everywhere")
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_clipping_steps_the_chunks_in_forward_order(clip, monkeypatch):
+    """Note [stepping order]: without clipping the worker steps chunks as their gradients
+    complete (the last layers first); with ``max_grad_norm`` nothing can start before step(),
+    which ships in execution order, so the first layers' chunks are stepped first. The chunk
+    numbers follow execution order (trace placement), and the results match AdamW either way."""
+    from tiermem.optim.chunk_worker import ChunkWorker
+    stepped = []
+    original = ChunkWorker._step_chunk
+
+    def record(self, g, c, copies):
+        stepped.append((g, c))
+        return original(self, g, c, copies)
+
+    monkeypatch.setattr(ChunkWorker, "_step_chunk", record)
+    torch.manual_seed(0)
+    model = _ReversedMLP()
+    ref = copy.deepcopy(model)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.8, chunk_numel=1024,
+                     max_grad_norm=clip)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 64, generator=gen)
+        stepped.clear()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).backward()
+            if clip is not None and o is ref_opt:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            o.step()
+            o.zero_grad(set_to_none=True)
+    chunks = [(0, c) for c in range(len(opt._groups[0].plan.chunks))]
+    assert len(chunks) > 4
+    if clip is not None:
+        assert stepped == chunks
+        assert opt._layout.expected_order() == stepped
+    else:  # a param's chunks complete together (ascending), the params in backward order
+        assert sorted(stepped) == chunks and stepped[0][1] > stepped[-1][1]
+        assert stepped[:4] == chunks[-4:] and stepped[-4:] == chunks[:4]
+    assert_params_close(model, ref, exact=False)
+    opt.close()
+
+
 @pytest.mark.parametrize("adamw", [True, False])
 def test_adam_l2_and_maximize_parity(adamw):
     ref, model = make_models(), make_models()

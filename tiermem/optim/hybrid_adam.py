@@ -42,6 +42,16 @@ overwrites the parameter can never race with backward reading it. Gradient clipp
 global norm before any update, so with ``max_grad_norm`` no gradient is copied before
 ``step()`` has clipped them all on the GPU (the copies then wait for the clip).
 
+Note [stepping order]: the offloaded chunks are stepped in the order their gradients complete
+(backward order: the last layers first) when that lets the CPU step overlap backward. With
+``max_grad_norm`` in one process nothing can be stepped before ``step()`` has the global norm,
+so the hooks only count, ``step()`` ships every gradient in execution order and the worker steps
+the chunks in forward order: the first layers' chunks first, which is the order the next
+forward needs them in with ``param_sync="forward"`` (Note [forward sync]; the first layers'
+state is on the GPU side, stepped at once). The NVMe read-ahead, the split tier's RAM choice and
+the GPU lane's share follow the same order (``StateLayout.expected_order``). With data parallel
+or FSDP2 the reduce buckets and FSDP's hooks keep backward order.
+
 Note [trace placement]: which elements keep their state on the GPU follows the execution
 order, and with ``placement="trace"`` (default; one process, overlap on, ``offload_fraction >
 0``) that order is taken from the first backward rather than assumed from the order the params
@@ -351,7 +361,9 @@ class HybridAdam(torch.optim.Optimizer):
         self._store = store
         self._layout = StateLayout(self._groups, store, owner=next(_OWNERS), device=self.device,
                                    state_tier=state_tier, moments_dtype=moments_dtype,
-                                   overlap=overlap, nvme_lookahead_chunks=nvme_lookahead_chunks,
+                                   backward_order=overlap and not (
+                                       max_grad_norm is not None and self._mode == "local"),
+                                   nvme_lookahead_chunks=nvme_lookahead_chunks,
                                    offload_fraction=self.offload_fraction, chunk_numel=chunk_numel)
         if not self._owns_store:
             self._layout.check_room()
@@ -495,9 +507,9 @@ class HybridAdam(torch.optim.Optimizer):
             if not self._state_ready:  # Note [trace placement]: the first backward only records
                 self._arrived.setdefault((g, i), len(self._arrived))
                 return
-            if (not self.overlap or count < self.grad_accumulation_steps or (g, i) in self._step.shipped
-                    or i not in self._groups[g].plan.chunks_of_param):
-                return
+            if (not self._layout.backward_order or count < self.grad_accumulation_steps
+                    or (g, i) in self._step.shipped or i not in self._groups[g].plan.chunks_of_param):
+                return  # Note [stepping order]: else step() ships it, in forward order
         self._ship(g, i)
 
     def _on_grad_dp(self, g: int, i: int) -> None:

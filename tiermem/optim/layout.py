@@ -315,11 +315,12 @@ class StateLayout:
 
     def __init__(self, groups: list[Group], store: TierStore, *, owner: int,
                  device: torch.device, state_tier: str, moments_dtype: torch.dtype,
-                 overlap: bool, nvme_lookahead_chunks: int, offload_fraction: float,
+                 backward_order: bool, nvme_lookahead_chunks: int, offload_fraction: float,
                  chunk_numel: int) -> None:
         """Args: ``owner`` (the optimizer's number, unique in the process, in every store key
-        it makes: Note [lifetime]) and the HybridAdam arguments of the same names; allocates
-        nothing (see :meth:`alloc`).
+        it makes: Note [lifetime]), ``backward_order`` (chunks are stepped in the order their
+        gradients complete, else in forward order: Note [stepping order] in hybrid_adam.py) and
+        the HybridAdam arguments of the same names; allocates nothing (see :meth:`alloc`).
 
         Raises:
             Nothing: the arguments were checked by HybridAdam.
@@ -330,7 +331,7 @@ class StateLayout:
         self.device = device
         self.state_tier = state_tier
         self.moments_dtype = moments_dtype
-        self.overlap = overlap
+        self.backward_order = backward_order
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
         self.offload_fraction = offload_fraction
         self.chunk_numel = chunk_numel
@@ -402,13 +403,15 @@ class StateLayout:
                                     order=order)
 
     def expected_order(self) -> list[tuple[int, int]]:
-        """Chunks in the order their gradients complete (reverse layer order with overlap).
+        """Chunks in the order they are stepped: the order their gradients complete (reverse
+        layer order) with ``backward_order``, else forward order (Note [stepping order] in
+        hybrid_adam.py).
 
         Raises:
             Nothing.
         """
         order = [(g.index, c) for g in self.groups for c in range(len(g.plan.chunks))]
-        return order[::-1] if self.overlap else order
+        return order[::-1] if self.backward_order else order
 
     def nvme_order(self) -> list[tuple[int, int]]:
         """The NVMe-resident chunks in the order they are stepped.
@@ -547,7 +550,7 @@ class StateLayout:
         placement that minimises NVMe reads with a RAM budget of ``k`` chunks keeps a fixed set
         of ``k`` chunks in RAM for good (Belady's rule on a cyclic trace: anything cached
         dynamically would be evicted before its reuse). Which ``k``: the chunks stepped *last*
-        (with overlap, the first layers, whose gradients arrive at the very end of backward).
+        (in backward order, the first layers, whose gradients arrive at the very end of backward).
         Their CPU step is on the critical path after backward, and a RAM chunk needs no read,
         so the tail is pure compute; the chunks stepped first (the last layers) stream through
         NVMe, and their reads are started when a step begins (``ReadAhead.first_chunks``), i.e.
@@ -559,7 +562,7 @@ class StateLayout:
         them.
         """
         order = [(g.index, c) for g in self.groups for c in range(len(g.plan.chunks))]
-        if not self.overlap:
+        if not self.backward_order:
             order = order[::-1]  # stepped in forward order: the last chunks are stepped last
         # order: RAM preference, first = stepped last
         biggest = max((self._chunk_bytes(ch) for g in self.groups for ch in g.plan.chunks),
