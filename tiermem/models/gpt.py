@@ -199,26 +199,54 @@ class DecoderLM(nn.Module):
         cross-entropy over the targets that are not ``IGNORE_INDEX``, nats/token, fp32) is None
         without ``targets``. With ``loss_chunk_tokens`` set and ``targets`` given, the logits
         are never materialized and ``(None, loss)`` is returned (Note [chunked loss]).
+        The same as :meth:`embed`, :meth:`run_block` for every block, then :meth:`output`.
 
         Raises:
             ValueError: a sequence longer than ``cfg.seq_len``, or (chunked loss) ``targets``
                 not holding one target per token of ``idx``.
         """
+        x = self.embed(idx)
+        for i in range(len(self.blocks)):
+            x = self.run_block(i, x)
+        return self.output(x, targets)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings of ``idx`` ``(batch, seq)``: the first block's input.
+
+        Raises:
+            ValueError: a sequence longer than ``cfg.seq_len``.
+        """
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds {type(self.cfg).__name__}.seq_len="
                              f"{self.cfg.seq_len}; shorten the batch or raise seq_len")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            if self.checkpoint and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+    def run_block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` on ``x`` ``(batch, seq, d_model)``, checkpointed when ``checkpoint`` is
+        set and autograd records.
+
+        Raises:
+            IndexError: no block ``i``.
+        """
+        block = self.blocks[i]
+        if self.checkpoint and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Final LN, head and loss on the last block's output ``x``: ``(logits, loss)`` as
+        :meth:`forward` returns them.
+
+        Raises:
+            ValueError: (chunked loss) ``targets`` not holding one target per token of ``x``.
+        """
         if targets is not None and self.loss_chunk_tokens is not None:
-            if targets.numel() != idx.numel():
+            if targets.numel() != x.shape[0] * x.shape[1]:
                 raise ValueError(f"{type(self).__name__}: targets has {targets.numel()} "
-                                 f"elements for {idx.numel()} tokens (idx shape "
-                                 f"{tuple(idx.shape)}); give one target id per token")
+                                 f"elements for {x.shape[0] * x.shape[1]} tokens (idx shape "
+                                 f"{tuple(x.shape[:2])}); give one target id per token")
             return None, self._chunked_loss(self.ln_f(x), targets)
         logits = self.head(self.ln_f(x))
         loss = None

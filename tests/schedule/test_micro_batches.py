@@ -1,0 +1,115 @@
+"""Note [breadth-first blocks]: forward_backward gives depth-first's bits, alone and with
+HybridAdam(param_sync="forward", max_grad_norm) over real training steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.models.moe import MoE, MoEConfig
+from tiermem.optim import HybridAdam
+from tiermem.schedule.micro_batches import forward_backward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CFG = dict(n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab=64)
+BATCH, SEQ, MICRO = 2, 16, 3
+
+
+def _model(kind: str, dtype=torch.float32, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "moe":
+        return MoE(MoEConfig(**CFG, n_experts=4, top_k=2, d_expert=48), **kw).to(dtype)
+    return GPT(GPTConfig(**CFG), **kw).to(dtype)
+
+
+def _batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    rows = torch.randint(0, CFG["vocab"], (MICRO, BATCH, SEQ + 1), generator=g)
+    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
+
+
+def _depth_first(model, batches) -> list[torch.Tensor]:
+    losses = []
+    for idx, targets in batches:
+        _, loss = model(idx, targets)
+        (loss / len(batches)).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["gpt", "moe"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 3, 4])
+def test_breadth_first_gives_the_depth_first_bits(kind, checkpoint, dtype, k):
+    ref = _model(kind, dtype, checkpoint=checkpoint)
+    model = copy.deepcopy(ref)
+    batches = _batches(0)
+    want = _depth_first(ref, batches)
+    got = forward_backward(model, batches, breadth_first_blocks=k)
+    assert [float(a) for a in got] == [float(b) for b in want]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert len({float(a) for a in got}) == MICRO  # the micro-batches differ
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_training_with_forward_sync_and_clipping_matches_depth_first(tier, tmp_path):
+    """8 steps, a different batch every step, weights changing: breadth-first over 2 of 4
+    blocks with param_sync="forward" (the next forward waits per module for chunks the worker
+    steps in forward order) gives the same losses and params, bit for bit, as depth-first with
+    param_sync="step"; both stay close to torch's AdamW with clip_grad_norm_ (independent)."""
+    ref = _model("gpt", checkpoint=True)
+    runs = []
+    for k, sync in ((0, "step"), (2, "forward")):
+        model = copy.deepcopy(ref)
+        (tmp_path / f"spill{k}").mkdir()
+        opt = HybridAdam(model.parameters(), lr=3e-3, weight_decay=0.1, offload_fraction=0.7,
+                         chunk_numel=2048, max_grad_norm=0.5, param_sync=sync,
+                         grad_accumulation_steps=MICRO, state_tier=tier,
+                         nvme_dir=str(tmp_path / f"spill{k}"))
+        losses = []
+        for step in range(8):
+            losses.append([float(x) for x in
+                           forward_backward(model, _batches(step), breadth_first_blocks=k)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.synchronize()
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+        opt.close()
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(8):
+        losses = [float(x) for x in _depth_first(ref, _batches(step))]
+        assert losses == pytest.approx(runs[0][0][step], rel=1e-4)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+    d = CFG["d_model"]
+    for a, (name, p) in zip(runs[0][1], ref.named_parameters()):
+        a, p = a.clone(), p.detach().clone()
+        if name.endswith("qkv.bias"):  # the key bias's true gradient is 0 (softmax ignores a
+            a[d:2 * d] = p[d:2 * d] = 0  # shift), so it is rounding noise Adam scales to full steps
+        torch.testing.assert_close(a, p, rtol=1e-4, atol=1e-5, msg=name)
+    assert not torch.equal(runs[0][1][0], _model("gpt").tok.weight)  # it trained
+
+
+def test_bad_arguments_are_named():
+    model = _model("gpt")
+    with pytest.raises(ValueError, match="breadth_first_blocks=5 exceeds the model's 4 blocks"):
+        forward_backward(model, _batches(0), breadth_first_blocks=5)
+    with pytest.raises(ValueError, match="breadth_first_blocks"):
+        forward_backward(model, _batches(0), breadth_first_blocks=-1)
+    with pytest.raises(TypeError, match="breadth_first_blocks"):
+        forward_backward(model, _batches(0), breadth_first_blocks=True)
+    with pytest.raises(ValueError, match="batches is empty"):
+        forward_backward(model, [])
+    with pytest.raises(TypeError, match="has no embed, blocks, run_block, output"):
+        forward_backward(torch.nn.Linear(2, 2), _batches(0))
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
