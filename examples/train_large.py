@@ -51,13 +51,14 @@ from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig, from_tre
 from tiermem.models import materialize_  # noqa: E402
 from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
-from tiermem.plan import H200_HOST_BYTES, RESOURCE_NAMES, plan  # noqa: E402
+from tiermem.plan import H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto, plan  # noqa: E402
+from tiermem.schedule.micro_batches import forward_backward  # noqa: E402
 
 SECTIONS = {"model": GPTConfig, "train": TrainConfig, "budgets": BudgetConfig,
             "store": StoreConfig, "optimizer": OptimizerConfig}
 """The preset's sections (all required) and the config classes they are read into."""
 LOOP_FIELDS = ("steps", "micro_batch", "grad_accumulation_steps", "dtype", "device", "seed",
-               "checkpoint")
+               "checkpoint", "breadth_first_blocks")
 """The ``train`` fields this loop uses (the others belong to ``tiermem demo``'s loop)."""
 TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
         "train": dict(steps=2, micro_batch=2, grad_accumulation_steps=2, device="cpu",
@@ -69,17 +70,19 @@ TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
 
 def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
          grad_accumulation_steps: int | None = None,
-         gpu_step_fraction: float | None = None) -> dict:
+         gpu_step_fraction: float | None = None, chunk_numel: int | None = None,
+         breadth_first_blocks: int | None = None) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
-    ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches per optimizer step) and
-    ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps) applied
+    ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches per optimizer step),
+    ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps),
+    ``--chunk-numel`` (elements per offloaded chunk) and ``--breadth-first-blocks`` applied
     first.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
         ValueError, TypeError: it is not a mapping, lacks a section, has an unknown section or
-            field, a ``train`` field this loop does not use, or a bad value (named in the
-            message).
+            field, a ``train`` field this loop does not use, a bad value (named in the
+            message), or ``train.breadth_first_blocks`` above ``model.n_layers``.
     """
     where = f"--config={path!r}"
     tree = load_config(path)
@@ -90,8 +93,11 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
         tree["store"]["nvme_dir"] = nvme_dir
     if grad_accumulation_steps is not None and isinstance(tree.get("train"), dict):
         tree["train"]["grad_accumulation_steps"] = grad_accumulation_steps
-    if gpu_step_fraction is not None and isinstance(tree.get("optimizer"), dict):
-        tree["optimizer"]["gpu_step_fraction"] = gpu_step_fraction
+    for section, name, value in (("optimizer", "gpu_step_fraction", gpu_step_fraction),
+                                 ("optimizer", "chunk_numel", chunk_numel),
+                                 ("train", "breadth_first_blocks", breadth_first_blocks)):
+        if value is not None and isinstance(tree.get(section), dict):
+            tree[section][name] = value
     cfg = from_tree(tree, SECTIONS, required=tuple(SECTIONS), where=where)
     default = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
@@ -100,6 +106,10 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
             raise ValueError(f"{where}: train.{f.name}={value!r} belongs to tiermem demo's loop "
                              f"and is not used here; fix: remove it (this loop reads train."
                              f"{', train.'.join(LOOP_FIELDS)})")
+    k, n_layers = cfg["train"].breadth_first_blocks, cfg["model"].n_layers
+    if k != "auto" and k > n_layers:
+        raise ValueError(f"{where}: train.breadth_first_blocks={k} exceeds model.n_layers="
+                         f"{n_layers}; fix: give 0 (depth-first) to {n_layers}")
     return cfg
 
 
@@ -130,8 +140,10 @@ def make_plan(cfg: dict, rates=None):
                 vocab=m.vocab, seq=m.seq_len, batch=t.micro_batch, mlp_ratio=m.mlp_ratio,
                 dtype=t.dtype, moments_dtype=o.moments_dtype, **b.kwargs(),
                 offload_fraction=o.offload_fraction, state_tier=o.state_tier,
-                checkpoint=t.checkpoint, grad_accumulation_steps=t.grad_accumulation_steps,
+                checkpoint=t.checkpoint, offload_layers=0,  # this loop offloads no activations
+                grad_accumulation_steps=t.grad_accumulation_steps,
                 gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
+                param_sync=o.param_sync, breadth_first_blocks=t.breadth_first_blocks,
                 host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
                 chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
                 rates=rates)
@@ -210,12 +222,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="override optimizer.gpu_step_fraction (share of the offloaded chunks "
                          "the GPU steps by streaming their state, 0..1; the plan's step "
                          "time counts its PCIe traffic)")
+    ap.add_argument("--chunk-numel", type=int, default=None,
+                    help="override optimizer.chunk_numel (elements per offloaded chunk)")
+    ap.add_argument("--breadth-first-blocks", type=blocks_or_auto, default=None,
+                    help="override train.breadth_first_blocks (blocks run for every "
+                         "micro-batch first; 0: depth-first; auto: the most the plan fits)")
     ap.add_argument("--nvme-dir", default=None,
                     help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
     args = ap.parse_args(argv)
     try:
         cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps,
-                   args.gpu_step_fraction)
+                   args.gpu_step_fraction, args.chunk_numel, args.breadth_first_blocks)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"train_large: error: {exc}", file=sys.stderr)
         return 2
-    m, t, s = cfg["model"], cfg["train"], cfg["store"]
+    m, t, s, o = cfg["model"], cfg["train"], cfg["store"], cfg["optimizer"]
     device_name = t.device if t.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
     if not args.dry_run and device_name.startswith("cuda") and not torch.cuda.is_available():
@@ -268,40 +285,53 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, m.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
     measured = []
-    for step in range(steps):
-        t_step = time.perf_counter()
-        total, gpu_s = 0.0, 0.0
-        for micro in range(accum):
-            rows = data[((step * accum + micro) % 4) * b:][:b].to(device)
-            timer = _GpuTimer(device)
-            _, loss = model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
-            (loss / accum).backward()
-            total += loss.item() / accum  # .item() syncs: the timer's end event has run
-            gpu_s += timer.seconds()
-        t_opt = time.perf_counter()
-        fwd_bwd_wall = t_opt - t_step
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t_step
-        opt_wall = time.perf_counter() - t_opt
-        tok_s = b * seq * accum / dt
-        mem = opt.memory_bytes()
-        st = opt.step_stats()
-        print(f"step {step} loss {total:.4f} | {tok_s:,.0f} tok/s, {6 * n * tok_s / 1e12:.2f} "
-              f"model TFLOP/s, {dt:.2f} s | state GB gpu {mem['gpu'] / 1e9:.2f} "
-              f"ram {mem['cpu'] / 1e9:.2f} nvme {mem['nvme'] / 1e9:.2f} | gpu fwd+bwd "
-              f"{gpu_s:.2f} s, cpu_adam {st['cpu_adam_s']:.2f} s, pcie d2h "
+
+    def report(rec: dict, dt: float) -> None:
+        """Print step ``rec``'s line (its optimizer work is finished: step_stats is its own)."""
+        st, mem = opt.step_stats(), opt.memory_bytes()
+        tok_s = rec["tokens"] / dt
+        print(f"step {rec['step']} loss {rec['loss']:.4f} | {tok_s:,.0f} tok/s, "
+              f"{6 * n * tok_s / 1e12:.2f} model TFLOP/s, {dt:.2f} s | state GB gpu "
+              f"{mem['gpu'] / 1e9:.2f} ram {mem['cpu'] / 1e9:.2f} nvme {mem['nvme'] / 1e9:.2f} | "
+              f"gpu fwd+bwd {rec['gpu_s']:.2f} s, cpu_adam {st['cpu_adam_s']:.2f} s, pcie d2h "
               f"{st['d2h_bytes'] / 1e9:.2f} GB, h2d "
               f"{st['h2d_bytes'] / 1e9:.2f} GB, nvme r/w {st['nvme_read_bytes'] / 1e9:.2f}/"
               f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s, chunks "
               f"{st['chunks']} ({st['gpu_chunks']} on the GPU lane)", flush=True)
-        measured.append(dict(step_s=dt, tokens=b * seq * accum, gpu_s=gpu_s,
-                             fwd_bwd_wall_s=fwd_bwd_wall, opt_wall_s=opt_wall,
+        measured.append(dict(step_s=dt, tokens=rec["tokens"], gpu_s=rec["gpu_s"],
+                             fwd_bwd_wall_s=rec["fwd_bwd_wall_s"], opt_wall_s=rec["opt_wall_s"],
                              **{k: st[k] for k in ("stall_s", "cpu_adam_s", "d2h_bytes",
                                                    "h2d_bytes", "nvme_read_bytes",
                                                    "nvme_write_bytes")}))
+
+    # A step's time runs from its start to the next step's start (the last: to the end of its
+    # optimizer work): with param_sync="forward" its CPU step ends inside the next forward.
+    # Its line is printed once that work is done: after the next step's backward.
+    prev = None
+    for step in range(steps):
+        t_step = time.perf_counter()
+        batches = []
+        for micro in range(accum):
+            rows = data[((step * accum + micro) % 4) * b:][:b].to(device)
+            batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+        timer = _GpuTimer(device)
+        losses = forward_backward(model, batches, breadth_first_blocks=pl.breadth_first_blocks)
+        total = sum(loss.item() for loss in losses) / accum  # .item() syncs: the timer ran
+        gpu_s = timer.seconds()
+        if prev is not None:  # the previous step's CPU side finished in this backward at last
+            report(prev, t_step - prev["t_step"])
+        t_opt = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda" and o.param_sync == "step":
+            torch.cuda.synchronize()
+        prev = dict(step=step, loss=total, tokens=b * seq * accum, gpu_s=gpu_s, t_step=t_step,
+                    fwd_bwd_wall_s=t_opt - t_step, opt_wall_s=time.perf_counter() - t_opt)
+    opt.synchronize()  # the last step's CPU side
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if prev is not None:
+        report(prev, time.perf_counter() - prev["t_step"])
     if measured:
         print(time_split_block(measured, pl, device), flush=True)
     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0

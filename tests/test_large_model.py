@@ -299,7 +299,8 @@ def test_the_20b_ram_preset_keeps_all_state_off_the_disk_and_the_gpu_bounds_it()
     preset h200_20b_ram.yaml holds 26 % of the state on the GPU and the rest in pinned RAM: its
     plan fits with nothing on NVMe, accumulates issue 19's 32k tokens (16 x 2048), at or above
     the least batch from which the plan predicts the GPU's time exceeds the optimizer's, with GPU
-    room to spare beyond the plan's reserve."""
+    room to spare beyond the plan's reserve when depth-first, which breadth_first_blocks auto
+    fills with the most blocks that fit (Note [breadth-first blocks])."""
     module = _train_large_module()
     path = str(ROOT / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
     cfg = module.load(path)
@@ -308,7 +309,13 @@ def test_the_20b_ram_preset_keeps_all_state_off_the_disk_and_the_gpu_bounds_it()
     assert pl.fits and pl.step_time.bound == "gpu" and pl.step_time.tokens == 32768
     assert cfg["train"].grad_accumulation_steps >= pl.step_time.gpu_bound_grad_accumulation_steps
     assert pl.step_time.seconds.get("nvme", 0.0) == 0.0
-    assert pl.capacity["gpu"] - pl.used["gpu"] >= 4 << 30
+    depth_first = module.make_plan(module.load(path, breadth_first_blocks=0))
+    assert depth_first.capacity["gpu"] - depth_first.used["gpu"] >= 4 << 30
+    k = pl.breadth_first_blocks
+    assert cfg["train"].breadth_first_blocks == "auto" and k > 0
+    assert not module.make_plan(module.load(path, breadth_first_blocks=k + 1)).fits
+    assert pl.step_time.overlapped_s < depth_first.step_time.overlapped_s
+    assert pl.step_time.serial_s == depth_first.step_time.serial_s
     # the same model with the older placement (85 % offloaded, split) streams state through NVMe
     old = module.make_plan(module.load(str(ROOT / "examples" / "configs" / "large" /
                                            "h200_20b_bf16.yaml"), grad_accumulation_steps=16))
@@ -337,3 +344,25 @@ def test_train_large_tiny_with_the_gpu_lane_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
     assert len(steps) == 2 and all("chunks 8 (4 on the GPU lane)" in ln for ln in steps), steps
+
+
+def test_train_large_tiny_breadth_first_with_forward_sync_trains_as_depth_first(tmp_path):
+    """Note [breadth-first blocks]: the RAM preset (param_sync forward, breadth_first_blocks
+    auto: here both tiny blocks) prints the same loss at every step as the same preset run
+    depth-first with param_sync step; a count above the model's blocks exits 2 naming it."""
+    preset = ROOT / "examples/configs/large/h200_20b_ram.yaml"
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(preset.read_text().replace("param_sync: forward", "param_sync: step")
+                     .replace("breadth_first_blocks: auto", "breadth_first_blocks: 0"))
+    losses = []
+    for path in (preset, plain):
+        r = _run_example("--config", str(path), "--tiny", "--nvme-dir", str(tmp_path),
+                         "--steps", "4")
+        assert r.returncode == 0, r.stderr[-3000:]
+        steps = [ln.split(" | ")[0] for ln in r.stdout.splitlines() if ln.startswith("step ")]
+        assert [ln.split()[1] for ln in steps] == ["0", "1", "2", "3"]
+        losses.append(steps)
+        assert ("train.breadth_first_blocks=2" in r.stdout) == (path == preset)
+    assert losses[0] == losses[1] and len({ln.split()[-1] for ln in losses[0]}) == 4
+    r = _run_example("--config", str(preset), "--tiny", "--breadth-first-blocks", "3")
+    assert r.returncode == 2 and "train.breadth_first_blocks=3 exceeds model.n_layers=2" in r.stderr

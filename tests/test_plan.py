@@ -686,6 +686,73 @@ def test_the_floor_is_forward_backward_then_the_optimizer_tail(checkpoint, share
     assert small.gpu_share_of_floor == 1.0
 
 
+@pytest.mark.parametrize("checkpoint, fwd_share", [(True, 2 / 8), (False, 2 / 6)])
+def test_the_next_forward_runs_beside_the_tail_only_with_forward_sync_and_clipping(
+        checkpoint, fwd_share):
+    """Note [optimizer tail]: with max_grad_norm and param_sync="forward" the chunks go in
+    forward order, so the next step's forward (its 2/6 or 2/8 share of the GPU's time) of the
+    first K blocks of every micro-batch and of the rest of one runs beside the tail; without
+    clipping (backward order) or with param_sync="step" nothing is taken off."""
+    kw = dict(checkpoint=checkpoint, grad_accumulation_steps=8, max_grad_norm=1.0,
+              nvme_state_bytes=0)
+    base = _st(**kw)
+    for k in (0, 6, 24):
+        st = _st(**kw, param_sync="forward", breadth_first_blocks=k, n_layers=24)
+        first = k / 24
+        ahead = base.seconds["gpu"] * fwd_share * (first + (1 - first) / 8)
+        assert st.forward_overlap_s == pytest.approx(ahead)
+        assert st.optimizer_tail_s == pytest.approx(max(0.0, base.optimizer_tail_s - ahead))
+        assert st.serial_s == base.serial_s and st.seconds == base.seconds
+        assert (st.param_sync, st.breadth_first_blocks) == ("forward", k)
+        assert _st(**kw, breadth_first_blocks=k, n_layers=24).overlapped_s == base.overlapped_s
+        free = _st(**{**kw, "max_grad_norm": None}, param_sync="forward",
+                   breadth_first_blocks=k, n_layers=24)
+        assert free.forward_overlap_s == 0
+    assert _st(**kw, param_sync="forward", breadth_first_blocks=24,
+               n_layers=24).optimizer_tail_s < base.optimizer_tail_s
+    with pytest.raises(ValueError, match="param_sync='later' is not one of 'step', 'forward'"):
+        _st(param_sync="later")
+    with pytest.raises(ValueError, match="breadth_first_blocks=25 exceeds n_layers=24"):
+        _st(breadth_first_blocks=25, n_layers=24)
+    with pytest.raises(TypeError, match="n_layers"):
+        _st(breadth_first_blocks=2)
+
+
+def test_breadth_first_blocks_count_on_the_gpu_and_auto_takes_the_most_that_fit():
+    """Note [breadth-first blocks]: each of the other micro-batches keeps what its first K
+    (checkpointed) blocks saved plus its hidden state on the GPU; "auto" takes the most blocks
+    that fit the placement chosen without them; the command line takes both and refuses a
+    count above the layers with exit 2."""
+    kw = dict(n_layers=24, d_model=2048, seq=2048, batch=2, checkpoint=True,
+              grad_accumulation_steps=8, offload_fraction=0.5, state_tier="cpu",
+              gpu_reserve_bytes="1GiB", offload_layers=0)
+    base = plan(1.3e9, **kw)
+    block_input = 2 * 2048 * 2048 * 2
+    for k in (1, 10):
+        pl = plan(1.3e9, **kw, breadth_first_blocks=k)
+        item = next(i for i in pl.items if i.name == "breadth-first block inputs")
+        assert item.gpu == 7 * (k + 1) * block_input and item.host == 0
+        assert pl.used["gpu"] == base.used["gpu"] + item.gpu and pl.breadth_first_blocks == k
+    assert not any(i.name == "breadth-first block inputs" for i in base.items)
+    assert not any(i.name == "breadth-first block inputs" for i in plan(
+        1.3e9, **{**kw, "grad_accumulation_steps": 1}, breadth_first_blocks=5).items)
+    tight = dict(kw, gpu_bytes=base.used["gpu"] + 5 * 7 * block_input + block_input // 2)
+    auto = plan(1.3e9, **tight, breadth_first_blocks="auto")
+    assert auto.fits and auto.breadth_first_blocks == 4  # 7 x (4 + 1) inputs fit, 7 x 6 do not
+    assert not plan(1.3e9, **tight, breadth_first_blocks=5).fits
+    assert auto.inputs["breadth_first_blocks"] == "auto"
+    assert "train.breadth_first_blocks=4" in " ".join(auto.notes)
+    with pytest.raises(ValueError, match="breadth_first_blocks=25 exceeds n_layers=24"):
+        plan(1.3e9, **kw, breadth_first_blocks=25)
+    with pytest.raises(TypeError, match="breadth_first_blocks must be an int"):
+        plan(1.3e9, **kw, breadth_first_blocks="most")
+    assert main(["--model-size", "1b", "--checkpoint", "--grad-accumulation-steps", "8",
+                 "--param-sync", "forward", "--max-grad-norm", "1",
+                 "--breadth-first-blocks", "auto"]) == 0
+    assert main(["--model-size", "1b", "--breadth-first-blocks", "many"]) == 2
+    assert main(["--model-size", "1b", "--breadth-first-blocks", "30"]) == 2
+
+
 def test_offloaded_activations_cross_during_forward_and_backward():
     """Offloaded activations are forward + backward's traffic, not the optimizer's: alone, the
     floor is the larger of the GPU's time and theirs; sharing PCIe with the optimizer's
@@ -1059,7 +1126,7 @@ def test_the_plan_times_the_lane_of_its_own_placement():
     the lane's params are round(s x round(f·N)), its state 4·state_numel(1, moments) B each
     way; offloaded activations still cross per micro-batch."""
     tl = _train_large()
-    cfg = tl.load(RAM_20B, gpu_step_fraction=0.5)
+    cfg = tl.load(RAM_20B, gpu_step_fraction=0.5, breadth_first_blocks=0)
     p = tl.make_plan(cfg)
     st, n = p.step_time, p.num_params
     off = round(p.offload_fraction * n)
@@ -1071,8 +1138,11 @@ def test_the_plan_times_the_lane_of_its_own_placement():
     chunks = -(-off // 16777216)  # the preset's chunk_numel; lane chunks pass the worker too
     assert st.seconds["cpu_adam"] == pytest.approx(
         (off - lane) / r.cpu_adam_bf16_moments_params_per_s + chunks * r.worker_s_per_chunk)
-    # the placement does not depend on it; the memory only by the lane's device slots
-    base = tl.make_plan(tl.load(RAM_20B))
+    # the placement does not depend on it; the memory only by the lane's device slots (which
+    # breadth_first_blocks auto then leaves out: fewer blocks fit)
+    base = tl.make_plan(tl.load(RAM_20B, breadth_first_blocks=0))
+    assert tl.make_plan(tl.load(RAM_20B, gpu_step_fraction=0.5)).breadth_first_blocks < \
+        tl.make_plan(tl.load(RAM_20B)).breadth_first_blocks
     assert p.offload_fraction == base.offload_fraction
     lane_row = next(i for i in p.items if i.name == "GPU lane slots")
     assert [i for i in p.items if i is not lane_row] == base.items
@@ -1169,8 +1239,12 @@ def test_sizing_doc_quotes_the_lane_predictions():
             f"{half.moved['pcie_gpu_lane_bytes'] / GiB:.1f} GiB of it lane state; CPU Adam "
             f"{half.seconds['cpu_adam']:.2f} s instead of {none.seconds['cpu_adam']:.2f} s)") \
         in text
-    assert (f"smaller than the {none.overlapped_s - half.overlapped_s:.2f} s the floor drops "
-            f"(the ceiling {none.serial_s - half.serial_s:.2f} s)") in text
+    # the measured runs went depth-first with param_sync step: their comparison is planned so
+    as_run = [tl.load(RAM_20B, breadth_first_blocks=0, **kw) for kw in ({}, {"gpu_step_fraction": 0.5})]
+    none_run, half_run = (tl.make_plan({**c, "optimizer": dataclasses.replace(
+        c["optimizer"], param_sync="step")}).step_time for c in as_run)
+    assert (f"smaller than the {none_run.overlapped_s - half_run.overlapped_s:.2f} s the floor "
+            f"drops (the ceiling {none_run.serial_s - half_run.serial_s:.2f} s)") in text
     names = {"gpu": "GPU", "pcie": "PCIe", "cpu_adam": "CPU Adam"}
 
     def measured(log, setup):
@@ -1251,10 +1325,15 @@ def test_sizing_doc_says_which_measured_runs_fall_within_floor_and_ceiling():
              dict(grad_accumulation_steps=20), None),
             ("h200_20b_ram", "large_20b_ram.log", "with its 4M chunks then", {}, 4194304),
             ("h200_20b_ram", "large_20b_ram_lane.log", "--gpu-step-fraction 0.5",
-             dict(gpu_step_fraction=0.5), 4194304)):
-        cfg = tl.load(str(large / f"{preset}.yaml"), **kw)
-        if chunk is not None:  # the chunk_numel the preset had when it ran
-            cfg = {**cfg, "optimizer": dataclasses.replace(cfg["optimizer"], chunk_numel=chunk)}
+             dict(gpu_step_fraction=0.5), 4194304),
+            ("h200_20b_ram", "large_20b_ram_16m.log", "16M chunks (899), 16 micro-batches", {},
+             16777216),
+            ("h200_20b_ram", "large_20b_ram_128k.log", "64 micro-batches",
+             dict(grad_accumulation_steps=64), 16777216)):
+        # every logged run went depth-first with param_sync step, at the chunk_numel it had
+        cfg = tl.load(str(large / f"{preset}.yaml"), **kw, chunk_numel=chunk,
+                      breadth_first_blocks=0)
+        cfg = {**cfg, "optimizer": dataclasses.replace(cfg["optimizer"], param_sync="step")}
         st = tl.make_plan(cfg).step_time
         steps = [float(m[2]) for m in re.finditer(r"^step (\d+) .*?, ([\d.]+) s \|",
                                                   (RESULTS / log).read_text(), re.M)

@@ -489,6 +489,12 @@ class TrainConfig:
     """Seed of the model init and of the data."""
     checkpoint: bool = False
     """Run each block under activation checkpointing (both runs)."""
+    breadth_first_blocks: int | Literal["auto"] = 0
+    """examples/train_large.py only (``tiermem demo`` takes 0): blocks run for every
+    micro-batch of a step before the rest of the first one, so the next forward can start while
+    HybridAdam (``param_sync="forward"``) still steps the later blocks (Note [breadth-first
+    blocks] in tiermem/schedule/micro_batches.py); 0: depth-first; ``"auto"``: the most that
+    the plan fits on the GPU. Same gradients, more memory."""
     baseline: bool = True
     """After the offloaded run, train the same model without offload and compare."""
     tolerance: float = 1e-6
@@ -505,6 +511,9 @@ class TrainConfig:
         for name, low in (("steps", 1), ("micro_batch", 1), ("grad_accumulation_steps", 1),
                           ("seed", 0), ("markov_branching", 1), ("log_every", 0)):
             check_int(who, name, getattr(self, name), low=low)
+        if self.breadth_first_blocks != "auto":
+            check_int(who, "breadth_first_blocks", self.breadth_first_blocks, low=0,
+                      unit="blocks", fix="give 0 (depth-first), a count of blocks, or 'auto'")
         if self.seq_len is not None:
             check_int(who, "seq_len", self.seq_len, low=1, unit="tokens")
         self.dtype = dtype_name(who, "dtype", self.dtype, MODEL_DTYPES)

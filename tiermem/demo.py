@@ -77,6 +77,10 @@ class RunConfig:
             raise ValueError(f"activations.num_layers={self.activations.num_layers} must be < "
                              f"model.n_layers={n} (the last block's activations are needed "
                              f"first in backward)")
+        if self.train.breadth_first_blocks != 0:
+            raise ValueError(f"train.breadth_first_blocks={self.train.breadth_first_blocks} is "
+                             f"examples/train_large.py's; tiermem demo runs its micro-batches "
+                             f"depth-first: set it to 0 or remove it")
         if self.train.seq_len is not None and self.train.seq_len > self.model.seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.seq_len="
                              f"{self.model.seq_len}; raise model.seq_len or lower train.seq_len")

@@ -98,9 +98,8 @@ HybridAdam cannot hide its work behind forward + backward: gradients are shipped
 on the last accumulation pass only, so an offloaded chunk can be stepped no earlier than the last
 micro-batch's backward, and with ``max_grad_norm`` no earlier than ``step()``'s global norm (no
 gradient is copied before the clip: Note [hybrid step] in ``tiermem/optim/hybrid_adam.py``);
-the next forward needs the updated params (``param_sync="step"``; ``"forward"`` lets its
-modules wait one by one, not counted). So :func:`step_time` predicts a step as forward +
-backward followed by an optimizer phase:
+the next forward needs the updated params (``param_sync="step"``). So :func:`step_time`
+predicts a step as forward + backward followed by an optimizer phase:
 
 - the optimizer phase takes from ``opt_max = max(PCIe, CPU Adam, NVMe)`` (the chunks
   pipelined: one chunk's copy, kernel and disk I/O while the next's run) to ``opt_sum``, their
@@ -109,7 +108,17 @@ backward followed by an optimizer phase:
 - it can overlap a window of backward: without ``max_grad_norm`` the backward share of one
   micro-batch, ``GPU / grad_accumulation_steps x 4/6`` (6/8 with checkpointing: backward and
   the recomputed forward of the ``6·N·T`` / ``8·N·T`` count); with ``max_grad_norm`` none;
-- floor (``overlapped_s``): ``max(GPU, activation traffic) + max(0, opt_max - window)``, and
+- with ``max_grad_norm`` and ``param_sync="forward"`` the chunks are stepped in forward order
+  (Note [stepping order] in tiermem/optim/hybrid_adam.py) and each module of the next forward
+  waits only for its own, so the next step's forward runs beside the phase: the forward
+  (2/6 of the GPU time, 2/8 with checkpointing) of the first ``breadth_first_blocks`` blocks
+  of every micro-batch and of the other blocks of one (Note [breadth-first blocks] in
+  tiermem/schedule/micro_batches.py): ``forward_overlap_s``, taken off the phase. This
+  assumes the worker stays ahead of that forward and that the CPU kernel runs as fast beside
+  it; without ``max_grad_norm`` the chunks go in backward order, the first layers last, and
+  nothing is counted;
+- floor (``overlapped_s``): ``max(GPU, activation traffic) + max(0, opt_max - window -
+  forward_overlap_s)``, and
   never less than the busiest resource's own time (a link or disk that carries offloaded
   activations and optimizer traffic does one after the other); ceiling (``serial_s``): the sum
   of every resource's time, nothing overlapping.
@@ -141,7 +150,7 @@ import torch
 
 from tiermem.config import parse_bytes
 from tiermem.names import (DTYPE_SPELLINGS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
-                           STATE_TIERS, check_choice, check_fraction, check_int, check_number,
+                           PARAM_SYNCS, STATE_TIERS, check_choice, check_fraction, check_int, check_number,
                            dtype_name)
 from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS,
                                   gpu_side_state_bytes, lane_slot_bytes,
@@ -324,6 +333,13 @@ class StepTime:
         rates: the rates used.
         gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps.
         max_grad_norm: HybridAdam's gradient clipping norm; None: no clipping.
+        forward_overlap_s: seconds of the next step's forward that run beside the optimizer
+            tail (Note [optimizer tail]): with ``param_sync="forward"`` and ``max_grad_norm``,
+            the forward of the first ``breadth_first_blocks`` blocks of every micro-batch and
+            of the rest of one; else 0.
+        param_sync: HybridAdam's ``param_sync``.
+        breadth_first_blocks: blocks run for every micro-batch first (Note [breadth-first
+            blocks] in tiermem/schedule/micro_batches.py).
     """
 
     tokens: int
@@ -346,6 +362,9 @@ class StepTime:
     rates: MachineRates
     gpu_step_fraction: float = 0.0
     max_grad_norm: float | None = None
+    forward_overlap_s: float = 0.0
+    param_sync: str = "step"
+    breadth_first_blocks: int = 0
 
 
 _LANE_MEANING = ("it is HybridAdam's share of the offloaded chunks the GPU steps by streaming "
@@ -370,7 +389,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               grad_accumulation_steps: int = 1, nvme_state_bytes: int = 0,
               activation_offload_bytes: int = 0, activation_tier: str = "cpu",
               gpu_step_fraction: float = 0.0, max_grad_norm: float | None = None,
-              offloaded_chunks: int = 0, rates: MachineRates | None = None) -> StepTime:
+              offloaded_chunks: int = 0, param_sync: str = "step",
+              breadth_first_blocks: int = 0, n_layers: int | None = None,
+              rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
@@ -397,8 +418,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     The step (Note [optimizer tail]): the floor is forward + backward (the GPU, or the
     offloaded activations' traffic if slower) plus what of the optimizer phase (its PCIe, CPU
     Adam and NVMe, pipelined per chunk: their max) outlasts the backward it overlaps (none
-    with ``max_grad_norm``, else the last micro-batch's backward); the ceiling is the sum of
-    all four resources.
+    with ``max_grad_norm``, else the last micro-batch's backward) and, with ``max_grad_norm``
+    and ``param_sync="forward"``, the next step's forward that can run beside it
+    (``forward_overlap_s``); the ceiling is the sum of all four resources.
 
     Every term is ``fixed + per_token·T``; the GPU's is ``g·T``, so the GPU's time is the
     largest from ``T* = max(fixed / (g - per_token))`` over the other terms (closed form; no
@@ -426,13 +448,18 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         offloaded_chunks: HybridAdam's offloaded chunks (``ceil(offloaded_params /
             chunk_numel)``; :func:`plan` passes them), each costing the worker
             ``rates.worker_s_per_chunk``; 0: not counted.
+        param_sync: HybridAdam's, ``"step"`` or ``"forward"`` (Note [forward sync]).
+        breadth_first_blocks: blocks run for every micro-batch before the rest of the first
+            (Note [breadth-first blocks]), 0 to ``n_layers``.
+        n_layers: the model's blocks (needed with ``breadth_first_blocks``).
         rates: :class:`MachineRates`; None: the H200 machine's.
 
     Raises:
         ValueError, TypeError: a count that is not a positive int (zero allowed for the
             offloaded and NVMe ones), an unknown dtype or tier, ``gpu_step_fraction`` not a
             number in [0.0, 1.0], ``max_grad_norm`` not a number > 0 (or None), ``rates``
-            not MachineRates.
+            not MachineRates, an unknown ``param_sync``, ``breadth_first_blocks`` above
+            ``n_layers`` or given without it.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -452,6 +479,13 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
     share = check_fraction(who, "gpu_step_fraction", gpu_step_fraction, _LANE_MEANING)
     _check_max_grad_norm(who, max_grad_norm)
+    check_choice(who, "param_sync", param_sync, PARAM_SYNCS)
+    check_int(who, "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks")
+    if breadth_first_blocks:
+        check_int(who, "n_layers", n_layers)
+        if breadth_first_blocks > n_layers:
+            raise ValueError(f"{who}breadth_first_blocks={breadth_first_blocks} exceeds "
+                             f"n_layers={n_layers}; give 0 to {n_layers}")
     r = rates
     tokens = micro_batch_tokens * grad_accumulation_steps
     flops_per_token = (8 if checkpoint else 6) * active_params
@@ -490,9 +524,15 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"], nvme_state_bytes * disk)
     window = 0.0 if max_grad_norm is not None else \
         seconds["gpu"] / grad_accumulation_steps * ((6 / 8) if checkpoint else (4 / 6))
+    # Note [optimizer tail]: the next forward beside the tail (chunks stepped in forward order)
+    ahead = 0.0
+    if param_sync == "forward" and max_grad_norm is not None:
+        first = breadth_first_blocks / n_layers if breadth_first_blocks else 0.0
+        ahead = seconds["gpu"] * ((2 / 8) if checkpoint else (2 / 6)) * (
+            first + (1 - first) / grad_accumulation_steps)
     # at least the busiest resource's own time: a link or disk carrying both activations
     # and optimizer traffic does not do both at once
-    tail = max(0.0, max(opt) - window, seconds[bound] - fwd_bwd)
+    tail = max(0.0, max(opt) - window - ahead, seconds[bound] - fwd_bwd)
     overlapped, serial = fwd_bwd + tail, sum(seconds.values())
     need = 0.0  # T*: g·T >= fixed + per·T for every term
     for fixed, per in (t for ts in terms.values() for t in ts):
@@ -525,7 +565,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                     gpu_bound_grad_accumulation_steps=None if gpu_bound is None else
                     max(1, math.ceil(gpu_bound / micro_batch_tokens)),
                     moved=moved, rates=rates, gpu_step_fraction=share,
-                    max_grad_norm=max_grad_norm)
+                    max_grad_norm=max_grad_norm, forward_overlap_s=ahead,
+                    param_sync=param_sync, breadth_first_blocks=breadth_first_blocks)
 
 
 def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
@@ -578,6 +619,11 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
         window = (f"overlaps up to {st.overlap_window_s:.3f} s of backward (the last "
                   f"micro-batch's, {'6/8' if checkpoint else '4/6'} of its GPU time: gradients "
                   f"are shipped on the last pass only)")
+    if st.forward_overlap_s:
+        first = (f"the first {st.breadth_first_blocks} blocks of every micro-batch and the rest "
+                 f"of one" if st.breadth_first_blocks else "one micro-batch")
+        window += (f"; the next forward runs {st.forward_overlap_s:.3f} s beside it "
+                   f"(param_sync='forward': {first})")
     if st.optimizer_serial_s:
         lines.append(f"  optimizer phase after backward: {st.optimizer_overlapped_s:.3f} s (PCIe, "
                      f"CPU Adam, NVMe pipelined per chunk) to {st.optimizer_serial_s:.3f} s (one "
@@ -645,6 +691,8 @@ class Plan:
         inputs: the arguments the plan was made from (canonical spellings).
         step_time: the predicted time per optimizer step of this placement
             (:class:`StepTime`; also when it does not fit, though the table then omits it).
+        breadth_first_blocks: blocks run for every micro-batch first (given, or chosen for
+            ``"auto"``; Note [breadth-first blocks]).
     """
 
     num_params: int
@@ -661,6 +709,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
     step_time: StepTime | None = None
+    breadth_first_blocks: int = 0
 
     def to_dict(self) -> dict:
         """Plain-data form (for ``--json``)."""
@@ -830,7 +879,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
          chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
          grad_accumulation_steps: int = 1, gpu_step_fraction: float = 0.0,
-         max_grad_norm: float | None = None, rates: MachineRates | None = None) -> Plan:
+         max_grad_norm: float | None = None, param_sync: str = "step",
+         breadth_first_blocks: int | str = 0, rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
@@ -875,8 +925,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         chunk_numel, nvme_lookahead_chunks: HybridAdam's, for the pinned staging and NVMe
             read-ahead buffers (``chunk_numel=None``: HybridAdam's default for the offloaded
             elements, see :func:`tiermem.optim.partition.auto_chunk_numel`).
-        grad_accumulation_steps: micro-batches per optimizer step: only the time per step
-            depends on it (``batch x seq x grad_accumulation_steps`` tokens), not the memory.
+        grad_accumulation_steps: micro-batches per optimizer step: the time per step depends
+            on it (``batch x seq x grad_accumulation_steps`` tokens), the memory only with
+            ``breadth_first_blocks``.
         gpu_step_fraction: HybridAdam's share of the offloaded chunks the GPU steps (Note [gpu
             lane] in ``tiermem/optim/hybrid_adam.py``), in [0, 1]: only the time per step
             depends on it (that share crosses PCIe as state both ways instead of being stepped
@@ -884,6 +935,15 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         max_grad_norm: HybridAdam's gradient clipping norm (a number > 0), or None (no
             clipping): only the time per step depends on it (with it the optimizer phase
             overlaps no backward: Note [optimizer tail]).
+        param_sync: HybridAdam's, ``"step"`` or ``"forward"``: only the time per step depends
+            on it (Note [optimizer tail]).
+        breadth_first_blocks: blocks run for every micro-batch before the rest of the first
+            (Note [breadth-first blocks]), 0 to ``n_layers``: each of the other
+            ``grad_accumulation_steps - 1`` micro-batches keeps what those blocks saved plus
+            its hidden state on the GPU (an item of its own), and with ``param_sync="forward"``
+            the step time counts that forward beside the optimizer tail. ``"auto"``: the most
+            blocks that still fit, after the fraction and tier are chosen (so with
+            ``offload_fraction=None``, usually none).
         rates: :class:`MachineRates` the time per step is predicted from; None: the H200
             machine's.
 
@@ -891,7 +951,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         a :class:`Plan` (``plan.fits``, ``plan.table()``, ``plan.step_time``).
 
     Raises:
-        ValueError: a missing or non-positive size, an unknown dtype or tier, a fraction
+        ValueError: a missing or non-positive size, an unknown dtype, tier or param_sync,
+            ``breadth_first_blocks`` above ``n_layers``, a fraction
             (``offload_fraction``, ``gpu_step_fraction``) outside [0, 1], ``max_grad_norm``
             not above 0 or nan, ``offload_layers`` outside [0, n_layers), an MoE shape given
             in part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of
@@ -977,6 +1038,15 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     gpu_step_fraction = check_fraction("plan: ", "gpu_step_fraction", gpu_step_fraction,
                                        _LANE_MEANING)
     _check_max_grad_norm("plan: ", max_grad_norm)
+    check_choice("plan: ", "param_sync", param_sync, PARAM_SYNCS)
+    auto_blocks = breadth_first_blocks == "auto"
+    if auto_blocks:
+        breadth_first_blocks = 0  # the placement is chosen without them, then the most that fit
+    check_int("plan: ", "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks",
+              fix=f"give 0 (depth-first) to {n_layers}, or 'auto'")
+    if breadth_first_blocks > n_layers:
+        raise ValueError(f"plan: breadth_first_blocks={breadth_first_blocks} exceeds "
+                         f"n_layers={n_layers}; give 0 (depth-first) to {n_layers}")
     check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
                  "auto: RAM if it fits, else split")
     check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
@@ -1001,13 +1071,15 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
                   gpu_step_fraction=gpu_step_fraction, max_grad_norm=max_grad_norm,
+                  param_sync=param_sync,
+                  breadth_first_blocks="auto" if auto_blocks else breadth_first_blocks,
                   n_experts=n_experts, top_k=top_k, d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
                   checkpoint=checkpoint, activation_tier=activation_tier,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
                   host_reserve_bytes=host_reserve)
 
-    def build(f: float, tier: str, k: int) -> Plan:
+    def build(f: float, tier: str, k: int, bf: int = breadth_first_blocks) -> Plan:
         off_n = round(f * n)
         gpu_n = n - off_n
         items = [Item("parameters", gpu=n * p, note=_short(dtype)),
@@ -1048,6 +1120,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             setattr(act, "host" if activation_tier == "cpu" else "nvme", k * kept_per_block)
             act.note += f"; {k} blocks offloaded to {activation_tier}"
         items.append(act)
+        if bf and grad_accumulation_steps > 1:  # Note [breadth-first blocks]
+            waiting = grad_accumulation_steps - 1
+            items.append(Item("breadth-first block inputs",
+                              gpu=waiting * (bf * kept_per_block + block_input),
+                              note=f"{waiting} micro-batches x ({bf} blocks' saved + 1 hidden)"))
         items.append(Item("head + loss", gpu=head, note="logits, fp32 log-softmax, grads"))
         items.append(Item("reserve", gpu=gpu_reserve, host=host_reserve,
                           note="CUDA context/workspace/fragmentation; OS + Python"))
@@ -1061,7 +1138,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                    f"(over by {(used[t] - cap[t]) / GiB:,.1f} GiB)"
                    for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
         return Plan(n, active, not reasons, f, tier, k, checkpoint, items, dict(cap), used,
-                    reasons, inputs=inputs)
+                    reasons, inputs=inputs, breadth_first_blocks=bf)
 
     def gpu_fixed(k: int) -> int:
         return build(1.0, "cpu", k).used["gpu"]
@@ -1089,6 +1166,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         if best is not None and best.fits:
             break
     assert best is not None
+    if auto_blocks and best.fits:  # the most blocks that still fit this placement
+        best = next((c for c in (build(best.offload_fraction, best.state_tier,
+                                       best.offload_layers, bf)
+                                 for bf in range(n_layers, 0, -1)) if c.fits), best)
     state_item = next(i for i in best.items if i.name == "optimizer state, offloaded")
     off_n = round(best.offload_fraction * n)
     chunk = _largest_chunk(off_n, chunk_numel)
@@ -1099,7 +1180,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         activation_offload_bytes=best.offload_layers * kept_per_block,
         activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
         max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
-        rates=rates)
+        param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,
+        n_layers=n_layers, rates=rates)
     _add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best
@@ -1130,6 +1212,8 @@ def _add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.d
             cfg.append(f"activations.num_layers={pl.offload_layers}")
         if pl.state_tier == "nvme" and f > 0:
             cfg.append("store.nvme_dir=/path/on/ssd")
+        if pl.breadth_first_blocks:
+            cfg.append(f"train.breadth_first_blocks={pl.breadth_first_blocks}")
         pl.notes.append("configure: " + " ".join(cfg))
         if f == 0 and not pl.offload_layers:
             pl.notes.append("fits on the GPU alone: tiermem is not needed for memory "
@@ -1200,6 +1284,20 @@ def _fraction(text: str) -> float | None:
 def _layers(text: str) -> int | None:
     if text == "auto":
         return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or 'auto'") from None
+
+
+def blocks_or_auto(text: str) -> int | str:
+    """The ``--breadth-first-blocks`` argument: an int, or ``"auto"``.
+
+    Raises:
+        argparse.ArgumentTypeError: neither.
+    """
+    if text == "auto":
+        return text
     try:
         return int(text)
     except ValueError:
@@ -1290,7 +1388,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the whole optimizer phase (default: no clipping)")
     p.add_argument("--grad-accumulation-steps", type=int, default=1, metavar="N",
                    help="micro-batches per optimizer step, for the time per step: tokens per "
-                        "step = batch x seq x N (default 1; the memory does not depend on it)")
+                        "step = batch x seq x N (default 1; the memory depends on it only with "
+                        "--breadth-first-blocks)")
+    p.add_argument("--param-sync", choices=PARAM_SYNCS, default="step",
+                   help="HybridAdam's param_sync (optimizer.param_sync), for the time per "
+                        "step: with 'forward' and --max-grad-norm the next forward runs beside "
+                        "the optimizer's tail (default: step)")
+    p.add_argument("--breadth-first-blocks", type=blocks_or_auto, default=0, metavar="K",
+                   help="blocks run for every micro-batch first (train.breadth_first_blocks), "
+                        "or 'auto': the most that fit; their saved inputs count on the GPU, and "
+                        "with --param-sync forward their forward runs beside the optimizer's "
+                        "tail (default 0)")
     rates = p.add_argument_group(
         "machine rates", "what the time per optimizer step is predicted from (defaults: the "
         "H200 machine, one run each, docs/results/*.log; docs/sizing.md)")
@@ -1365,6 +1473,7 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
             grad_accumulation_steps=args.grad_accumulation_steps,
             gpu_step_fraction=args.gpu_step_fraction, max_grad_norm=args.max_grad_norm,
+            param_sync=args.param_sync, breadth_first_blocks=args.breadth_first_blocks,
             rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
                                   for flag, fld, scale, _, _ in _RATE_FLAGS
                                   if getattr(args, flag[2:].replace("-", "_")) is not None}),
