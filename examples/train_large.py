@@ -5,12 +5,18 @@ fit the given budgets; then builds the model on the meta device, materialises it
 module in ``train.dtype`` on the GPU (bf16 in the presets; never a dense fp32 copy), keeps fp32
 masters and the moments (``optimizer.moments_dtype``, on the GPU side too) of the first
 ``1 - offload_fraction`` on the GPU and the rest in a TierStore (pinned RAM, NVMe, or split),
-checkpoints every block (``train.checkpoint``), accumulates gradients, and prints per step:
-loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes and a breakdown: GPU compute
-(forward + backward, CUDA events), PCIe bytes, CPU Adam seconds, NVMe read/write bytes and the
-stall (``step()`` waiting for the CPU side). After the last step it prints one block: the
-measured time split of a step (median of the steps after the first) beside the plan's predicted
-time per step (``tiermem.plan.StepTime``; docs/sizing.md, "Time per step").
+checkpoints every block (``train.checkpoint``), accumulates gradients over the micro-batches
+with the first ``train.breadth_first_blocks`` blocks breadth-first
+(:func:`tiermem.schedule.micro_batches.forward_backward`; ``auto``: the most the plan fits), and
+prints per step: loss, tokens/s, model TFLOP/s (6·N·tokens/s), per-tier bytes and a breakdown:
+GPU forward + backward (CUDA events from the first forward to the last backward; with
+``param_sync: forward`` this includes the waits for the previous step's CPU-side params), PCIe
+bytes, CPU Adam seconds, NVMe read/write bytes and the stall (``step()`` waiting for the CPU
+side; ~0 with ``param_sync: forward``, whose waits fall in the next forward). A step's time runs
+from its start to the next step's start (the last: to the end of its optimizer work), so a
+step's line is printed after the next step's backward. After the last step it prints one block:
+the measured time split of a step (median of the steps after the first) beside the plan's
+predicted time per step (``tiermem.plan.StepTime``; docs/sizing.md, "Time per step").
 
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
@@ -71,12 +77,12 @@ TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
 def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
          grad_accumulation_steps: int | None = None,
          gpu_step_fraction: float | None = None, chunk_numel: int | None = None,
-         breadth_first_blocks: int | None = None) -> dict:
+         breadth_first_blocks: int | str | None = None, param_sync: str | None = None) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
     ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches per optimizer step),
     ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps),
-    ``--chunk-numel`` (elements per offloaded chunk) and ``--breadth-first-blocks`` applied
-    first.
+    ``--chunk-numel`` (elements per offloaded chunk), ``--breadth-first-blocks`` and
+    ``--param-sync`` applied first.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
@@ -95,6 +101,7 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
         tree["train"]["grad_accumulation_steps"] = grad_accumulation_steps
     for section, name, value in (("optimizer", "gpu_step_fraction", gpu_step_fraction),
                                  ("optimizer", "chunk_numel", chunk_numel),
+                                 ("optimizer", "param_sync", param_sync),
                                  ("train", "breadth_first_blocks", breadth_first_blocks)):
         if value is not None and isinstance(tree.get(section), dict):
             tree[section][name] = value
@@ -227,12 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breadth-first-blocks", type=blocks_or_auto, default=None,
                     help="override train.breadth_first_blocks (blocks run for every "
                          "micro-batch first; 0: depth-first; auto: the most the plan fits)")
+    ap.add_argument("--param-sync", default=None,
+                    help="override optimizer.param_sync (step or forward: the next forward "
+                         "waits per module for the CPU step)")
     ap.add_argument("--nvme-dir", default=None,
                     help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
     args = ap.parse_args(argv)
     try:
         cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps,
-                   args.gpu_step_fraction, args.chunk_numel, args.breadth_first_blocks)
+                   args.gpu_step_fraction, args.chunk_numel, args.breadth_first_blocks,
+                   args.param_sync)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",

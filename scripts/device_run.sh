@@ -6,6 +6,7 @@
 #   stage              machine          what
 #   cuda_tests         nvidia-h200      pytest -m cuda but the parity matrix and tests/distributed
 #   cuda_graphs_auto   nvidia-h200      the CUDA tests of graphs and of activation offload only
+#   cuda_schedule      nvidia-h200      the CUDA tests of the stepping order and breadth-first blocks
 #   parity_adamw       nvidia-h200      the CUDA training-parity matrix: its torch AdamW rows (~5 min)
 #   parity_hybrid      nvidia-h200      its HybridAdam rows (~6 min: its own call)
 #   parity_more        nvidia-h200      its other tests (stale-buffer check, torch.compile; ~5 min)
@@ -22,7 +23,7 @@
 #   large20_ram_lane   nvidia-h200      the same with --gpu-step-fraction 0.5
 #   large20_ram_128k   nvidia-h200      h200_20b_ram.yaml at 64 micro-batches (131,072 tokens)
 #   large20_ram_chunks nvidia-h200      h200_20b_ram.yaml with 4M then 16M chunks (one call)
-#   large20_ram_bf     nvidia-h200      h200_20b_ram.yaml, then breadth-first 0 (depth-first)
+#   large20_ram_bf     nvidia-h200      h200_20b_ram.yaml, then depth-first with param_sync step
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,6 +51,7 @@ for stage in "$@"; do
       --ignore=tests/test_cuda_training_parity.py ;;
     cuda_graphs_auto) run cuda_graphs_auto 240 "${PYTEST[@]}" tests/optim/test_hybrid_adam_graphs.py \
       tests/test_bench_graphs.py tests/offload/test_activations.py tests/offload/test_cuda_graphs.py ;;
+    cuda_schedule) run cuda_schedule 300 "${PYTEST[@]}" -s tests/schedule tests/optim/test_hybrid_adam_cuda.py ;;
     parity_adamw) run parity_adamw 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
       -k "training_parity and adamw" ;;
     parity_hybrid) run parity_hybrid 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
@@ -95,7 +97,8 @@ for stage in "$@"; do
       run large_20b_ram_bf 280 python3 examples/train_large.py \
         --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL"
       run large_20b_ram_df 280 python3 examples/train_large.py \
-        --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" --breadth-first-blocks 0 ;;
+        --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" \
+        --breadth-first-blocks 0 --param-sync step ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done

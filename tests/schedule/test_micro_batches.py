@@ -113,3 +113,61 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="has no embed, blocks, run_block, output"):
         forward_backward(torch.nn.Linear(2, 2), _batches(0))
     assert all(p.grad is None for p in model.parameters())  # nothing ran
+
+
+@pytest.mark.cuda
+def test_cuda_breadth_first_with_forward_sync_trains_as_depth_first(tmp_path):
+    """On CUDA, as train_large runs the 20B RAM preset but smaller: a GPT of 6 blocks of width
+    2048 (sequence 2048, bf16, every block checkpointed), 4 micro-batches per step, HybridAdam
+    with 74 % of the state off the GPU, bf16 moments, max_grad_norm 1 and 4M chunks, torch's
+    default kernels, 8 steps of different batches. param_sync="forward" with 3 blocks
+    breadth-first (the next forward waits per module for the CPU step, in forward order) must
+    give every step's loss and the final params within 4x the noise of the depth-first,
+    param_sync="step" run repeated 3 times (a stale or half-updated param changes a loss by far
+    more: Note [training parity] in tests/test_cuda_training_parity.py)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run `pytest -m cuda` on a GPU machine)")
+    cfg = GPTConfig(n_layers=6, d_model=2048, n_heads=16, seq_len=2048, vocab=32000)
+
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        rows = torch.randint(0, cfg.vocab, (4, 1, cfg.seq_len + 1), generator=g).cuda()
+        return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
+
+    def run(k, sync):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = GPT(cfg, checkpoint=True).to(torch.bfloat16)
+        opt = HybridAdam(model.parameters(), lr=3e-4, weight_decay=0.1, offload_fraction=0.74,
+                         moments_dtype=torch.bfloat16, max_grad_norm=1.0, chunk_numel=1 << 22,
+                         param_sync=sync, grad_accumulation_steps=4)
+        losses = []
+        for step in range(8):
+            losses.append(torch.stack(forward_backward(model, batches(step),
+                                                       breadth_first_blocks=k)).mean())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():  # the final params, through one more batch's loss
+            losses.append(model(*batches(8)[0])[1])
+        opt.synchronize()
+        torch.cuda.synchronize()  # test only: read the results
+        out = (torch.stack(losses).double().cpu(),
+               torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()]))
+        opt.close()
+        del model
+        torch.cuda.empty_cache()
+        return out
+
+    refs = [run(0, "step") for _ in range(3)]
+    got = run(3, "forward")
+    (l0, p0), others = refs[0], refs[1:]
+    loss_noise = max((l0 - l).abs().max().item() for l, _ in others)
+    param_noise = max((p0 - p).norm().item() for _, p in others)
+    tol = 4 * loss_noise + 1e-6 * l0.abs()
+    diff = (got[0] - l0).abs()
+    print(f"breadth-first/forward sync: loss diff per step {[f'{d:.2e}' for d in diff.tolist()]}"
+          f", tol {[f'{t:.2e}' for t in tol.tolist()]}; params |diff| "
+          f"{(got[1] - p0).norm().item():.3e} vs noise {param_noise:.3e}")
+    assert (diff <= tol).all(), (got[0].tolist(), l0.tolist())
+    assert (got[1] - p0).norm().item() <= 4 * param_noise + 1e-30
+    assert (l0[0] - l0[-1]).item() > 0.1  # it trained
