@@ -1282,12 +1282,8 @@ def _fraction(text: str) -> float | None:
 
 
 def _layers(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int or 'auto'") from None
+    value = blocks_or_auto(text)
+    return None if value == "auto" else value
 
 
 def blocks_or_auto(text: str) -> int | str:

@@ -153,17 +153,22 @@ class _ReversedMLP(torch.nn.Module):
         return x.square().mean()
 
 
+def _reversed_mlp_and_adamw(**kw):
+    """A _ReversedMLP with HybridAdam (1024-element chunks, ``kw``) and a copy with torch's
+    fused AdamW."""
+    torch.manual_seed(0)
+    model = _ReversedMLP()
+    ref = copy.deepcopy(model)
+    opt = HybridAdam(model.parameters(), **HP, chunk_numel=1024, **kw)
+    return model, ref, opt, torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+
+
 @pytest.mark.parametrize("placement", ["trace", "given"])
 def test_trace_placement_keeps_the_first_executed_layers_on_the_gpu(placement):
     """Note [trace placement]: the first backward records the gradient order; the first step
     plans from it, so the GPU keeps the layers that run first (registered last here), whatever
     the order of model.parameters(); results match torch's AdamW either way."""
-    torch.manual_seed(0)
-    model = _ReversedMLP()
-    ref = copy.deepcopy(model)
-    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024,
-                     placement=placement)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    model, ref, opt, ref_opt = _reversed_mlp_and_adamw(offload_fraction=0.5, placement=placement)
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
         x = torch.randn(8, 64, generator=gen)
@@ -199,12 +204,7 @@ def test_clipping_steps_the_chunks_in_forward_order(clip, monkeypatch):
         return original(self, g, c, copies)
 
     monkeypatch.setattr(ChunkWorker, "_step_chunk", record)
-    torch.manual_seed(0)
-    model = _ReversedMLP()
-    ref = copy.deepcopy(model)
-    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.8, chunk_numel=1024,
-                     max_grad_norm=clip)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    model, ref, opt, ref_opt = _reversed_mlp_and_adamw(offload_fraction=0.8, max_grad_norm=clip)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         x = torch.randn(8, 64, generator=gen)
