@@ -184,6 +184,7 @@ def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     st = pl.step_time
     pred, moved = st.seconds, st.moved
+    forward = st.param_sync == "forward"  # the CPU step ends inside the next forward
     gib = 2 ** 30
     which = ("step 0" if len(measured) == 1 else "step 1" if len(measured) == 2 else
              f"steps 1-{len(measured) - 1}")
@@ -192,10 +193,11 @@ def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
         ("step", f"{med['step_s']:.3f} s", f"{st.overlapped_s:.3f}-{st.serial_s:.3f} s"),
         ("tokens/s", f"{med['tokens'] / med['step_s']:,.0f}",
          f"{st.tokens_per_s_serial:,.0f}-{st.tokens_per_s_overlapped:,.0f}"),
-        ("GPU fwd+bwd" + (" (CUDA events)" if device.type == "cuda" else " (wall)"),
-         f"{med['gpu_s']:.3f} s", f"{pred['gpu']:.3f} s"),
+        ("GPU fwd+bwd" + (" (CUDA events)" if device.type == "cuda" else " (wall)")
+         + (", waits included" if forward else ""), f"{med['gpu_s']:.3f} s", f"{pred['gpu']:.3f} s"),
         ("fwd+bwd wall", f"{med['fwd_bwd_wall_s']:.3f} s", ""),
-        ("optimizer step wall", f"{med['opt_wall_s']:.3f} s", ""),
+        ("optimizer step wall" + (" (step() only)" if forward else ""),
+         f"{med['opt_wall_s']:.3f} s", ""),
         ("  of which stall", f"{med['stall_s']:.3f} s", ""),
         ("CPU Adam (kernel, summed)", f"{med['cpu_adam_s']:.3f} s", f"{pred['cpu_adam']:.3f} s"),
         ("PCIe", "not timed", f"{pred['pcie']:.3f} s"),
