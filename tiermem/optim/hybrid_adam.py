@@ -10,7 +10,8 @@ lane so); every step widens them to fp32, updates, and rounds them back to neare
 
 How one step overlaps (``overlap=True``), see Note [hybrid step]:
 1. backward: a post-accumulate-grad hook hands each offloaded gradient to the CPU side as soon
-   as it is accumulated (last micro-batch only), with an event marking it complete;
+   as it is accumulated (last micro-batch only), with an event marking it complete (with
+   ``max_grad_norm`` in one process ``step()`` hands them over instead: Note [stepping order]);
 2. a worker thread steps each offloaded chunk on the CPU as soon as all its gradients are
    complete (gradients arrive last-layer-first, so the later layers' chunks step during
    backward): it copies the chunk's gradients D2H on a dedicated stream into a small pinned
@@ -40,7 +41,8 @@ parameter in the current backward has been enqueued; the event it records there 
 D2H copy waits for, and the worker waits for the D2H to finish before stepping, so the H2D that
 overwrites the parameter can never race with backward reading it. Gradient clipping needs the
 global norm before any update, so with ``max_grad_norm`` no gradient is copied before
-``step()`` has clipped them all on the GPU (the copies then wait for the clip).
+``step()`` has clipped them all on the GPU (the copies then wait for the clip; in one process
+they are also handed over only then, in forward order: Note [stepping order]).
 
 Note [stepping order]: the offloaded chunks are stepped in the order their gradients complete
 (backward order: the last layers first) when that lets the CPU step overlap backward. With
