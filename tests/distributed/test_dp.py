@@ -66,7 +66,8 @@ def spawn_job(outdir, cfgs, backend="gloo", timeout=240.0):
         if not all((outdir / f"done.rank{r}").exists() for r in range(WORLD)):
             raise RuntimeError(f"{exc}\n{logs}") from exc
         # every rank saved every result and destroyed its process group: the crash came at
-        # interpreter exit, after anything the tests check; say so loudly, check the results
+        # interpreter exit, after anything the tests check (gloo's teardown: see the comment
+        # at the end of _dist_worker.run); say so loudly, check the results
         warnings.warn(f"a rank crashed at exit after finishing: {exc}\n{logs}")
     finally:
         for proc in ctx.processes:
