@@ -164,7 +164,7 @@ class _GpuTimer:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()  # marks where this micro-batch's GPU work begins
+            self.start.record()  # marks where this step's GPU work begins
         else:
             self.t0 = time.perf_counter()
 
@@ -194,7 +194,8 @@ def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
         ("tokens/s", f"{med['tokens'] / med['step_s']:,.0f}",
          f"{st.tokens_per_s_serial:,.0f}-{st.tokens_per_s_overlapped:,.0f}"),
         ("GPU fwd+bwd" + (" (CUDA events)" if device.type == "cuda" else " (wall)")
-         + (", waits included" if forward else ""), f"{med['gpu_s']:.3f} s", f"{pred['gpu']:.3f} s"),
+         + (", waits included" if forward else ""),
+         f"{med['gpu_s']:.3f} s", f"{pred['gpu']:.3f} s"),
         ("fwd+bwd wall", f"{med['fwd_bwd_wall_s']:.3f} s", ""),
         ("optimizer step wall" + (" (step() only)" if forward else ""),
          f"{med['opt_wall_s']:.3f} s", ""),

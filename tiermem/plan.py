@@ -150,8 +150,8 @@ import torch
 
 from tiermem.config import parse_bytes
 from tiermem.names import (DTYPE_SPELLINGS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
-                           PARAM_SYNCS, STATE_TIERS, check_choice, check_fraction, check_int, check_number,
-                           dtype_name)
+                           PARAM_SYNCS, STATE_TIERS, check_choice, check_fraction, check_int,
+                           check_number, dtype_name)
 from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS,
                                   gpu_side_state_bytes, lane_slot_bytes,
                                   nvme_staging_bytes, ring_bytes, state_numel)
@@ -1174,7 +1174,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     off_n = round(best.offload_fraction * n)
     chunk = _largest_chunk(off_n, chunk_numel)
     best.step_time = step_time(
-        active_params=active, offloaded_params=round(best.offload_fraction * n), param_bytes=p,
+        active_params=active, offloaded_params=off_n, param_bytes=p,
         moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
         grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
         activation_offload_bytes=best.offload_layers * kept_per_block,

@@ -281,11 +281,10 @@ class _Calibration:
     the end event and the host clock below, the H200 timed a block at 2.99 ms and auto chose 3
     blocks at 0.99x (docs/benchmarks.md, at ee65090). The host seconds of each block, start
     to end hook (``plan["host_ms"]``), and of its deferred puts (``offload_host_s``,
-    ``plan["offload_host_ms"]``) are kept too: on CUDA the host only
-    issues the work, and choose_layers runs a host clock beside the device's
-    (tiermem/schedule/layers.py), so a block whose puts would leave the device waiting for the
-    host is not chosen; on the CPU the host computes the blocks, and its clock is the one
-    timed. The peak of the timed forward grows by at most one block's saved tensors.
+    ``plan["offload_host_ms"]``) are kept too: on CUDA the host only issues the work, and
+    choose_layers runs a host clock beside the device's (tiermem/schedule/layers.py), so a
+    block whose puts would leave the device waiting for the host is not chosen; on the CPU the
+    host computes the blocks, and its clock is the one timed. The peak of the timed forward grows by at most one block's saved tensors.
     """
 
     def __init__(self, num_blocks: int) -> None:

@@ -561,10 +561,7 @@ class StateLayout:
         the rest go to NVMe. RAM chunks stay held in the store so its eviction never demotes
         them.
         """
-        order = [(g.index, c) for g in self.groups for c in range(len(g.plan.chunks))]
-        if not self.backward_order:
-            order = order[::-1]  # stepped in forward order: the last chunks are stepped last
-        # order: RAM preference, first = stepped last
+        order = self.expected_order()[::-1]  # RAM preference: the chunk stepped last first
         biggest = max((self._chunk_bytes(ch) for g in self.groups for ch in g.plan.chunks),
                       default=0)
         # the NVMe stream's staging is reserved for real first (the pool's slabs fragment, so
