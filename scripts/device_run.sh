@@ -53,11 +53,11 @@ for stage in "$@"; do
       tests/test_bench_graphs.py tests/offload/test_activations.py tests/offload/test_cuda_graphs.py ;;
     cuda_schedule) run cuda_schedule 180 "${PYTEST[@]}" -s tests/schedule ;;
     parity_adamw) run parity_adamw 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
-      -k "training_parity and adamw" ;;
+      -k "test_training_parity and adamw" ;;
     parity_hybrid) run parity_hybrid 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
-      -k "training_parity and not adamw" ;;
+      -k "test_training_parity and not adamw" ;;
     parity_more) run parity_more 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
-      -k "not training_parity" ;;
+      -k "not test_training_parity" ;;
     bench_activations) run bench_activations 420 tiermem bench activations "${GPT[@]}" \
       --batch 8 --steps 3 --warmup 2 --repeats 3 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;

@@ -1316,25 +1316,32 @@ def test_sizing_doc_says_which_measured_runs_fall_within_floor_and_ceiling():
                            (RESULTS / log).read_text(), re.M)[1]
             assert f"{s:g}: {_verdict(float(ms) / 1e3, st)}" in verdicts, (moments, s, verdicts)
     large = root / "examples" / "configs" / "large"
-    for preset, log, row_has, kw, chunk in (
+    # each logged run as it ran: its chunk_numel, and depth-first with param_sync step but
+    # the breadth-first preset runs of 5f5d61d
+    depth_first = dict(breadth_first_blocks=0, param_sync="step")
+    m4, m16 = 4194304, 16777216
+    for preset, log, row_has, kw in (
             ("h200_13b_nvme", "large_13b.log", "dry run when it accumulated 4 micro-batches",
-             dict(grad_accumulation_steps=4), None),
+             dict(grad_accumulation_steps=4, **depth_first)),
             ("h200_20b_bf16", "large_20b.log", "dry run when it accumulated 4 micro-batches",
-             dict(grad_accumulation_steps=4), None),
+             dict(grad_accumulation_steps=4, **depth_first)),
             ("h200_13b_nvme", "large_13b_c0c5ed4.log", "at the 20 micro-batches it had then",
-             dict(grad_accumulation_steps=20), None),
-            ("h200_20b_ram", "large_20b_ram.log", "with its 4M chunks then", {}, 4194304),
+             dict(grad_accumulation_steps=20, **depth_first)),
+            ("h200_20b_ram", "large_20b_ram.log", "with its 4M chunks then",
+             dict(chunk_numel=m4, **depth_first)),
             ("h200_20b_ram", "large_20b_ram_lane.log", "--gpu-step-fraction 0.5",
-             dict(gpu_step_fraction=0.5), 4194304),
-            ("h200_20b_ram", "large_20b_ram_16m.log", "16M chunks (899), 16 micro-batches", {},
-             16777216),
+             dict(gpu_step_fraction=0.5, chunk_numel=m4, **depth_first)),
+            ("h200_20b_ram", "large_20b_ram_16m.log", "16M chunks (899), 16 micro-batches",
+             dict(chunk_numel=m16, **depth_first)),
             ("h200_20b_ram", "large_20b_ram_128k.log", "64 micro-batches",
-             dict(grad_accumulation_steps=64), 16777216)):
-        # every logged run went depth-first with param_sync step, at the chunk_numel it had
-        cfg = tl.load(str(large / f"{preset}.yaml"), **kw, chunk_numel=chunk,
-                      breadth_first_blocks=0)
-        cfg = {**cfg, "optimizer": dataclasses.replace(cfg["optimizer"], param_sync="step")}
-        st = tl.make_plan(cfg).step_time
+             dict(grad_accumulation_steps=64, chunk_numel=m16, **depth_first)),
+            ("h200_20b_ram", "large_20b_ram_bf.log", "17 breadth-first blocks", {}),
+            ("h200_20b_ram", "large_20b_ram_df.log", "in the same call", depth_first),
+            ("h200_20b_ram", "large_20b_ram_128k_bf.log", "3 breadth-first blocks",
+             dict(grad_accumulation_steps=64)),
+            ("h200_20b_ram", "large_20b_ram_bf_4m.log", "4M chunks (3,593)",
+             dict(chunk_numel=m4))):
+        st = tl.make_plan(tl.load(str(large / f"{preset}.yaml"), **kw)).step_time
         steps = [float(m[2]) for m in re.finditer(r"^step (\d+) .*?, ([\d.]+) s \|",
                                                   (RESULTS / log).read_text(), re.M)
                  if int(m[1]) >= 1]
