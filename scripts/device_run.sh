@@ -24,6 +24,7 @@
 #   large20_ram_128k   nvidia-h200      h200_20b_ram.yaml at 64 micro-batches (131,072 tokens)
 #   large20_ram_chunks nvidia-h200      h200_20b_ram.yaml with 4M then 16M chunks (one call)
 #   large20_ram_bf     nvidia-h200      h200_20b_ram.yaml, then depth-first with param_sync step
+#   large13_bf         nvidia-h200      h200_13b_nvme.yaml breadth-first + forward sync, then as it is
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -99,6 +100,12 @@ for stage in "$@"; do
       run large_20b_ram_df 280 python3 examples/train_large.py \
         --config examples/configs/large/h200_20b_ram.yaml --nvme-dir "$SPILL" \
         --breadth-first-blocks 0 --param-sync step ;;
+    large13_bf)
+      run large_13b_bf 290 python3 examples/train_large.py \
+        --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL" \
+        --param-sync forward --breadth-first-blocks auto
+      run large_13b_df 290 python3 examples/train_large.py \
+        --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL" ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done
