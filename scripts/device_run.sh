@@ -9,7 +9,8 @@
 #   cuda_schedule      nvidia-h200      the CUDA test of breadth-first blocks with forward sync (~1 min)
 #   parity_adamw       nvidia-h200      the CUDA training-parity matrix: its torch AdamW rows (~5 min)
 #   parity_hybrid      nvidia-h200      its HybridAdam rows (~6 min: its own call)
-#   parity_more        nvidia-h200      its other tests (stale-buffer check, torch.compile; ~5 min)
+#   parity_more        nvidia-h200      its other tests (stale-buffer check, torch.compile, breadth-first
+#                                       micro-batches with offload; ~7 min, not yet timed)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs

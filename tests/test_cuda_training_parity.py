@@ -44,6 +44,7 @@ from tiermem import StoreConfig, TierStore
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.offload import offload_activations, offload_tensors
 from tiermem.optim import HybridAdam
+from tiermem.schedule.micro_batches import forward_backward
 
 pytestmark = pytest.mark.cuda
 
@@ -81,7 +82,15 @@ OPT = {
     "hybrid_clip": dict(offload_fraction=0.5, max_grad_norm=1.0),
     "hybrid_split": dict(offload_fraction=0.5, state_tier="split"),
     "hybrid_nvme": dict(offload_fraction=0.3, state_tier="nvme"),
+    # as examples/train_large.py runs the 20B RAM preset (with breadth_first below)
+    "hybrid_fwd_sync_clip": dict(offload_fraction=0.5, param_sync="forward", max_grad_norm=1.0),
 }
+# breadth-first micro-batches (Note [breadth-first blocks]): each step's batch as BATCH
+# micro-batches of one row, the first BF_BLOCKS blocks run for both before the rest; the
+# reference runs the same schedule without activation offload
+BF_BLOCKS = 3
+BF_ROWS = [("auto", "adamw"), ("double_buffering", "adamw"), ("checkpoint_all", "adamw"),
+           ("checkpoint_all", "hybrid_fwd_sync_clip"), ("checkpoint_nvme", "hybrid_fwd_sync_clip")]
 ROWS = ([(act, opt, "bf16") for act in ACT if act not in ("checkpoint_nvme", "regions")
          for opt in ("adamw", "hybrid_f0.5")]
         + [(act, "adamw", "fp32") for act in ("contiguous", "auto", "noncontiguous",
@@ -136,17 +145,23 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.cuda(), ((idx * 7 + 3) % CFG.vocab).cuda()
 
 
+def _micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's batch as ``BATCH`` micro-batches of one row each."""
+    idx, tgt = _batch(step)
+    return [(idx[i:i + 1], tgt[i:i + 1]) for i in range(BATCH)]
+
+
 def _model(dtype: torch.dtype, checkpoint: bool) -> GPT:
     torch.manual_seed(0)
     with torch.device("cuda"):
         return GPT(CFG, checkpoint=checkpoint).to(dtype)
 
 
-def _optimizer(name: str, model: GPT, spill_dir, opt_store):
+def _optimizer(name: str, model: GPT, spill_dir, opt_store, micro_batches: int = 1):
     kw = OPT[name]
     if kw is None:
         return torch.optim.AdamW(model.parameters(), **HP, fused=True)
-    kw = dict(kw)
+    kw = dict(kw, grad_accumulation_steps=micro_batches)
     if kw.get("state_tier") == "split":
         kw["store"] = opt_store
     elif kw.get("state_tier") == "nvme":
@@ -154,15 +169,18 @@ def _optimizer(name: str, model: GPT, spill_dir, opt_store):
     return HybridAdam(model.parameters(), **HP, **kw)
 
 
-def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="") -> Run:
+def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="",
+           bf: int | None = None) -> Run:
     """Train ``STEPS`` steps; ``act`` None is the reference (no activation offload);
-    ``compile_``: "blocks" (each block compiled) or "whole" (torch.compile of the model)."""
+    ``compile_``: "blocks" (each block compiled) or "whole" (torch.compile of the model);
+    ``bf``: each step as micro-batches through forward_backward with ``bf`` blocks
+    breadth-first (None: one batch, ``model(idx, targets)``)."""
     model = _model(DTYPES[dtype], ckpt)
     if compile_ == "blocks":
         for block in model.blocks:
             block.compile()
     run_model = torch.compile(model) if compile_ == "whole" else model
-    optimizer = _optimizer(opt, model, spill_dir, opt_store)
+    optimizer = _optimizer(opt, model, spill_dir, opt_store, 1 if bf is None else BATCH)
     if act == "regions":
         region = offload_tensors()
         for block in model.blocks:  # a hook returning anything but None replaces args/output
@@ -176,10 +194,14 @@ def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="") 
         off = offload_activations(model.blocks, store=store, **kw)
     losses = []
     for step in range(STEPS):
-        idx, tgt = _batch(step)
         with off:
-            _, loss = run_model(idx, tgt)
-        loss.backward()
+            if bf is None:
+                _, loss = run_model(*_batch(step))
+            else:  # backward inside the with block, as forward_backward interleaves them
+                loss = torch.stack(forward_backward(model, _micro_batches(step),
+                                                    breadth_first_blocks=bf)).mean()
+        if bf is None:
+            loss.backward()
         if step == 0:  # before any chaos: differences here are the kernels' noise alone
             grads0 = torch.cat([p.grad.float().reshape(-1).cpu() for p in model.parameters()])
         optimizer.step()
@@ -215,10 +237,11 @@ _REFERENCE: dict[tuple, Reference] = {}  # one configuration at a time (host mem
 _GRAD_NOISE: dict[tuple, float] = {}
 
 
-def grad_noise(dtype: str, ckpt: bool, compile_: str) -> float:
+def grad_noise(dtype: str, ckpt: bool, compile_: str, bf: int | None = None) -> float:
     """The first-step gradient noise (:func:`first_step_noise`) of the no-offload model on the
-    first batch: the step before any optimizer, the kernels' noise alone."""
-    key = (dtype, ckpt, compile_)
+    first batch (as ``bf`` of :func:`_train` schedules it): the step before any optimizer, the
+    kernels' noise alone."""
+    key = (dtype, ckpt, compile_, bf)
     if key not in _GRAD_NOISE:
         model = _model(DTYPES[dtype], ckpt)
         if compile_ == "blocks":
@@ -226,7 +249,10 @@ def grad_noise(dtype: str, ckpt: bool, compile_: str) -> float:
                 block.compile()
         run_model = torch.compile(model) if compile_ == "whole" else model
         def step_grads() -> torch.Tensor:
-            run_model(*_batch(0))[1].backward()
+            if bf is None:
+                run_model(*_batch(0))[1].backward()
+            else:
+                forward_backward(model, _micro_batches(0), breadth_first_blocks=bf)
             g = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
             model.zero_grad(set_to_none=True)
             return g
@@ -248,14 +274,15 @@ def first_step_noise(step_grads) -> float:
     return max([(a - b).norm().item() for a in seen for b in seen] + [0.0])
 
 
-def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", **fixtures) -> Reference:
+def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", bf: int | None = None,
+              **fixtures) -> Reference:
     """The no-offload run of this configuration, run ``REFERENCE_RUNS`` times (cached)."""
-    key = (opt, dtype, ckpt, compile_)
+    key = (opt, dtype, ckpt, compile_, bf)
     if key not in _REFERENCE:
         _REFERENCE.clear()
         runs = [_train(None, opt, dtype, ckpt, fixtures["spill_dir"], fixtures["act_store"],
-                       fixtures["opt_store"], compile_) for _ in range(REFERENCE_RUNS)]
-        _REFERENCE[key] = summarise(runs, grad_noise(dtype, ckpt, compile_))
+                       fixtures["opt_store"], compile_, bf) for _ in range(REFERENCE_RUNS)]
+        _REFERENCE[key] = summarise(runs, grad_noise(dtype, ckpt, compile_, bf))
     return _REFERENCE[key]
 
 
@@ -309,6 +336,20 @@ def test_training_parity(act, opt, dtype, spill_dir, act_store, opt_store):
     got = _train(act, opt, dtype, ACT[act][1], **fixtures)
     assert got.offloaded > 0, f"{act}: nothing was offloaded"
     assert_parity(got, ref, f"{act}/{opt}/{dtype}")
+
+
+@pytest.mark.parametrize("act,opt", BF_ROWS, ids=["-".join(r) for r in BF_ROWS])
+def test_breadth_first_with_offload_trains_as_without(act, opt, spill_dir, act_store, opt_store):
+    """Activation offload around forward_backward: the saved tensors of every micro-batch's
+    first BF_BLOCKS blocks wait in the store for their backward, which runs inside the with
+    block, and layers="auto" chooses in the middle of a step; with HybridAdam the next forward
+    also waits per module for chunks stepped in forward order (param_sync="forward")."""
+    fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
+    ckpt = ACT[act][1]
+    ref = reference(opt, "bf16", ckpt, bf=BF_BLOCKS, **fixtures)
+    got = _train(act, opt, "bf16", ckpt, bf=BF_BLOCKS, **fixtures)
+    assert got.offloaded > 0, f"{act}: nothing was offloaded"
+    assert_parity(got, ref, f"breadth-first {BF_BLOCKS}/{act}/{opt}")
 
 
 def test_reference_moves_and_is_not_trivially_equal(spill_dir, act_store, opt_store):

@@ -3,6 +3,7 @@ HybridAdam(param_sync="forward", max_grad_norm) over real training steps."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -98,6 +99,49 @@ def test_training_with_forward_sync_and_clipping_matches_depth_first(tier, tmp_p
             a[d:2 * d] = p[d:2 * d] = 0  # shift), so it is rounding noise Adam scales to full steps
         torch.testing.assert_close(a, p, rtol=1e-4, atol=1e-5, msg=name)
     assert not torch.equal(runs[0][1][0], _model("gpt").tok.weight)  # it trained
+
+
+OFFLOAD_MODES = {"auto": dict(layers="auto"), "noncontiguous": dict(layers=[1, 3]),
+                 "double_buffering": dict(layers=[0, 1, 2, 3], double_buffering=True),
+                 "prefetch_depth_2": dict(num_layers=3, prefetch_depth=2),
+                 "nvme": dict(layers=[0, 1, 2, 3], tier="nvme")}
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", sorted(OFFLOAD_MODES))
+def test_activation_offload_around_breadth_first_keeps_the_bits(mode, checkpoint, tmp_path):
+    """offload_activations around forward_backward (backward inside the with block; with
+    breadth-first the blocks' saved tensors of every micro-batch wait for their backward, and
+    layers="auto" makes its choice in the middle of a step): 6 AdamW steps of different
+    batches give the losses and params of the same loop without offload, bit for bit."""
+    from tiermem import StoreConfig, TierStore
+    from tiermem.offload import offload_activations
+
+    ref = _model("gpt", checkpoint=checkpoint)
+    runs = []
+    for offload in (False, True):
+        model = copy.deepcopy(ref)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        kw = dict(OFFLOAD_MODES[mode])
+        store = TierStore(StoreConfig(cpu_bytes="64MiB", nvme_bytes="64MiB",
+                                      nvme_dir=str(tmp_path)))
+        offloader = offload_activations(model.blocks, store=store, **kw) if offload else None
+        losses = []
+        for step in range(6):
+            with offloader if offloader is not None else contextlib.nullcontext():
+                losses.append([float(x) for x in
+                               forward_backward(model, _batches(step), breadth_first_blocks=2)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if offloader is not None:
+            assert offloader.stats()["offloaded"] > 0 and offloader.stats()["live_keys"] == 0
+            offloader.close()
+        store.close()
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for (name, _), a, b in zip(ref.named_parameters(), runs[0][1], runs[1][1]):
+        assert torch.equal(a, b), name
+    assert not torch.equal(runs[0][1][0], ref.tok.weight)  # it trained
 
 
 def test_bad_arguments_are_named():
