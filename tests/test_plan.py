@@ -1369,3 +1369,37 @@ def test_checkpointed_runs_take_their_own_gpu_rate(capsys):
         pytest.approx(6 * n * 2048 / H200_GPU_FLOPS)
     assert seconds[(True, "--gpu-tflops")]["seconds"]["gpu"] == \
         pytest.approx(8 * n * 2048 / H200_GPU_FLOPS_CHECKPOINTED)
+
+
+def test_plan_names_breadth_first_when_clipping_leaves_an_optimizer_tail(capsys):
+    """With max_grad_norm and micro-batches, tiermem plan says what --param-sync forward
+    --breadth-first-blocks auto would predict (the same plan() with those inputs, at the same
+    offload fraction), and says nothing once the run uses it, or where it cannot help."""
+    argv = ["--params", "20e9", "--layers", "48", "--d-model", "5888", "--checkpoint",
+            "--moments-dtype", "bf16", "--offload-fraction", "0.74", "--state-tier", "cpu",
+            "--grad-accumulation-steps", "16", "--json"]
+    kw = dict(n_layers=48, d_model=5888, checkpoint=True, moments_dtype="bf16",
+              offload_fraction=0.74, state_tier="cpu", grad_accumulation_steps=16,
+              max_grad_norm=1.0)
+    now = plan(20e9, **kw).step_time
+    alt = plan(20e9, **kw, param_sync="forward", breadth_first_blocks="auto")
+    assert main([*argv, "--max-grad-norm", "1"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    hint = [n for n in notes if n.startswith("faster: --param-sync forward")]
+    assert hint == [
+        f"faster: --param-sync forward --breadth-first-blocks auto (one process): the first "
+        f"{alt.breadth_first_blocks} blocks of every micro-batch run before the rest, so "
+        f"{alt.step_time.forward_overlap_s:.2f} s of the next forward runs beside the "
+        f"optimizer's tail: predicted {alt.step_time.overlapped_s:.2f} s (floor) instead of "
+        f"{now.overlapped_s:.2f} s, the same gradients (Note [breadth-first blocks] in "
+        f"tiermem/schedule/micro_batches.py)"], notes
+    assert alt.breadth_first_blocks > 0 and alt.step_time.overlapped_s < now.overlapped_s
+    for extra in (["--max-grad-norm", "1", "--param-sync", "forward",
+                   "--breadth-first-blocks", "auto"],  # already used
+                  [],  # no clipping: the CPU step overlaps backward instead
+                  ["--max-grad-norm", "1", "--grad-accumulation-steps", "1"]):  # one micro-batch
+        assert main([*argv, *extra]) == 0
+        notes = json.loads(capsys.readouterr().out)["notes"]
+        assert not any(n.startswith("faster:") for n in notes), (extra, notes)
+    assert main([*argv[:-1], "--max-grad-norm", "1"]) == 0  # the table prints it too
+    assert "note: faster: --param-sync forward" in capsys.readouterr().out
