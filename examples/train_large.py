@@ -57,7 +57,8 @@ from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig, from_tre
 from tiermem.models import materialize_  # noqa: E402
 from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
-from tiermem.plan import H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto, plan  # noqa: E402
+from tiermem.plan import (H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto,  # noqa: E402
+                          breadth_first_note, plan)
 from tiermem.schedule.micro_batches import forward_backward  # noqa: E402
 
 SECTIONS = {"model": GPTConfig, "train": TrainConfig, "budgets": BudgetConfig,
@@ -143,17 +144,22 @@ def make_plan(cfg: dict, rates=None):
     if s.cpu_bytes > host:
         raise ValueError(f"store.cpu_bytes={s.cpu_bytes} is more than budgets.host_bytes={host}: "
                          f"the pinned budget must leave RAM for the OS and Python; lower it")
-    return plan(m.num_params(), n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
-                vocab=m.vocab, seq=m.seq_len, batch=t.micro_batch, mlp_ratio=m.mlp_ratio,
-                dtype=t.dtype, moments_dtype=o.moments_dtype, **b.kwargs(),
-                offload_fraction=o.offload_fraction, state_tier=o.state_tier,
-                checkpoint=t.checkpoint, offload_layers=0,  # this loop offloads no activations
-                grad_accumulation_steps=t.grad_accumulation_steps,
-                gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
-                param_sync=o.param_sync, breadth_first_blocks=t.breadth_first_blocks,
-                host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
-                chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
-                rates=rates)
+    kw = dict(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+              vocab=m.vocab, seq=m.seq_len, batch=t.micro_batch, mlp_ratio=m.mlp_ratio,
+              dtype=t.dtype, moments_dtype=o.moments_dtype, **b.kwargs(),
+              offload_fraction=o.offload_fraction, state_tier=o.state_tier,
+              checkpoint=t.checkpoint, offload_layers=0,  # this loop offloads no activations
+              grad_accumulation_steps=t.grad_accumulation_steps,
+              gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
+              param_sync=o.param_sync, breadth_first_blocks=t.breadth_first_blocks,
+              host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
+              chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
+              rates=rates)
+    pl = plan(m.num_params(), **kw)
+    note = breadth_first_note(pl, m.num_params(), kw)
+    if note:  # the same flags exist here
+        pl.notes.append(note)
+    return pl
 
 
 class _GpuTimer:

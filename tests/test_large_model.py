@@ -366,3 +366,22 @@ def test_train_large_tiny_breadth_first_with_forward_sync_trains_as_depth_first(
     assert losses[0] == losses[1] and len({ln.split()[-1] for ln in losses[0]}) == 4
     r = _run_example("--config", str(preset), "--tiny", "--breadth-first-blocks", "3")
     assert r.returncode == 2 and "train.breadth_first_blocks=3 exceeds model.n_layers=2" in r.stderr
+
+
+def test_the_dry_run_names_breadth_first_where_a_preset_does_not_use_it():
+    """The 13B NVMe preset clips and runs depth-first: its plan carries tiermem plan's
+    'faster:' note (param_sync forward + breadth_first_blocks auto); the 20B RAM preset uses
+    them, so its plan does not."""
+    module = _train_large_module()
+    large = ROOT / "examples" / "configs" / "large"
+    path = str(large / "h200_13b_nvme.yaml")
+    pl = module.make_plan(module.load(path))
+    alt = module.make_plan(module.load(path, param_sync="forward", breadth_first_blocks="auto"))
+    faster = [n for n in pl.notes if n.startswith("faster: --param-sync forward "
+                                                  "--breadth-first-blocks auto")]
+    assert len(faster) == 1, pl.notes
+    assert (f"the first {alt.breadth_first_blocks} blocks" in faster[0]
+            and f"predicted {alt.step_time.overlapped_s:.2f} s (floor) instead of "
+                f"{pl.step_time.overlapped_s:.2f} s" in faster[0]), faster
+    notes = module.make_plan(module.load(str(large / "h200_20b_ram.yaml"))).notes
+    assert not any(n.startswith("faster:") for n in notes), notes

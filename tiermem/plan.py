@@ -1436,16 +1436,21 @@ def _rate(text: str) -> float:
     return value
 
 
-def _breadth_first_hint(result: Plan, n: int, kw: dict) -> str | None:
+def breadth_first_note(result: Plan, num_params, kw: dict) -> str | None:
     """With ``max_grad_norm`` and micro-batches, when the run does not already use it: what
-    ``--param-sync forward --breadth-first-blocks auto`` would predict (None: nothing to add,
-    or it would not fit or not be faster)."""
+    ``param_sync="forward"`` with ``breadth_first_blocks="auto"`` would predict, as a note for
+    :attr:`Plan.notes` (None: nothing to add, or it would not fit or not be faster).
+    ``result`` is ``plan(num_params, **kw)``.
+
+    Raises:
+        ValueError, TypeError: what :func:`plan` raises for these inputs.
+    """
     st = result.step_time
     if (not result.fits or st is None or st.max_grad_norm is None or result.offload_fraction == 0
             or kw["grad_accumulation_steps"] < 2
             or (st.param_sync == "forward" and st.breadth_first_blocks)):
         return None
-    alt = plan(n, **{**kw, "param_sync": "forward", "breadth_first_blocks": "auto",
+    alt = plan(num_params, **{**kw, "param_sync": "forward", "breadth_first_blocks": "auto",
                      "offload_fraction": result.offload_fraction})
     ast = alt.step_time
     if not alt.fits or ast is None or not alt.breadth_first_blocks \
@@ -1508,7 +1513,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             n = args.params
         result = plan(n, **kw)
-        hint = _breadth_first_hint(result, n, kw)
+        hint = breadth_first_note(result, n, kw)
     except (ValueError, TypeError) as exc:
         print(f"tiermem plan: error: {exc}", file=sys.stderr)
         return 2
