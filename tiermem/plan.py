@@ -1451,7 +1451,7 @@ def breadth_first_note(result: Plan, num_params, kw: dict) -> str | None:
             or (st.param_sync == "forward" and st.breadth_first_blocks)):
         return None
     alt = plan(num_params, **{**kw, "param_sync": "forward", "breadth_first_blocks": "auto",
-                     "offload_fraction": result.offload_fraction})
+                              "offload_fraction": result.offload_fraction})
     ast = alt.step_time
     if not alt.fits or ast is None or not alt.breadth_first_blocks \
             or ast.overlapped_s >= st.overlapped_s:
