@@ -58,6 +58,7 @@ import torch
 from .._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
 from ..names import AUTO_BOOL, check_aligned, check_bool, check_choice, check_int
 from .extents import ExtentAllocator, round_up
+from .io.reaper import run_or_defer, start as start_reaper
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
 
@@ -196,7 +197,20 @@ def _remove_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, ow
                   owns_backend: bool) -> None:
     """Finalizer: shut down an owned backend (pending I/O first), close the spill file's
     handles and remove the directory; in a forked child only close the child's descriptors
-    (Note [spill space after fork]). Best effort."""
+    (Note [spill space after fork]). Inside a garbage collection or on one of the backend's
+    threads, where its threads cannot be joined, all of it runs on the reaper, in this order
+    (Note [finalizer teardown]). Best effort."""
+    teardown = functools.partial(_teardown_spill, backend, handle, fd, dir_path, owner_pid,
+                                 owns_backend)
+    if os.getpid() == owner_pid and owns_backend:
+        run_or_defer(teardown, on_joined_thread=backend.on_own_thread())
+    else:
+        teardown()
+
+
+def _teardown_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, owner_pid: int,
+                    owns_backend: bool) -> None:
+    """The work of :func:`_remove_spill`, here and now."""
     mine = os.getpid() == owner_pid
     if mine and owns_backend:
         try:
@@ -343,6 +357,7 @@ class SpillSpace:
             raise
         self._handle = handle
         self._pid = os.getpid()  # Note [spill space after fork]
+        start_reaper()  # where the finalizer may queue the teardown (Note [finalizer teardown])
         # shuts an owned backend down too: a space dropped without close() leaks no threads
         self._finalizer = weakref.finalize(self, _remove_spill, backend, handle, self._fd,
                                            self._dir_path, self._pid, owns_backend)

@@ -19,15 +19,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import aiofiles
 import torch
 
+from .reaper import note_thread, run_or_defer, start as start_reaper
 from .base import IOBackend
-from .posix import (ShortReadError, _note_thread, host_view, open_flags, os_error,
-                    shutdown_off_thread)
+from .posix import ShortReadError, host_view, open_flags, os_error
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop, idents: set) -> None:
     """The loop thread: holds the loop, not the backend, so a dropped backend can be collected
     (its finalizer then stops the loop)."""
-    _note_thread(idents)
+    note_thread(idents)
     loop.run_forever()
 
 
@@ -66,11 +66,13 @@ class AiofilesBackend(IOBackend):
         self._idents: set[int] = set()  # the loop's and the executor's threads (see shutdown)
         self._executor = ThreadPoolExecutor(max_workers=threads,
                                             thread_name_prefix="tiermem-aiofiles-io",
-                                            initializer=_note_thread, initargs=(self._idents,))
+                                            initializer=note_thread,
+                                            initargs=(self._idents,))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=_run_loop, args=(self._loop, self._idents),
                                         name="tiermem-aiofiles-loop", daemon=True)
         self._thread.start()
+        start_reaper()  # where shutdown() may queue its joins (Note [finalizer teardown])
         # Guards _pending and _shut: requests are submitted from any thread.
         self._lock = threading.Lock()
         self._pending: set[Future] = set()
@@ -169,14 +171,15 @@ class AiofilesBackend(IOBackend):
     def shutdown(self) -> None:
         """Wait for pending requests, stop the event loop and the executor. Idempotent.
 
-        Called on one of the backend's own threads (a finalizer run by an I/O callback) it
-        returns at once and a helper thread does this (a thread cannot join itself).
+        Called on one of the backend's own threads (a finalizer run by an I/O callback) or
+        inside a garbage collection it returns at once and the reaper does this (Note
+        [finalizer teardown]).
         """
         with self._lock:  # see _submit
             if self._shut:
                 return
             self._shut = True
-        shutdown_off_thread(self._idents, self._stop)
+        run_or_defer(self._stop, on_joined_thread=self.on_own_thread())
 
     def _stop(self) -> None:
         with self._lock:  # see _submit

@@ -9,15 +9,26 @@ number of bytes moved; the buffer must stay alive and untouched until the future
 from __future__ import annotations
 
 import abc
+import threading
 from concurrent.futures import Future
 
 import torch
 
 
 class IOBackend(abc.ABC):
-    """Positional reads and writes on open spill files, asynchronous, thread-safe."""
+    """Positional reads and writes on open spill files, asynchronous, thread-safe.
+
+    A backend that runs threads records their idents in ``_idents``
+    (:func:`tiermem.store.io.reaper.note_thread`), so its teardown knows when it is called on one
+    of them (Note [finalizer teardown]).
+    """
 
     name: str = "abstract"
+    _idents: frozenset | set = frozenset()
+
+    def on_own_thread(self) -> bool:
+        """Whether the calling thread is one of this backend's (its I/O callbacks run there)."""
+        return threading.get_ident() in self._idents
 
     @abc.abstractmethod
     def open(self, path: str, *, create: bool, o_direct: bool) -> object:

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .reaper import note_thread, run_or_defer, start as start_reaper
 from .base import IOBackend
 from .posix import ShortReadError, host_view, open_flags
 
@@ -109,8 +110,12 @@ class KvikioBackend(IOBackend):
         self.threads = threads
         set_kvikio_threads(kvikio, threads)
         # Waiters block in IOFuture.get() (GIL released) until kvikio's pool finishes a request.
+        self._idents: set[int] = set()  # the waiters' threads (see shutdown)
         self._waiters = ThreadPoolExecutor(max_workers=max(2, threads),
-                                           thread_name_prefix="tiermem-kvikio-wait")
+                                           thread_name_prefix="tiermem-kvikio-wait",
+                                           initializer=note_thread,
+                                           initargs=(self._idents,))
+        start_reaper()  # where shutdown() may queue its join (Note [finalizer teardown])
         self._shut = False
 
     def open(self, path: str, *, create: bool, o_direct: bool) -> KvikioHandle:
@@ -198,6 +203,10 @@ class KvikioBackend(IOBackend):
             cufile.close()
 
     def shutdown(self) -> None:
-        """Wait for pending requests, then stop the waiter threads. Idempotent."""
+        """Wait for pending requests, then stop the waiter threads. Idempotent.
+
+        Called on a waiter thread or inside a garbage collection it returns at once and the
+        reaper does this (Note [finalizer teardown]).
+        """
         self._shut = True
-        self._waiters.shutdown(wait=True)
+        run_or_defer(self._waiters.shutdown, on_joined_thread=self.on_own_thread())

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .reaper import note_thread, run_or_defer, start as start_reaper
 from .base import IOBackend
 
 _RETRY_ERRNOS = (errno.EINTR, errno.EAGAIN)
@@ -59,21 +59,6 @@ def os_error(exc: OSError, action: str, nbytes: int, offset: int, path: str) -> 
     path)`` for ``exc``."""
     reason = exc.strerror or str(exc)
     return OSError(exc.errno, f"{reason} ({action} {nbytes} bytes at offset {offset})", path)
-
-
-def _note_thread(idents: set) -> None:
-    """Thread-pool initializer: remember the worker's ident (see :func:`shutdown_off_thread`)."""
-    idents.add(threading.get_ident())
-
-
-def shutdown_off_thread(idents: set, stop) -> None:
-    """Run ``stop()`` (which joins the backend's threads) here, or, when called on one of those
-    threads (``idents``; e.g. a finalizer triggered by an I/O callback dropping the last
-    reference to a store), on a short-lived helper thread: a thread cannot join itself."""
-    if threading.get_ident() not in idents:
-        stop()
-        return
-    threading.Thread(target=stop, name="tiermem-io-shutdown", daemon=True).start()
 
 
 class PosixHandle:
@@ -177,7 +162,8 @@ class PosixBackend(IOBackend):
         self.threads = threads
         self._idents: set[int] = set()  # the pool's threads (see shutdown)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiermem-posix-io",
-                                        initializer=_note_thread, initargs=(self._idents,))
+                                        initializer=note_thread, initargs=(self._idents,))
+        start_reaper()  # where shutdown() may queue its join (Note [finalizer teardown])
         self._shut = False
 
     def open(self, path: str, *, create: bool, o_direct: bool) -> PosixHandle:
@@ -232,8 +218,8 @@ class PosixBackend(IOBackend):
     def shutdown(self) -> None:
         """Wait for pending requests, then stop the threads. Idempotent.
 
-        Called on one of the backend's own threads it returns at once and a helper thread
-        does this (:func:`shutdown_off_thread`).
+        Called on one of the backend's own threads or inside a garbage collection it returns at
+        once and the reaper does this (Note [finalizer teardown]).
         """
         self._shut = True
-        shutdown_off_thread(self._idents, self._pool.shutdown)
+        run_or_defer(self._pool.shutdown, on_joined_thread=self.on_own_thread())
