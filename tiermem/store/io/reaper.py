@@ -20,6 +20,7 @@ the interpreter exits may not run; the directory it would remove is then a dead 
 from __future__ import annotations
 
 import gc
+import os
 import queue
 import threading
 from typing import Callable
@@ -37,6 +38,16 @@ def _on_gc(phase: str, info: dict) -> None:
 
 
 gc.callbacks.append(_on_gc)
+
+
+def _forget_in_child() -> None:
+    """After a fork: the parent's reaper thread, its queue (teardown of the parent's backends)
+    and a start lock another thread may have held do not belong to the child."""
+    global _jobs, _start_lock, _thread
+    _jobs, _start_lock, _thread = queue.SimpleQueue(), threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def collecting() -> bool:
