@@ -58,9 +58,9 @@ import torch
 from .._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
 from ..names import AUTO_BOOL, check_aligned, check_bool, check_choice, check_int
 from .extents import ExtentAllocator, round_up
-from .io.reaper import run_or_defer, start as start_reaper
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
+from .io.reaper import run_or_defer, start as start_reaper
 
 ALIGN_BYTES = 4096
 """Alignment of extent offsets, sizes and O_DIRECT buffers (bytes)."""

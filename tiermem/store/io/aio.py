@@ -19,9 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import aiofiles
 import torch
 
-from .reaper import note_thread, run_or_defer, start as start_reaper
 from .base import IOBackend
 from .posix import ShortReadError, host_view, open_flags, os_error
+from .reaper import note_thread, run_or_defer, start as start_reaper
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop, idents: set) -> None:

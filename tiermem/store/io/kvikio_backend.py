@@ -30,9 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .reaper import note_thread, run_or_defer, start as start_reaper
 from .base import IOBackend
 from .posix import ShortReadError, host_view, open_flags
+from .reaper import note_thread, run_or_defer, start as start_reaper
 
 
 @functools.lru_cache(maxsize=1)

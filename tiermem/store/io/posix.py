@@ -15,8 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .reaper import note_thread, run_or_defer, start as start_reaper
 from .base import IOBackend
+from .reaper import note_thread, run_or_defer, start as start_reaper
 
 _RETRY_ERRNOS = (errno.EINTR, errno.EAGAIN)
 _MAX_RETRIES = 100
