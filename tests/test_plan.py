@@ -1240,7 +1240,8 @@ def test_sizing_doc_quotes_the_lane_predictions():
             f"{half.seconds['cpu_adam']:.2f} s instead of {none.seconds['cpu_adam']:.2f} s)") \
         in text
     # the measured runs went depth-first with param_sync step: their comparison is planned so
-    as_run = [tl.load(RAM_20B, breadth_first_blocks=0, **kw) for kw in ({}, {"gpu_step_fraction": 0.5})]
+    as_run = [tl.load(RAM_20B, breadth_first_blocks=0, **kw)
+              for kw in ({}, {"gpu_step_fraction": 0.5})]
     none_run, half_run = (tl.make_plan({**c, "optimizer": dataclasses.replace(
         c["optimizer"], param_sync="step")}).step_time for c in as_run)
     assert (f"smaller than the {none_run.overlapped_s - half_run.overlapped_s:.2f} s the floor "

@@ -140,9 +140,9 @@ os._exit(0)
 def test_a_store_collected_under_threadings_own_lock_neither_hangs_nor_leaks(tmp_path, backend):
     """Note [finalizer teardown]: a collection can run a dropped store's finalizer on a thread
     that holds threading's _shutdown_locks_lock (a thread being started); joining the store's
-    I/O threads there waited forever (seen once in a clean-clone run of the suite). Now the teardown goes to the reaper: the
-    collection returns, and the spill directory is still removed. In a subprocess, so a hang
-    fails this test instead of the session."""
+    I/O threads there waited forever (seen once in a clean-clone run of the suite). Now the
+    teardown goes to the reaper: the collection returns, and the spill directory is still
+    removed. In a subprocess, so a hang fails this test instead of the session."""
     import subprocess
     import sys
 

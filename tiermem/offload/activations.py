@@ -284,7 +284,8 @@ class _Calibration:
     ``plan["offload_host_ms"]``) are kept too: on CUDA the host only issues the work, and
     choose_layers runs a host clock beside the device's (tiermem/schedule/layers.py), so a
     block whose puts would leave the device waiting for the host is not chosen; on the CPU the
-    host computes the blocks, and its clock is the one timed. The peak of the timed forward grows by at most one block's saved tensors.
+    host computes the blocks, and its clock is the one timed. The peak of the timed forward
+    grows by at most one block's saved tensors.
     """
 
     def __init__(self, num_blocks: int) -> None:

@@ -510,7 +510,8 @@ class HybridAdam(torch.optim.Optimizer):
                 self._arrived.setdefault((g, i), len(self._arrived))
                 return
             if (not self._layout.backward_order or count < self.grad_accumulation_steps
-                    or (g, i) in self._step.shipped or i not in self._groups[g].plan.chunks_of_param):
+                    or (g, i) in self._step.shipped
+                    or i not in self._groups[g].plan.chunks_of_param):
                 return  # Note [stepping order]: else step() ships it, in forward order
         self._ship(g, i)
 

@@ -554,8 +554,8 @@ class StateLayout:
         Their CPU step is on the critical path after backward, and a RAM chunk needs no read,
         so the tail is pure compute; the chunks stepped first (the last layers) stream through
         NVMe, and their reads are started when a step begins (``ReadAhead.first_chunks``), i.e.
-        hidden behind the forward pass and the backward of the later layers. The budget is what the store's
-        ``cpu_bytes`` can still allocate (slab fragmentation included) once the staging room of
+        hidden behind the forward pass and the backward of the later layers. The budget is what
+        the store's ``cpu_bytes`` can still allocate (slab fragmentation included) once the staging room of
         the NVMe stream is reserved (``nvme_lookahead_chunks + 3`` chunks: read-ahead, the chunk
         being stepped, write-backs in flight): RAM takes chunks in that order until a put fails,
         the rest go to NVMe. RAM chunks stay held in the store so its eviction never demotes
