@@ -88,3 +88,17 @@ def test_readme_states_the_condition_and_the_bound():
            "multiple of 16 elements" in text
     assert "1e-4 × lr" in text and "tests/test_claims.py" in text
     assert "docs/results/bit_identity_cpu.log" in text
+
+
+def test_every_doc_that_claims_bit_identity_with_fused_adamw_states_the_condition():
+    """Issue 27: docs/design.md claimed bit-identity with fused AdamW unconditionally. Every
+    sentence of the README and docs that claims it must name the multiple-of-16 condition."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    unconditional = []
+    for doc in docs:
+        text = " ".join(doc.read_text().split())
+        for sentence in text.split(". "):
+            if "bit-identical" in sentence and "AdamW(fused=True)" in sentence \
+                    and "multiple of 16" not in sentence:
+                unconditional.append(f"{doc.name}: {sentence[:120]}")
+    assert not unconditional, unconditional
