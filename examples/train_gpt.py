@@ -1,6 +1,6 @@
 """Train a GPT-style model with tiermem's offloading, configured by YAML + dotted overrides.
 
-    python examples/train_gpt.py                                   # CPU default, < 2 min
+    python examples/train_gpt.py                                   # CPU default (configs/cpu.yaml)
     python examples/train_gpt.py --config examples/configs/h200_1b.yaml
     python examples/train_gpt.py optimizer.offload_fraction=1.0 activations.num_layers=2 \\
         optimizer.state_tier=nvme store.nvme_bytes=1GiB store.nvme_dir=/tmp/spill

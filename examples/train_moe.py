@@ -1,6 +1,6 @@
 """Train the mixture-of-experts transformer (tiermem.models.MoE) with HybridAdam + activation offload.
 
-    python examples/train_moe.py                       # CPU, fp32, a few seconds
+    python examples/train_moe.py                       # CPU, fp32
     python examples/train_moe.py --steps 50 --experts 16 --top-k 2 --offload-fraction 0.5
 
 Top-``k`` of ``--experts`` experts per block on a generated Markov-chain token stream
