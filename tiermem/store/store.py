@@ -603,9 +603,28 @@ class TierStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def aget(self, key: Hashable, tier: str = "gpu") -> torch.Tensor:
-        """Asyncio twin of :meth:`get`: waits in a worker thread, never blocking the loop."""
-        return await asyncio.to_thread(self.get, key, tier)
+    async def aget(self, key: Hashable, tier: str = "gpu", *, hold: bool = False
+                   ) -> torch.Tensor:
+        """Asyncio twin of :meth:`get`: waits in a worker thread, never blocking the loop.
+
+        Note [async results]: between the worker thread's ``get`` and the awaiting task's next
+        line, other tasks and threads run and may move the key, so a view of the store's
+        memory would be stale by the time the task reads it. ``aget`` therefore returns a copy
+        of the key's tensor, made in the worker while the key is held, or, with ``hold=True``,
+        the held view itself (undo with :meth:`release`, as for ``get(..., hold=True)``).
+
+        Raises:
+            the errors of :meth:`get`.
+        """
+        if hold:
+            return await asyncio.to_thread(self.get, key, tier, hold=True)
+        return await asyncio.to_thread(self._get_copy, key, tier)
+
+    def _get_copy(self, key: Hashable, tier: str) -> torch.Tensor:
+        """A private copy of ``key``'s tensor, taken while the key is held (Note [async
+        results]); a device copy runs on the calling thread's stream, after the key's load."""
+        with self.hold(key, tier) as view:
+            return view.clone()
 
     async def aput(self, key: Hashable, tensor: torch.Tensor, tier: str | None = None) -> None:
         """Asyncio twin of :meth:`put`."""
