@@ -1,6 +1,7 @@
 """The store sits at the bottom of the package (issue 18): no module under ``tiermem/store``
 imports a layer built on it, whether at the top or inside a function, and its modules import
-each other without a circle."""
+each other without a circle. For the whole package (issue 28): no import circle anywhere (an
+import inside a function counts as much as one at the top)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def module_name(path: pathlib.Path) -> str:
 
 
 STORE_MODULES = {module_name(p): p for p in sorted(STORE.rglob("*.py"))}
+ALL_MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -97,3 +99,83 @@ def test_importing_the_store_loads_no_layer_above_it():
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", res.stdout
+
+
+# ------------------------------------------------------------------- the whole package
+
+
+def package_imports(path: pathlib.Path) -> set[str]:
+    """The modules of tiermem that ``path`` imports, anywhere in it (top level, functions,
+    ``if`` branches). ``from P import M`` with ``M`` a module counts as ``P.M`` only: ``P`` is
+    its parent package, whose ``__init__`` runs first whatever imports it, so it is no edge of
+    its own; ``from P import name`` of anything else counts as ``P``."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            modules = [f"{source}.{a.name}" for a in node.names
+                       if f"{source}.{a.name}" in ALL_MODULES]
+            found.update(modules)
+            if len(modules) < len(node.names):
+                found.add(source)
+    return {m for m in found if m in ALL_MODULES and m != name}
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (module -> modules it imports) as ``[a, b, ..., a]``, or
+    None when there is none (depth-first search, modules and edges in sorted order)."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(name: str) -> list[str] | None:
+        if name in on_path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return None
+        path.append(name)
+        on_path.add(name)
+        for dep in sorted(graph.get(name, ())):
+            found = visit(dep)
+            if found:
+                return found
+        path.pop()
+        on_path.discard(name)
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        found = visit(name)
+        if found:
+            return found
+    return None
+
+
+def test_the_circle_search_finds_a_circle_and_passes_a_tree():
+    """Guards the search: a made-up circle is named, in order; a diamond is not a circle."""
+    assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_circle({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) is None
+
+
+def test_the_package_scan_sees_function_level_and_submodule_imports():
+    assert len(ALL_MODULES) > 50 and "tiermem.tune.cost" in ALL_MODULES
+    # a function-level import (inside CostModel.measure)
+    assert "tiermem.optim.cpu_adam" in package_imports(PACKAGE / "tune" / "cost.py")
+    # ``from tiermem import _native`` is the module, not the package's __init__
+    cpu_adam = package_imports(PACKAGE / "optim" / "cpu_adam.py")
+    assert "tiermem._native" in cpu_adam and "tiermem" not in cpu_adam
+
+
+def test_no_import_circle_in_the_package():
+    graph = {name: package_imports(path) for name, path in ALL_MODULES.items()}
+    circle = import_circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+

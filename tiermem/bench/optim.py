@@ -32,37 +32,9 @@ import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.bench.common import bench_device, learnable_batches
+from tiermem.bench.optim_base import HP, _GpuMasters
 from tiermem.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.optim import HybridAdam
-
-HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-class _GpuMasters:
-    """fp32 masters + torch fused AdamW on the GPU, params = masters cast (the baseline)."""
-
-    def __init__(self, params):
-        self.params = list(params)
-        self.masters = [p.detach().float() for p in self.params]
-        # fused on CUDA (what GPU users run); torch's default elsewhere (fused on a 2-core CPU
-        # measured 160x slower than foreach for small tensors)
-        self.opt = torch.optim.AdamW(self.masters, **HP,
-                                     fused=True if self.masters[0].is_cuda else None)
-
-    def step(self):
-        for m, p in zip(self.masters, self.params):
-            m.grad = p.grad.float()
-        self.opt.step()
-        for m, p in zip(self.masters, self.params):
-            p.data.copy_(m)
-            m.grad = None
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def close(self):
-        pass
 
 
 class _NaiveOffload:

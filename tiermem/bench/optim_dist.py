@@ -16,7 +16,7 @@ keeps gradients sharded; the data-parallel rows reduce only after the last one):
 - ``dp HybridAdam f=F T``: a replicated bf16 model (no DDP wrapper) and
   ``HybridAdam(data_parallel=True, offload_fraction=F, state_tier=T)`` (ZeRO-1/2).
 
-Hyper-parameters are ``tiermem.bench.optim.HP``. Columns (rank 0 prints them after gathering
+Hyper-parameters are ``tiermem.bench.optim_base.HP``. Columns (rank 0 prints them after gathering
 every rank's numbers):
 
 - ``tokens/step``: tokens per optimizer step over all ranks (``world * batch * seq * accum``);
@@ -61,7 +61,7 @@ import torch.multiprocessing as mp
 
 from tiermem.names import gib
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.bench.optim import HP
+from tiermem.bench.optim_base import HP
 from tiermem.optim import HybridAdam
 from tiermem.optim.distributed import local_of
 
