@@ -168,3 +168,25 @@ def test_the_layout_map_of_design_md_names_every_module():
                                      for k, v in entries.items()):
             missing.append(rel)
     assert not missing, f"modules the layout map of docs/design.md does not name: {missing}"
+
+
+def test_reliability_soak_row_is_the_median_of_its_log():
+    """docs/reliability.md's soak row (issue 27: its figures had no log): the counts are those
+    of every run in docs/results/soak_cpu.log, the RSS is their median with the range."""
+    import json
+    import statistics
+    runs = [json.loads(line.split("soak figures: ", 1)[1])
+            for line in (RESULTS / "soak_cpu.log").read_text().splitlines()
+            if line.startswith("soak figures: ")]
+    assert len(runs) >= 3
+    row = next(line for line in (ROOT / "docs" / "reliability.md").read_text().splitlines()
+               if line.startswith("| Soak:"))
+    for key in ("activations_offloaded", "optimizer_chunks_stepped"):
+        assert len({r[key] for r in runs}) == 1 and f"{runs[0][key]} " in row, key
+    for when in ("before", "after"):
+        rss = [r[when]["rss_mib"] for r in runs]
+        fds, threads = {r[when]["fds"] for r in runs}, {r[when]["threads"] for r in runs}
+        assert len(fds) == len(threads) == 1, (when, fds, threads)
+        want = (f"RSS {statistics.median(rss):.1f} MiB ({min(rss):.1f} – {max(rss):.1f}), "
+                f"{fds.pop()} fds, {threads.pop()} threads")
+        assert want in row, f"{when}: {want!r} not in docs/reliability.md's soak row"
