@@ -128,6 +128,7 @@ from tiermem._graphs import refuse_capture
 from tiermem.optim import distributed as _dist
 from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
 from tiermem.optim.gpu_lane import GpuLane, fused_adam_, fused_adam_moments_
+from tiermem.optim.hyperparams import check_dense_grad, check_group, check_groups
 from tiermem.optim.layout import (WIDE_BATCH_NUMEL, Group, StateLayout, free_owner_keys,
                                   local_view, private_store, wide_batches)
 from tiermem.optim.partition import auto_chunk_numel, plan_group
@@ -289,6 +290,7 @@ class HybridAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
+        check_groups("HybridAdam", self.param_groups, max_grad_norm)  # inf, amsgrad
         all_params = [p for g in self.param_groups for p in g["params"]]
         for i, p in enumerate(all_params):
             if not p.is_floating_point():
@@ -398,12 +400,13 @@ class HybridAdam(torch.optim.Optimizer):
                 g.params[i].register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, me, "_on_grad", g.index, i))
                 for g in self._groups
-                for i in (range(g.n_local) if self._trace_placement else g.plan.chunks_of_param)]
+                for i in (range(g.n_local) if self._trace_placement else g.plan.chunks_of_param)
+                if g.params[i].requires_grad]  # frozen: shipped by step() if it has a grad
         elif self._mode == "zero":  # every gradient goes into a reduce bucket
             self._hooks += [
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, me, "_on_grad_dp", g.index, i))
-                for g in self._groups for i, p in enumerate(g.params)]
+                for g in self._groups for i, p in enumerate(g.params) if p.requires_grad]
         # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
         if param_sync == "forward":
             # never traced by torch.compile: a traced hook's waits would happen at compile time
@@ -501,6 +504,7 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _on_grad(self, g: int, i: int) -> None:
         """Post-accumulate-grad hook of an offloaded param: ship its grad on the last micro-batch."""
+        check_dense_grad(self._who, g, i, self._groups[g].params[i])
         if self._pending:
             self._finish_step()  # a param unused in forward: its previous update completes first
         with self._step.lock:
@@ -519,6 +523,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Post-accumulate-grad hook of every param with ``data_parallel``: on the last
         micro-batch, put its gradient in its reduce bucket; ship the shard pieces of the
         buckets that were reduced."""
+        check_dense_grad(self._who, g, i, self._groups[g].params[i])
         with self._step.lock:
             count = self._step.acc_count.get((g, i), 0) + 1
             self._step.acc_count[(g, i)] = count
@@ -621,6 +626,15 @@ class HybridAdam(torch.optim.Optimizer):
         refuse_capture("HybridAdam", "step()", _GRAPH_FIX, self._groups[0].params[0])
         if self._pending:
             self._finish_step()  # two steps without a forward between them
+        try:  # Note [finite hyper-parameters]: nothing is stepped with a bad value
+            check_groups(self._who, self.param_groups, self.max_grad_norm)
+            for g in self._groups:
+                for p_i, p in enumerate(g.params):
+                    check_dense_grad(self._who, g.index, p_i, p)
+        except (TypeError, ValueError):
+            self._step.abandon()  # chunks shipped in backward fail rather than step
+            self._begin_step()  # nothing was stepped; the next backward starts afresh
+            raise
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -925,6 +939,14 @@ class HybridAdam(torch.optim.Optimizer):
         self._ensure_state()
         self._step.drain()
         groups = state_dict["param_groups"]
+        for gi, saved in enumerate(groups):  # Note [finite hyper-parameters]: no amsgrad
+            check_group(f"{self._who}.load_state_dict", gi, saved)
+            if any("max_exp_avg_sq" in (state_dict["state"].get(sid) or {})
+                   for sid in saved["params"]):
+                raise ValueError(f"{self._who}.load_state_dict: param group {gi} holds an "
+                                 f"amsgrad state (max_exp_avg_sq); HybridAdam does not "
+                                 f"implement amsgrad: continue it with torch.optim.AdamW("
+                                 f"amsgrad=True)")
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{self._who}.load_state_dict: the state has {len(groups)} param "
                              f"groups but this optimizer has {len(self.param_groups)}")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tiermem.optim.hyperparams import check_group
 from tiermem.optim.partition import Chunk
 
 
@@ -96,6 +97,10 @@ class StepState:
     """Under lock; the caller writes (:meth:`freeze` in ``step()``, :meth:`reset`), the worker
     reads (:meth:`hyperparams`): each group's hyper-parameters as of ``step()`` (None before
     it: the live ``param_groups``). See Note [frozen hyper-parameters]."""
+    abandoned: bool = False
+    """Written by the caller (:meth:`abandon`, :meth:`reset`) before setting
+    ``compute_allowed``, read by the worker after waiting on it: the step was refused, step no
+    chunk of it."""
     stats_lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``stats``."""
     stats: dict = field(default_factory=new_stats)
@@ -123,6 +128,21 @@ class StepState:
             self.h2d_events = []
             self.chunk_missing = chunk_missing
         self.clip_event = None
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Give up this step (caller's thread, ``step()`` refused it): every chunk queued or
+        still to come fails instead of stepping, then :meth:`drain` returns, the errors are
+        dropped and the caller resets the step.
+
+        Raises:
+            Nothing.
+        """
+        self.abandoned = True
+        self.compute_allowed.set()  # chunks waiting for the clip wake up and fail
+        self.drain()
+        with self.lock:
+            self.errors.clear()
 
     def chunk_grads(self, g: int, chunk: Chunk) -> tuple[dict[int, tuple | None], list]:
         """Chunk ``chunk`` of group ``g``'s gradients once they may be read: ``({local tensor:
@@ -131,9 +151,11 @@ class StepState:
         clipped (clipping). Worker thread.
 
         Raises:
-            Nothing.
+            RuntimeError: ``step()`` abandoned the step (:meth:`abandon`).
         """
         self.compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
+        if self.abandoned:
+            raise RuntimeError("HybridAdam: this step was refused by step(); chunk not stepped")
         with self.lock:
             refs = {pc.param: self.grad_refs.get((g, pc.param)) for pc in chunk.pieces}
         if self.clip_event is not None:
@@ -159,13 +181,16 @@ class StepState:
         once per chunk). Note [frozen hyper-parameters].
 
         Raises:
-            Nothing.
+            ValueError: a live value is not finite or out of range, or amsgrad is asked for
+                (Note [finite hyper-parameters] in ``tiermem/optim/hyperparams.py``).
         """
         with self.lock:
             if self.frozen_hp is not None:
                 return self.frozen_hp[g]
-            return _copy_hp(live[g])  # under the lock: step() cannot freeze, then a scheduler
+            hp = _copy_hp(live[g])  # under the lock: step() cannot freeze, then a scheduler
             # change the live values, between the check and the copy
+        check_group("HybridAdam", g, hp)  # Note [finite hyper-parameters]: before any use
+        return hp
 
     def add_stats(self, **deltas: float) -> None:
         """Add ``deltas`` (seconds, bytes, chunks) to this step's counters (any thread).
