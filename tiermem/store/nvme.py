@@ -11,6 +11,8 @@ from ``tiermem._native`` when built, else zlib's CRC-32) verified on read.
 
 The directory is made by :func:`tiermem._leftovers.make_owned_dir`, with a marker file (kind,
 pid, process start time, random id) that cleanup checks before it removes anything. It is
+used only through descriptors once made (Note [spill dir by fd], :mod:`.spill_dir`), so a
+directory renamed away and replaced by a look-alike gets no byte and loses no file. It is
 removed by :meth:`SpillSpace.close`, by a ``weakref.finalize`` when the space is
 garbage-collected, and at interpreter exit (the finalizer is registered with atexit), which
 also shuts down a backend the space owns; directories of dead processes are removed by
@@ -61,6 +63,7 @@ from .extents import ExtentAllocator, round_up
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
 from .io.reaper import run_or_defer, start as start_reaper
+from .spill_dir import PrivateDir
 
 ALIGN_BYTES = 4096
 """Alignment of extent offsets, sizes and O_DIRECT buffers (bytes)."""
@@ -193,14 +196,14 @@ def cleanup_stale(base_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _remove_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, owner_pid: int,
-                  owns_backend: bool) -> None:
+def _remove_spill(backend: IOBackend, handle: object, fd: int, private: PrivateDir,
+                  owner_pid: int, owns_backend: bool) -> None:
     """Finalizer: shut down an owned backend (pending I/O first), close the spill file's
     handles and remove the directory; in a forked child only close the child's descriptors
     (Note [spill space after fork]). Inside a garbage collection or on one of the backend's
     threads, where its threads cannot be joined, all of it runs on the reaper, in this order
     (Note [finalizer teardown]). Best effort."""
-    teardown = functools.partial(_teardown_spill, backend, handle, fd, dir_path, owner_pid,
+    teardown = functools.partial(_teardown_spill, backend, handle, fd, private, owner_pid,
                                  owns_backend)
     if os.getpid() == owner_pid and owns_backend:
         run_or_defer(teardown, on_joined_thread=backend.on_own_thread())
@@ -208,8 +211,8 @@ def _remove_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, ow
         teardown()
 
 
-def _teardown_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, owner_pid: int,
-                    owns_backend: bool) -> None:
+def _teardown_spill(backend: IOBackend, handle: object, fd: int, private: PrivateDir,
+                    owner_pid: int, owns_backend: bool) -> None:
     """The work of :func:`_remove_spill`, here and now."""
     mine = os.getpid() == owner_pid
     if mine and owns_backend:
@@ -228,7 +231,9 @@ def _teardown_spill(backend: IOBackend, handle: object, fd: int, dir_path: str, 
     except OSError:
         pass
     if mine:
-        remove_owned_dir(dir_path, (SPILL_FILE_NAME,))
+        private.remove((SPILL_FILE_NAME,))  # Note [spill dir by fd]
+    else:
+        private.close()  # the child's copy of the descriptor only
 
 
 def _is_retryable(exc: BaseException, kind: str) -> bool:
@@ -343,24 +348,29 @@ class SpillSpace:
         """Stale directories of dead processes removed when this space was made."""
         self._dir_path = self._make_private_dir(base)
         self._path = os.path.join(self._dir_path, SPILL_FILE_NAME)
+        self._private = self._open_private_dir(self._dir_path, backend, owns_backend)
         self._fd = -1
         handle = None
-        try:
+        try:  # everything by descriptor from here on (Note [spill dir by fd])
             # Control descriptor (buffered): creates the file exclusively; used to grow it.
-            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                               | os.O_CLOEXEC, 0o600)
+            self._fd = self._private.open(SPILL_FILE_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                                          | os.O_NOFOLLOW | os.O_CLOEXEC)
             os.fchmod(self._fd, 0o600)  # exact mode whatever the umask
             self._o_direct = self._choose_o_direct(o_direct)
-            handle = backend.open(self._path, create=False, o_direct=self._o_direct)
+            handle = backend.open(self._path, create=False, o_direct=self._o_direct,
+                                  dir_fd=self._private.fd)
+            handle_fd = getattr(handle, "fd", None)
+            if handle_fd is not None and not self._private.same_file(handle_fd, self._fd):
+                raise OSError(f"{self._path} was replaced while it was being opened")
         except BaseException:
-            _remove_spill(backend, handle, self._fd, self._dir_path, os.getpid(), owns_backend)
+            _remove_spill(backend, handle, self._fd, self._private, os.getpid(), owns_backend)
             raise
         self._handle = handle
         self._pid = os.getpid()  # Note [spill space after fork]
         start_reaper()  # where the finalizer may queue the teardown (Note [finalizer teardown])
         # shuts an owned backend down too: a space dropped without close() leaks no threads
         self._finalizer = weakref.finalize(self, _remove_spill, backend, handle, self._fd,
-                                           self._dir_path, self._pid, owns_backend)
+                                           self._private, self._pid, owns_backend)
         self._finalizer.atexit = True  # also at interpreter exit (the default; stated on purpose)
 
     # -- construction helpers ---------------------------------------------------------------
@@ -378,6 +388,16 @@ class SpillSpace:
             raise ValueError(f"StoreConfig.nvme_dir={base!r} is not writable: cannot create a "
                              f"private directory{where}: {exc.strerror or exc}; {fix}") from exc
 
+    @staticmethod
+    def _open_private_dir(path: str, backend: IOBackend, owns_backend: bool) -> PrivateDir:
+        try:
+            return PrivateDir(path)
+        except OSError as exc:
+            if owns_backend:
+                backend.shutdown()
+            raise ValueError(f"StoreConfig.nvme_dir: cannot use the private directory {path}: "
+                             f"{exc.strerror or exc}; use an nvme_dir only you can write") from exc
+
     def _choose_o_direct(self, want: bool | str) -> bool:
         if want is False:
             return False
@@ -394,7 +414,8 @@ class SpillSpace:
         if not hasattr(os, "O_DIRECT"):
             return False, "O_DIRECT does not exist on this platform"
         try:
-            fd = os.open(self._path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = self._private.open(SPILL_FILE_NAME,
+                                    os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return False, f"open with O_DIRECT: {exc.strerror}"

@@ -2,26 +2,30 @@
 
 aiofiles wraps blocking file calls in ``loop.run_in_executor``. This backend runs a private
 asyncio event loop in a background thread; each request is a coroutine scheduled there with
-``asyncio.run_coroutine_threadsafe`` (which hands back a ``concurrent.futures.Future``). A
-request opens its own unbuffered file object with ``aiofiles.open`` (its own file position, so
-``seek`` + ``write``/``readinto`` of concurrent requests do not interfere), moves every byte and
-closes it. Simple and correct; the POSIX backend is faster (no per-request open/seek/close).
+``asyncio.run_coroutine_threadsafe`` (which hands back a ``concurrent.futures.Future``). The
+spill file is opened once (relative to the private directory's descriptor) and every request
+is a positional ``pwritev``/``preadv`` on that descriptor, run through ``aiofiles.os.wrap`` on
+the backend's executor: no request reopens the file by path, so a directory renamed away and
+replaced by a look-alike gets no byte (Note [spill dir by fd]).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-import aiofiles
+import aiofiles.os
 import torch
 
 from .base import IOBackend
-from .posix import ShortReadError, host_view, open_flags, os_error
+from .posix import host_view, open_at, open_flags, pread_all, pwrite_all
 from .reaper import note_thread, run_or_defer, start as start_reaper
+
+
+_pwrite_all = aiofiles.os.wrap(pwrite_all)  # coroutines running these on a given executor
+_pread_all = aiofiles.os.wrap(pread_all)
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop, idents: set) -> None:
@@ -32,11 +36,9 @@ def _run_loop(loop: asyncio.AbstractEventLoop, idents: set) -> None:
 
 
 class AioHandle:
-    """An open spill file of :class:`AiofilesBackend`: its path and O_DIRECT flag.
-
-    A descriptor is held (``fd``) so the file stays the one created even if the directory
-    entry were replaced; requests open the path again (O_NOFOLLOW) for their own position.
-    """
+    """An open spill file of :class:`AiofilesBackend`: the descriptor every request uses
+    (positional I/O, so concurrent requests need no position of their own), the path (for
+    messages) and the O_DIRECT flag."""
 
     __slots__ = ("fd", "path", "o_direct")
 
@@ -78,15 +80,17 @@ class AiofilesBackend(IOBackend):
         self._pending: set[Future] = set()
         self._shut = False
 
-    def open(self, path: str, *, create: bool, o_direct: bool) -> AioHandle:
-        """Open (``create``: exclusively create, mode 0600) ``path`` with O_NOFOLLOW.
+    def open(self, path: str, *, create: bool, o_direct: bool,
+             dir_fd: int | None = None) -> AioHandle:
+        """Open (``create``: exclusively create, mode 0600) ``path`` with O_NOFOLLOW; with
+        ``dir_fd`` its base name in that directory (Note [spill dir by fd]).
 
         Raises:
             OSError: exists (``create``), is a symlink, permission, or ``EINVAL`` when the
                 filesystem refuses O_DIRECT.
         """
         path = os.fspath(path)
-        fd = os.open(path, open_flags(create, o_direct), 0o600)
+        fd = open_at(path, open_flags(create, o_direct), dir_fd)
         return AioHandle(fd, path, o_direct)
 
     def pwrite(self, handle: AioHandle, buf: torch.Tensor, offset: int) -> Future:
@@ -126,41 +130,13 @@ class AiofilesBackend(IOBackend):
         with self._lock:  # see _submit
             self._pending.discard(fut)
 
-    def _aopen(self, handle: AioHandle):
-        flags = open_flags(create=False, o_direct=handle.o_direct)
-        return aiofiles.open(handle.path, "r+b", buffering=0,
-                             opener=lambda p, _flags: os.open(p, flags, 0o600),
-                             loop=self._loop, executor=self._executor)
-
     async def _awrite(self, handle: AioHandle, view: memoryview, offset: int) -> int:
-        total, done = view.nbytes, 0
-        try:
-            async with self._aopen(handle) as f:
-                await f.seek(offset)
-                while done < total:
-                    n = await f.write(view[done:])  # FileIO.write: one write(2), maybe short
-                    if not n:
-                        raise OSError(errno.EIO, "write made no progress")
-                    done += n
-        except OSError as exc:
-            raise os_error(exc, "writing", total - done, offset + done, handle.path) from exc
-        return total
+        return await _pwrite_all(handle.fd, view, offset, handle.path, loop=self._loop,
+                                 executor=self._executor)
 
     async def _aread(self, handle: AioHandle, view: memoryview, offset: int) -> int:
-        total, done = view.nbytes, 0
-        try:
-            async with self._aopen(handle) as f:
-                await f.seek(offset)
-                while done < total:
-                    n = await f.readinto(view[done:])  # FileIO.readinto: one read(2)
-                    if not n:
-                        raise ShortReadError(handle.path, offset + done, total - done)
-                    done += n
-        except ShortReadError:
-            raise
-        except OSError as exc:
-            raise os_error(exc, "reading", total - done, offset + done, handle.path) from exc
-        return total
+        return await _pread_all(handle.fd, view, offset, handle.path, loop=self._loop,
+                                executor=self._executor)
 
     def close_file(self, handle: AioHandle) -> None:
         """Close the handle's descriptor (idempotent). Pending requests on it must be finished."""

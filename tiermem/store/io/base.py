@@ -31,8 +31,13 @@ class IOBackend(abc.ABC):
         return threading.get_ident() in self._idents
 
     @abc.abstractmethod
-    def open(self, path: str, *, create: bool, o_direct: bool) -> object:
+    def open(self, path: str, *, create: bool, o_direct: bool,
+             dir_fd: int | None = None) -> object:
         """Open (``create``: exclusively create, mode 0600, O_NOFOLLOW) a spill file.
+
+        With ``dir_fd`` (a directory descriptor) the file is ``os.path.basename(path)`` in that
+        directory, whatever ``path`` names by now; ``path`` is only used in messages (Note
+        [spill dir by fd]). Transfers go through descriptors opened here, never the path.
 
         Returns an opaque handle for :meth:`pwrite`/:meth:`pread`/:meth:`close_file`.
 

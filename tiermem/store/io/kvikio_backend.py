@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .base import IOBackend
-from .posix import ShortReadError, host_view, open_flags
+from .posix import ShortReadError, host_view, open_at, open_flags
 from .reaper import note_thread, run_or_defer, start as start_reaper
 
 
@@ -118,9 +118,12 @@ class KvikioBackend(IOBackend):
         start_reaper()  # where shutdown() may queue its join (Note [finalizer teardown])
         self._shut = False
 
-    def open(self, path: str, *, create: bool, o_direct: bool) -> KvikioHandle:
+    def open(self, path: str, *, create: bool, o_direct: bool,
+             dir_fd: int | None = None) -> KvikioHandle:
         """Open ``path`` as a ``CuFile`` in ``"r+"`` mode; ``create`` first creates it
-        exclusively (O_EXCL, O_NOFOLLOW, mode 0600) with ``os.open``.
+        exclusively (O_EXCL, O_NOFOLLOW, mode 0600) with ``os.open``. With ``dir_fd`` the file
+        is ``path``'s base name in that directory, reached through ``/proc/self/fd/<dir_fd>``
+        (the directory held, whatever its path names by now: Note [spill dir by fd]).
 
         kvikio decides about O_DIRECT itself (it opens a second O_DIRECT descriptor); the
         ``o_direct`` flag is recorded for callers that size their buffers by it.
@@ -130,15 +133,17 @@ class KvikioBackend(IOBackend):
                 kvikio cannot open/register it.
         """
         path = os.fspath(path)
+        name = os.path.basename(path) if dir_fd is not None else path
         if create:
-            os.close(os.open(path, open_flags(create=True, o_direct=False), 0o600))
-        st = os.lstat(path)
+            os.close(open_at(path, open_flags(create=True, o_direct=False), dir_fd))
+        st = os.lstat(name, dir_fd=dir_fd)
         if not stat.S_ISREG(st.st_mode):  # kvikio follows symlinks; refuse them here
             raise OSError(f"spill file {path} is not a regular file (symlink?); refusing to open")
+        where = path if dir_fd is None else f"/proc/self/fd/{dir_fd}/{name}"
         try:
-            cufile = self._kvikio.CuFile(path, "r+")
+            cufile = self._kvikio.CuFile(where, "r+")
         except Exception as exc:
-            raise OSError(f"kvikio.CuFile({path!r}, 'r+') failed: "
+            raise OSError(f"kvikio.CuFile({where!r}, 'r+') failed: "
                           f"{type(exc).__name__}: {exc}") from exc
         return KvikioHandle(cufile, path, o_direct)
 

@@ -90,6 +90,17 @@ def open_flags(create: bool, o_direct: bool) -> int:
     return flags
 
 
+def open_at(path: str, flags: int, dir_fd: int | None) -> int:
+    """``os.open(path, flags, 0o600)``, or of ``path``'s base name relative to ``dir_fd``.
+
+    Raises:
+        OSError: as ``os.open``.
+    """
+    if dir_fd is None:
+        return os.open(path, flags, 0o600)
+    return os.open(os.path.basename(os.fspath(path)), flags, 0o600, dir_fd=dir_fd)
+
+
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> int:
     """Write all of ``view`` at byte ``offset`` of ``fd``; return the byte count.
 
@@ -166,14 +177,16 @@ class PosixBackend(IOBackend):
         start_reaper()  # where shutdown() may queue its join (Note [finalizer teardown])
         self._shut = False
 
-    def open(self, path: str, *, create: bool, o_direct: bool) -> PosixHandle:
-        """Open (``create``: exclusively create, mode 0600) ``path`` with O_NOFOLLOW.
+    def open(self, path: str, *, create: bool, o_direct: bool,
+             dir_fd: int | None = None) -> PosixHandle:
+        """Open (``create``: exclusively create, mode 0600) ``path`` with O_NOFOLLOW; with
+        ``dir_fd`` its base name in that directory (Note [spill dir by fd]).
 
         Raises:
             OSError: exists (``create``), is a symlink, permission, or ``EINVAL`` when the
                 filesystem refuses O_DIRECT.
         """
-        fd = os.open(path, open_flags(create, o_direct), 0o600)
+        fd = open_at(path, open_flags(create, o_direct), dir_fd)
         return PosixHandle(fd, os.fspath(path), o_direct)
 
     def pwrite(self, handle: PosixHandle, buf: torch.Tensor, offset: int) -> Future:
