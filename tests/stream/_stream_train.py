@@ -1,0 +1,46 @@
+"""The training loop the weight-streaming tests compare: a small GPT, AdamW (weights change
+every step), a different batch every micro-batch, depth-first micro-batches."""
+
+from __future__ import annotations
+
+import torch
+
+from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.schedule.micro_batches import forward_backward
+
+CFG = GPTConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab=64)
+
+
+def make_model(dtype=torch.float32, checkpoint=False, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CFG, checkpoint=checkpoint).to(dtype)
+
+
+def batches(step: int, n_micro: int, batch: int = 2) -> list:
+    gen = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(n_micro):
+        idx = torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
+        out.append((idx, torch.roll(idx, -1, dims=1)))
+    return out
+
+
+def train(model, *, steps=8, n_micro=1, clip=None, stream=None, before_step=None,
+          between_steps=None):
+    """Train ``model``; ``stream(model)`` (if given) starts weight streaming after the
+    optimizer is made. Returns the per-step micro-batch losses and the final weights."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    handle = stream(model) if stream is not None else None
+    losses = []
+    for step in range(steps):
+        if between_steps is not None:
+            between_steps(model, step)
+        losses.append(torch.stack(forward_backward(model, batches(step, n_micro))))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if before_step is not None:
+            before_step(model, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return losses, weights, handle

@@ -1,0 +1,199 @@
+"""One streamed block's weights on the device: filled from the host copy into per-parameter
+device storages, made ready for the compute stream, released (Note [weight streaming] in
+tiermem/stream/weights.py).
+
+Each streamed parameter owns one device ``UntypedStorage`` for the life of the stream. Filling
+its block resizes it to the parameter's bytes (memory from the compute stream's caching
+allocator) and copies the host bytes in; releasing resizes it to 0 bytes. The storage object
+itself never changes, which is what lets a backward see the weights that a forward saved
+(Note [weight streaming]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+from torch import nn
+
+from tiermem.stream.checks import placeholder
+from tiermem.stream.copies import StreamCopies
+
+
+@dataclass(eq=False)
+class Param:
+    """A streamed parameter and what the stream keeps for it."""
+
+    block: "Block"
+    name: str
+    param: nn.Parameter
+    key: Hashable                  # its key in the TierStore
+    host: torch.Tensor             # the host copy: ``param.data`` between passes
+    storage: Any                   # torch.UntypedStorage on the device (0 bytes when released)
+    home_device: torch.device      # where the parameter was before streaming (close() returns it)
+    acc: torch.Tensor | None = None      # host gradient during a pass (Note [host gradients])
+    staging: torch.Tensor | None = None  # pinned staging of a later micro-batch's gradient
+    pass_version: int = 0          # param._version when the pass began
+    written_version: int | None = None   # nvme: param._version when the store copy was written
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight."""
+        return self.host.numel() * self.host.element_size()
+
+    @property
+    def trainable(self) -> bool:
+        """Whether autograd computes its gradient."""
+        return self.param.requires_grad
+
+
+@dataclass(eq=False)
+class Block:
+    """A block of the stream (streamed or resident)."""
+
+    index: int
+    streamed: bool
+    params: list[Param] = field(default_factory=list)
+    state: str = "released"        # "released", "filling" (copy issued) or "ready"
+    event: Any = None              # the fill's event (CUDA) or None
+    held: list[Hashable] = field(default_factory=list)  # nvme keys held while the copy reads
+    accumulated: int = 0           # trainable parameters accumulated in this backward
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the block's streamed weights."""
+        return sum(p.nbytes for p in self.params)
+
+    @property
+    def n_trainable(self) -> int:
+        """Streamed parameters that get gradients."""
+        return sum(p.trainable for p in self.params)
+
+
+class Fetcher:
+    """Fills, readies and releases streamed blocks' device weights.
+
+    Args:
+        store: the TierStore holding the weights.
+        tier: ``"cpu"`` (the host copy is the store's held pool view) or ``"nvme"`` (the store
+            copy is read through the cpu tier's staging before each fill).
+        copies: the copy streams.
+    """
+
+    def __init__(self, store: Any, tier: str, copies: StreamCopies) -> None:
+        self.store = store
+        self.tier = tier
+        self.copies = copies
+        self.device = copies.device
+        self.materialized = 0  # streamed blocks filling or ready now
+        self.stats = {"fills": 0, "h2d_bytes": 0, "peak_blocks": 0, "nvme_writes": 0}
+        self.fault: Any = None  # tests: a callable(block, param, src) -> the tensor to copy
+        self._holding: list[Block] = []  # blocks whose fill still reads staging blocks
+
+    def fill(self, block: Block) -> None:
+        """Start copying ``block``'s weights to the device (nothing if filling or ready).
+
+        Raises:
+            RuntimeError: a weight changed in place during the pass (Note [weight streaming]).
+            SpillCorruption, SpillError, TierFullError: the store could not read a weight (the
+                block stays released, nothing is held).
+        """
+        if block.state != "released":
+            return
+        self.sweep()
+        for p in block.params:
+            if p.param._version != p.pass_version:
+                raise RuntimeError(
+                    f"weight streaming: blocks[{block.index}].{p.name} was changed in place "
+                    f"during the forward/backward pass (version {p.pass_version} -> "
+                    f"{p.param._version}): the forward used the old values, so the backward "
+                    f"would be wrong; change weights only between passes (after backward)")
+        pairs = []
+        try:
+            for p in block.params:
+                src = p.host
+                if self.tier == "nvme":
+                    src = self.store.get(p.key, "cpu", hold=True)
+                    block.held.append(p.key)
+                if self.fault is not None:
+                    src = self.fault(block, p, src)
+                p.storage.resize_(p.nbytes)
+                pairs.append((self._view(p), src))
+            block.event = self.copies.fill(pairs)
+        except BaseException:
+            self._free(block)
+            raise
+        block.state = "filling"
+        if block.held:
+            self._holding.append(block)
+            self.sweep()
+        self.materialized += 1
+        self.stats["fills"] += 1
+        self.stats["h2d_bytes"] += block.nbytes
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.materialized)
+
+    def ready(self, block: Block) -> None:
+        """Make ``block``'s weights usable by the caller's stream and point its parameters at
+        them (filling first if needed).
+
+        Raises:
+            the errors of :meth:`fill`.
+        """
+        if block.state == "ready":
+            return
+        self.fill(block)
+        self.copies.use(block.event)
+        for p in block.params:
+            p.param.data = self._view(p)
+        block.state = "ready"
+
+    def release(self, block: Block) -> None:
+        """Free ``block``'s device weights (its parameters become empty placeholders).
+
+        Raises:
+            nothing beyond torch's errors.
+        """
+        if block.state == "released":
+            return
+        self.copies.use(block.event)  # later kernels may reuse this memory only after the fill
+        for p in block.params:
+            p.param.data = placeholder(p.host.dtype, self.device)
+        self._free(block)
+        self.materialized -= 1
+        block.state = "released"
+
+    def sweep(self) -> None:
+        """Give the store back the staging blocks (nvme) of every fill that has landed.
+
+        Raises:
+            nothing beyond the store's errors.
+        """
+        keep = []
+        for block in self._holding:
+            if block.event is None or block.event.query():
+                self._unhold(block)
+            else:
+                keep.append(block)
+        self._holding = keep
+
+    def _unhold(self, block: Block) -> None:
+        if block.held:
+            self.copies.landed(block.event)  # the store may reuse a staging block once read
+            for key in block.held:
+                self.store.release(key)
+            block.held.clear()
+
+    def _free(self, block: Block) -> None:
+        """Give back the storages and the staging blocks held for the fill."""
+        self._unhold(block)
+        if block in self._holding:
+            self._holding.remove(block)
+        for p in block.params:
+            p.storage.resize_(0)
+        block.event = None
+
+    def _view(self, p: Param) -> torch.Tensor:
+        """The parameter's full tensor on its device storage."""
+        out = torch.empty(0, dtype=p.host.dtype, device=self.device)
+        return out.set_(p.storage, 0, p.host.shape, p.host.stride())

@@ -1,0 +1,80 @@
+"""Gradients of streamed weights leave the device as they are produced and accumulate on the
+host (Note [host gradients]).
+
+Note [host gradients]: a post-accumulate-grad hook runs once per backward for each streamed
+parameter, right after autograd has put the backward's gradient into ``param.grad`` (on the
+device). The hook takes that tensor out (``param.grad = None``, so no gradient of the whole
+model ever sits on the device) and accumulates it into the parameter's host gradient: the
+first backward since the gradient was cleared copies it, each later one adds it in place, in
+the parameter's dtype, in backward order. That is exactly what autograd does to ``param.grad``
+without streaming (``grad = new`` then ``grad += new``: the same elementwise IEEE adds in the
+same dtype and order), so accumulation over micro-batches is bit-identical. On CUDA the copy
+runs on the D2H stream into pinned memory (the first one straight into the host gradient,
+later ones into a per-parameter pinned staging tensor), and the adds run on the host when the
+pass ends, in the order the copies were issued. On the CPU the gradient autograd made is kept
+as the host gradient (no copy) and later ones are added at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiermem.stream.copies import StreamCopies
+
+
+@dataclass(eq=False)
+class _Pending:
+    entry: Any            # the parameter's _Param (tiermem.stream.blocks)
+    staging: torch.Tensor | None  # None: the copy went straight into entry.acc
+    event: Any
+
+
+class HostGrads:
+    """Accumulates streamed parameters' gradients on the host (Note [host gradients]).
+
+    Args:
+        copies: the stream's copies.
+        pin: allocate host gradients and staging tensors in pinned memory (CUDA).
+    """
+
+    def __init__(self, copies: StreamCopies, pin: bool) -> None:
+        self.copies = copies
+        self.pin = pin
+        self._pending: list[_Pending] = []
+
+    def take(self, entry: Any, grad: torch.Tensor) -> None:
+        """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
+        gradient or None) into ``entry.acc``.
+
+        Raises:
+            RuntimeError: torch's copy or add errors.
+        """
+        if not self.copies.cuda:
+            if entry.acc is None:
+                entry.acc = grad  # autograd's own tensor: nothing else refers to it now
+            else:
+                entry.acc.add_(grad)
+            return
+        if entry.acc is None:
+            entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+            self._pending.append(_Pending(entry, None, self.copies.grad_out(entry.acc, grad)))
+            return
+        if entry.staging is None:
+            entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+        self._pending.append(_Pending(entry, entry.staging,
+                                      self.copies.grad_out(entry.staging, grad)))
+
+    def flush(self) -> None:
+        """Wait for the gradient copies in flight and add them, in the order they were issued.
+
+        Raises:
+            RuntimeError: torch's add errors.
+        """
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self.copies.landed(item.event)
+            if item.staging is not None:
+                item.entry.acc.add_(item.staging)

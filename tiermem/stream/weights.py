@@ -1,0 +1,479 @@
+"""Weight streaming: the parameters of chosen blocks live in a TierStore (pinned RAM or NVMe) and
+come to the compute device only while their block runs (Note [weight streaming]).
+
+Note [weight streaming]: what autograd saved. A block's forward saves tensors for its backward,
+and some of them are its weights, in two forms. (a) A leaf saved as itself (``layer_norm`` saves
+``weight``): autograd keeps the Parameter object, and unpacking it in the backward returns that
+object with whatever ``.data`` it has *then*; ``param.data = t`` keeps the parameter's version
+counter, so the swap does not trip autograd's in-place check. (b) A view of a weight saved by
+the op that consumed it (``F.linear`` saves ``weight.t()`` for ``addmm``): that view has its own
+TensorImpl, bound to the *storage object* the weight had during the forward, and no later
+``param.data = ...`` reaches it. DeepSpeed ZeRO-3 replaces ``param.data`` by an empty tensor
+after the forward and gathers it back in a pre-backward hook, which serves (a); for (b) it routes
+``F.linear`` through its own autograd function that saves the parameter itself. FSDP instead
+keeps one storage per unsharded parameter and frees and refills it in place
+(``storage.resize_(0)`` / ``resize_(n)`` + copy), which serves both. We do what FSDP does: each
+streamed parameter owns one device ``UntypedStorage`` for the life of the stream
+(tiermem/stream/blocks.py). Filling a block resizes each storage to its bytes and copies the host
+weight in through a separate tensor (so the parameter's version counter does not move); while
+the block computes, ``param.data`` is the full tensor on that storage; releasing it sets
+``param.data`` to an empty placeholder and resizes the storage to 0 bytes. A view saved in the
+forward still names the same storage, so when the pre-backward hook (a hook on the block's
+outputs, which fires before any of the block's backward nodes run) refills it, the backward
+reads exactly the bytes the forward read: the host copy, which must not change in between (its
+``_version`` is checked at every fill; a change raises). The block is released in the backward
+when the post-accumulate-grad hooks of all its trainable streamed parameters have run: every
+backward node that reads a weight is an op that had the weight as an input, so its gradient
+reaches that weight's AccumulateGrad only after the node has run; AccumulateGrad itself reads
+only the parameter's shape and strides, which is why ``param.data`` is the full tensor until
+then. Whatever is still on the device (unused or frozen parameters) is released by a callback
+queued on the autograd engine, which runs when the backward ends. Checkpointed blocks
+(``torch.utils.checkpoint``, ``use_reentrant=False``) run their forward again inside the
+backward, after the pre-backward hook has filled the block: the recomputation finds the weights
+ready, saves views of the same storages, and is neither counted as a second call nor released
+early (``torch._C._current_graph_task_id() != -1`` tells a recomputation from a forward).
+
+Between passes, ``param.data`` IS the host copy (the store's held pool view for ``tier="cpu"``;
+for ``tier="nvme"`` a host tensor whose store copy on NVMe is rewritten at the next pass start
+when it changed: ``param._version`` moved, ``param.data`` was replaced, or an optimizer stepped
+it) and ``param.grad`` the host gradient (Note [host gradients] in tiermem/stream/grads.py), so a
+torch optimizer steps the host copies in place and the next forward streams the new weights.
+A pass is one forward of the blocks in order, then (when autograd recorded it) its backward:
+a block called twice or out of order in a forward, a second forward while the previous one's
+graph is alive and not yet back-propagated, an optimizer step over streamed parameters during a
+pass, and a backward through a graph whose pass has ended are refused with a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from tiermem.stream.blocks import Block, Fetcher, Param
+from tiermem.stream.checks import STREAMED_BLOCKS, block_params, check_options, placeholder
+from tiermem.stream.copies import StreamCopies
+from tiermem.stream.grads import HostGrads
+from tiermem.stream.residency import ResidencyPlan, buffer_blocks_for, plan_residency
+
+logger = logging.getLogger("tiermem")
+_IDS = itertools.count()
+
+
+class _PassToken:
+    """Held by the backward hooks of one pass: alive exactly while a graph of it is."""
+
+    __slots__ = ("__weakref__",)
+
+
+@dataclass(eq=False)
+class _Pass:
+    next: int = 0                   # the block the forward must call next
+    current: int | None = None      # the block whose forward is running
+    grad_blocks: list[int] = field(default_factory=list)  # blocks with backward hooks
+    token: Any = None               # weakref to the _PassToken of the hooks
+    backward_started: bool = False
+
+    def graph_alive(self) -> bool:
+        return self.token is not None and self.token() is not None
+
+
+def _in_backward() -> bool:
+    """Whether the calling thread runs inside an autograd backward (checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
+                   prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
+                   resident: Sequence[int] | None = None) -> "WeightStream":
+    """Stream the weights of ``blocks`` through ``store`` (Note [weight streaming]).
+
+    Args:
+        blocks: the blocks (e.g. ``model.blocks``), in execution order; each forward pass must
+            call every one of them once, in this order.
+        store: the :class:`tiermem.TierStore`; its device is the compute device.
+        tier: ``"cpu"`` (the weights stay in the store's pinned RAM pool, which holds them
+            all) or ``"nvme"`` (the store copy lives on NVMe and is read through the cpu tier
+            before each fill; the optimizer's host copy stays in RAM: docs/streaming.md).
+        prefetch_blocks: blocks fetched ahead of the running one (0: each block is fetched
+            when it starts); with ``"nvme"`` one more block is read ahead into RAM.
+        gpu_bytes: device bytes for these blocks' weights (resident blocks + streaming
+            buffers, Note [resident blocks]); the last blocks that fit stay resident. None:
+            stream every block (unless ``resident`` names some).
+        resident: indices of blocks to keep on the device instead (not with ``gpu_bytes``).
+
+    Returns:
+        A :class:`WeightStream` (a context manager; ``close()`` makes the parameters ordinary
+        device parameters again).
+
+    Raises:
+        TypeError, ValueError: bad blocks (meta weights, tied weights across blocks, a block
+            streamed already) or options, naming the field and the fix.
+        TierFullError: the store has no room for the weights (nothing is changed).
+    """
+    return WeightStream(blocks, store=store, tier=tier, prefetch_blocks=prefetch_blocks,
+                        gpu_bytes=gpu_bytes, resident=resident)
+
+
+class WeightStream:
+    """Streams the weights of a list of blocks; see :func:`stream_weights` (its arguments).
+
+    Raises:
+        the errors of :func:`stream_weights`.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
+                 prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
+                 resident: Sequence[int] | None = None) -> None:
+        per_block = block_params(blocks)
+        n = len(per_block)
+        gpu_bytes, resident = check_options(store, tier, prefetch_blocks, gpu_bytes, resident, n)
+        sizes = [sum(p.numel() * p.element_size() for _, p in pairs) for pairs in per_block]
+        if resident is not None:
+            streamed = tuple(i for i in range(n) if i not in resident)
+            largest = max((sizes[i] for i in streamed), default=0)
+            k = buffer_blocks_for(prefetch_blocks, len(streamed))
+            self.plan = ResidencyPlan(resident=resident, streamed=streamed,
+                                      resident_bytes=sum(sizes[i] for i in resident),
+                                      buffer_bytes=k * largest, buffer_blocks=k)
+        else:
+            self.plan = plan_residency(sizes, gpu_bytes=gpu_bytes,
+                                       prefetch_blocks=prefetch_blocks)
+        self.store = store
+        self.tier = tier
+        self.prefetch_blocks = prefetch_blocks
+        self.device = store.device
+        self._modules = list(blocks)
+        self._uid = next(_IDS)
+        self._copies = StreamCopies(self.device)
+        self._fetcher = Fetcher(store, tier, self._copies)
+        self._grads = HostGrads(self._copies, pin=self._copies.cuda)
+        self._pass: _Pass | None = None
+        self._stepped = False
+        self._closed = False
+        self._blocks = [Block(i, i in self.plan.streamed) for i in range(n)]
+        self._place(per_block)  # the only step that can fail on the store: nothing changed yet
+        self._hooks: list[Any] = []
+        self._install_hooks()
+        for module in self._modules:
+            STREAMED_BLOCKS[module] = self
+        logger.info("weight streaming: %d of %d blocks streamed from %s (%d bytes), %d "
+                    "resident (%d bytes), prefetch %d", len(self.plan.streamed), n, tier,
+                    sum(sizes[i] for i in self.plan.streamed), len(self.plan.resident),
+                    self.plan.resident_bytes, prefetch_blocks)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether a forward/backward pass is open (``param.data`` is not the host copy)."""
+        return self._pass is not None
+
+    def stats(self) -> dict:
+        """Counts since the stream began: ``fills`` (blocks copied to the device),
+        ``h2d_bytes``, ``peak_blocks`` (streamed blocks on the device at once, at most
+        ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy).
+
+        Raises:
+            nothing.
+        """
+        return dict(self._fetcher.stats)
+
+    def close(self) -> None:
+        """Stop streaming: every streamed parameter becomes an ordinary parameter on the device
+        it had before (data and gradient copied there), the hooks go and the store keys are
+        deleted. Idempotent.
+
+        Raises:
+            RuntimeError: a pass is open with a live graph (run its backward first).
+        """
+        if self._closed:
+            return
+        self._settle_idle_pass()
+        if self._pass is not None:
+            raise RuntimeError("WeightStream.close(): a forward pass is open and its graph is "
+                               "alive; run its backward (or drop its outputs) first")
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for block in self._blocks:
+            for p in block.params:
+                p.param.data = p.host.detach().to(p.home_device, copy=True)
+                grad = p.param.grad
+                if grad is not None:
+                    p.param.grad = grad.to(p.home_device, copy=True)
+                if self.tier == "cpu":
+                    self.store.release(p.key)
+                self.store.delete(p.key)
+        for module in self._modules:
+            STREAMED_BLOCKS.pop(module, None)
+        self._closed = True
+
+    def __enter__(self) -> "WeightStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ setup
+
+    def _place(self, per_block: list[list[tuple[str, nn.Parameter]]]) -> None:
+        """Put every streamed weight into the store, then make the host copies the
+        parameters' data (between passes, Note [weight streaming])."""
+        placed: list[Param] = []
+        try:
+            for i in self.plan.streamed:
+                block = self._blocks[i]
+                for name, param in per_block[i]:
+                    key = ("tiermem.stream", self._uid, i, name)
+                    src = param.detach()
+                    if self.tier == "cpu":
+                        self.store.put(key, src, "cpu")
+                        host = self.store.get(key, "cpu", hold=True)
+                    else:
+                        host = src.to("cpu", copy=True).contiguous()
+                        self.store.put(key, host, "nvme")
+                    storage = torch.empty(0, dtype=param.dtype, device=self.device)
+                    p = Param(block, name, param, key, host, storage.untyped_storage(),
+                              param.device, written_version=param._version)
+                    placed.append(p)
+                    block.params.append(p)
+        except BaseException:
+            for p in placed:
+                if self.tier == "cpu":
+                    self.store.release(p.key)
+                self.store.delete(p.key)
+            for block in self._blocks:
+                block.params.clear()
+            raise
+        for p in placed:
+            grad = p.param.grad
+            p.param.grad = None
+            p.param.data = p.host
+            if grad is not None:
+                p.param.grad = grad.detach().to("cpu", copy=True)
+
+    def _install_hooks(self) -> None:
+        ref = weakref.ref(self)
+        for i, module in enumerate(self._modules):
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda m, args, i=i: ref()._pre_forward(i)))
+            self._hooks.append(module.register_forward_hook(
+                lambda m, args, out, i=i: ref()._post_forward(i, out), always_call=True))
+            for p in self._blocks[i].params:
+                if p.trainable:
+                    self._hooks.append(p.param.register_post_accumulate_grad_hook(
+                        lambda param, p=p: ref()._after_accumulate(p)))
+        ids = {id(p.param) for b in self._blocks for p in b.params}
+
+        def streams(opt: Any) -> bool:
+            return any(id(q) in ids for g in opt.param_groups for q in g["params"])
+
+        def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is None or me._closed or not streams(opt):
+                return
+            me._settle_idle_pass()
+            if me._pass is not None:
+                raise RuntimeError(f"{type(opt).__name__}.step() during a weight-streaming "
+                                   f"pass: the streamed parameters hold no data or gradient "
+                                   f"until the backward has ended; step after backward()")
+
+        def post_step(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None and not me._closed and streams(opt):
+                me._stepped = True
+
+        from torch.optim.optimizer import (  # noqa: PLC0415
+            register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
+        self._hooks.append(register_optimizer_step_pre_hook(pre_step))
+        self._hooks.append(register_optimizer_step_post_hook(post_step))
+
+    # ------------------------------------------------------------------ passes
+
+    def _begin_pass(self) -> None:
+        """Host copies -> streaming state: check and take what changed between passes, write
+        changed weights to the NVMe copy, move gradients aside (Note [weight streaming])."""
+        entries = [p for b in self._blocks for p in b.params]
+        taken = []
+        for p in entries:  # checks first: a refusal changes nothing
+            data = p.param.data
+            if data.data_ptr() != p.host.data_ptr() or data.shape != p.host.shape:
+                if data.shape != p.host.shape or data.dtype != p.host.dtype:
+                    raise ValueError(
+                        f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
+                        f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
+                        f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy "
+                        f"new values in (param.data.copy_(new)) instead")
+                taken.append(p)
+            grad = p.param.grad
+            if grad is not None and (grad.device.type != "cpu" or grad.shape != p.host.shape
+                                     or grad.dtype != p.host.dtype):
+                raise ValueError(
+                    f"weight streaming: blocks[{p.block.index}].{p.name}.grad is a "
+                    f"{grad.dtype} tensor of shape {tuple(grad.shape)} on {grad.device}; "
+                    f"between passes a streamed parameter's gradient is a host tensor like "
+                    f"its weight ({p.host.dtype}, {tuple(p.host.shape)}, cpu), or None")
+        for p in taken:
+            logger.info("weight streaming: blocks[%d].%s.data was replaced between passes; "
+                        "the new values are streamed", p.block.index, p.name)
+            with torch.no_grad():
+                p.host.copy_(p.param.data)
+            p.param.data = p.host
+            p.written_version = None  # the NVMe copy is stale
+        if self.tier == "nvme":
+            for p in entries:
+                if self._stepped or p.written_version != p.param._version:
+                    self.store.put(p.key, p.host, "nvme")
+                    p.written_version = p.param._version
+                    self._fetcher.stats["nvme_writes"] += 1
+        self._stepped = False
+        for p in entries:
+            p.acc = p.param.grad
+            p.param.grad = None
+            p.pass_version = p.param._version
+            p.param.data = placeholder(p.host.dtype, self.device)
+        for b in self._blocks:
+            b.accumulated = 0
+        self._pass = _Pass()
+
+    def _end_pass(self) -> None:
+        """Streaming state -> host copies: every block released, gradients landed."""
+        for b in self._blocks:
+            if b.streamed:
+                self._fetcher.release(b)
+        self._grads.flush()
+        for b in self._blocks:
+            for p in b.params:
+                p.param.data = p.host
+                p.param.grad = p.acc
+                p.acc = None
+        self._pass = None
+
+    def _settle_idle_pass(self) -> None:
+        """End an open pass that nothing can continue: no block running and no graph of it
+        alive (a forward whose outputs were dropped, an evaluation that stopped early)."""
+        p = self._pass
+        if p is not None and p.current is None and not p.backward_started \
+                and not p.graph_alive():
+            self._end_pass()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_forward(self, i: int) -> None:
+        block = self._blocks[i]
+        if _in_backward():  # a checkpointed block's recomputation (Note [weight streaming])
+            if block.streamed:
+                self._fetcher.ready(block)
+            return
+        if self._pass is not None and i == 0:
+            self._settle_idle_pass()
+            if self._pass is not None:
+                done = self._pass.next == len(self._blocks)
+                raise RuntimeError(
+                    "weight streaming: blocks[0] called again while the previous forward's "
+                    + ("graph is alive and its backward has not run" if done else
+                       f"pass is open (it reached blocks[{self._pass.next}])")
+                    + "; one forward/backward at a time: run backward() first, drop the "
+                      "previous outputs, or evaluate under torch.no_grad() (breadth-first "
+                      "micro-batches are not supported yet)")
+        if self._pass is None:
+            if i != 0:
+                raise RuntimeError(f"weight streaming: blocks[{i}] called first in a forward "
+                                   f"pass; the blocks run in order from blocks[0]")
+            self._begin_pass()
+        ps = self._pass
+        if i != ps.next:
+            what = "called twice in one forward pass" if i < ps.next else \
+                f"called before blocks[{ps.next}]"
+            raise RuntimeError(f"weight streaming: blocks[{i}] {what}; each pass runs every "
+                               f"streamed-list block once, in order (blocks[{ps.next}] is next)")
+        ps.current = i
+        if block.streamed:
+            self._fetcher.ready(block)
+        self._prefetch([j for j in range(i + 1, len(self._blocks)) if self._blocks[j].streamed])
+
+    def _post_forward(self, i: int, out: Any) -> None:
+        if _in_backward() or self._closed:
+            return
+        ps = self._pass
+        if ps is None or ps.current != i:
+            return
+        ps.current = None
+        if out is None and sys.exc_info()[0] is not None:  # the block's forward raised
+            self._end_pass()
+            return
+        ps.next = i + 1
+        if torch.is_grad_enabled():
+            outs = [t for t in tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                token = ps.token() if ps.token is not None else None
+                if token is None:
+                    token = _PassToken()
+                    ps.token = weakref.ref(token)
+                ref = weakref.ref(self)
+                for t in outs:
+                    t.register_hook(lambda g, i=i, token=token: ref()._pre_backward(i, token))
+                ps.grad_blocks.append(i)
+        if self._blocks[i].streamed:
+            self._fetcher.release(self._blocks[i])
+        if ps.next == len(self._blocks) and not ps.grad_blocks:
+            self._end_pass()  # no backward will come
+
+    def _pre_backward(self, i: int, token: Any) -> None:
+        ps = self._pass
+        if ps is None or ps.token is None or ps.token() is not token:
+            raise RuntimeError(f"weight streaming: backward reached blocks[{i}] through a "
+                               f"graph whose pass has ended (a second backward through a "
+                               f"retained graph, or a graph kept from an earlier forward); "
+                               f"run one backward per forward")
+        if not ps.backward_started:
+            ps.backward_started = True
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: ref()._end_of_backward())
+        if self._blocks[i].streamed:
+            self._fetcher.ready(self._blocks[i])
+        self._prefetch([j for j in reversed(ps.grad_blocks)
+                        if j < i and self._blocks[j].streamed])
+
+    def _after_accumulate(self, p: Param) -> None:
+        ps = self._pass
+        if ps is None or not ps.backward_started:
+            return  # a backward outside a pass: the gradient stays where autograd put it
+        grad = p.param.grad
+        p.param.grad = None
+        self._grads.take(p, grad)
+        block = p.block
+        block.accumulated += 1
+        if block.accumulated == block.n_trainable:
+            self._fetcher.release(block)
+
+    def _end_of_backward(self) -> None:
+        if self._pass is not None:
+            self._end_pass()
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        """Fill the next ``prefetch_blocks`` of ``upcoming`` (streamed block indices in
+        execution order); with ``tier="nvme"`` read one more into RAM."""
+        for j in upcoming[:self.prefetch_blocks]:
+            self._fetcher.fill(self._blocks[j])
+        if self.tier == "nvme":
+            mine = ("tiermem.stream", self._uid)
+            for j in upcoming[self.prefetch_blocks:self.prefetch_blocks + 1]:
+                for p in self._blocks[j].params:  # a hint: only into room, never an error
+                    self.store.try_prefetch(p.key, "cpu",
+                                            evictable=lambda k: tuple(k[:2]) == mine)
