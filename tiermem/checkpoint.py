@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -41,6 +42,7 @@ from typing import Any, Hashable
 
 import torch
 
+from tiermem._ckpt_payload import check_payload, refusal_reason, weights_only_load
 from tiermem._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
 from tiermem.config import TIERS
 from tiermem.store.store import TierFullError
@@ -56,6 +58,8 @@ _TMP_DATA = "data"
 _KIND_CHECKPOINT = "tiermem.checkpoint"
 _KIND_STORE = "tiermem.store"
 _READ_CHUNK = 8 << 20
+
+logger = logging.getLogger("tiermem")
 
 
 class CheckpointError(RuntimeError):
@@ -125,12 +129,21 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     ``path`` is left as it was.
 
     Raises:
+        TypeError: ``obj`` holds an object that :func:`load_checkpoint` would refuse (Note
+            [checkpoint payload types]); nothing is written.
         FileNotFoundError: the directory of ``path`` does not exist.
         IsADirectoryError: ``path`` is a directory.
         FileExistsError: something already has the temporary directory's name (planted).
         OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); the message names
             the file.
     """
+    check_payload(obj, "obj", caller="atomic_save")
+    _atomic_write(obj, path)
+
+
+def _atomic_write(obj: Any, path: str | os.PathLike) -> None:
+    """:func:`atomic_save` once ``obj`` is checked (the file is still read back before the
+    rename)."""
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     if os.path.isdir(path):
@@ -148,9 +161,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 
 def _write_and_replace(obj: Any, tmp: str, path: str) -> None:
     """Steps 1 (the file) to 3 of :func:`atomic_save`; on error the file ``tmp`` is removed."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:
             writer = _HashingWriter(f)
             try:
                 torch.save(obj, writer)
@@ -161,6 +174,7 @@ def _write_and_replace(obj: Any, tmp: str, path: str) -> None:
             f.write(_MAGIC + writer.nbytes.to_bytes(8, "little") + writer.sha.digest())
             f.flush()
             os.fsync(f.fileno())
+            _check_readable(f, path)
         os.replace(tmp, path)
     except BaseException as exc:
         try:
@@ -171,6 +185,31 @@ def _write_and_replace(obj: Any, tmp: str, path: str) -> None:
             raise OSError(exc.errno, f"{exc.strerror or exc} (writing checkpoint {path})",
                           path) from exc
         raise
+
+
+def _check_readable(f, path: str) -> None:
+    """Read the written file ``f`` back with the loader itself before it replaces ``path``
+    (step 2 of Note [checkpoint payload types]): through ``/proc/self/fd`` and ``mmap`` where
+    they exist, so tensor bytes are not read; else through ``f`` (all of it).
+
+    Raises:
+        TypeError: the loader refuses an object in the file (names ``path`` and the object).
+    """
+    f.seek(0)
+    proc = f"/proc/self/fd/{f.fileno()}"
+    try:
+        try:
+            weights_only_load(proc, mmap=True) if os.path.exists(proc) else weights_only_load(f)
+        except (OSError, RuntimeError) as exc:  # no mmap on this filesystem: read it all
+            logger.debug("tiermem: checking %s without mmap (%s)", path, exc)
+            f.seek(0)
+            weights_only_load(f)
+    except pickle.UnpicklingError as exc:
+        reason = refusal_reason(exc)
+        raise TypeError(f"cannot save checkpoint {path}: it would hold an object that "
+                        f"load_checkpoint would refuse (torch.load(weights_only=True): "
+                        f"{reason}); the previous checkpoint was kept; fix: save only tensors, dicts, "
+                        f"lists, tuples, sets, str, int, float, bool or None") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +267,7 @@ def _load_verified(path: str | os.PathLike, kind: str, verify: bool = True) -> d
             _verify(f, path)
         f.seek(0)
         try:
-            payload = torch.load(f, map_location="cpu", weights_only=True)
+            payload = weights_only_load(f)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
                 f"checkpoint {path} was refused: it holds objects other than tensors, "
@@ -282,11 +321,16 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     crash-safely (see the module docstring).
 
     ``extra`` must hold only what ``torch.load(weights_only=True)`` accepts: tensors, dicts,
-    lists, tuples, str, int, float, bool, None (e.g. the step, an LR scheduler's
-    ``state_dict()``, a loss history).
+    lists, tuples, sets, str, int, float, bool, None (e.g. the step, an LR scheduler's
+    ``state_dict()``, a loss history); so must the two state dicts. Anything else (a numpy
+    scalar, ``argparse.Namespace``, ``pathlib.Path``...) is refused before anything is written
+    (Note [checkpoint payload types]).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` has no ``state_dict``.
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` has no ``state_dict``; or
+            the payload holds an object :func:`load_checkpoint` would refuse (the message names
+            its key path, e.g. ``extra['args']``, its type and the fix); the previous
+            checkpoint at ``path`` is untouched.
         OSError: the write failed (the previous checkpoint at ``path`` is untouched).
     """
     if model is not None and not isinstance(model, torch.nn.Module):
@@ -301,7 +345,10 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "extra": extra,
     }
-    atomic_save(payload, path)
+    for part, label in (("model", "model.state_dict()"),
+                        ("optimizer", "optimizer.state_dict()"), ("extra", "extra")):
+        check_payload(payload[part], label)
+    _atomic_write(payload, path)
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -389,8 +436,8 @@ def save_store(store, path: str | os.PathLike) -> dict[Hashable, str]:
             store.evict(key, "nvme").wait()
         entries.append({"key": key, "tier": tier, "tensor": copy})
         tiers[key] = tier
-    atomic_save({"format": _KIND_STORE, "version": FORMAT_VERSION, "time": time.time(),
-                 "entries": entries}, path)
+    _atomic_write({"format": _KIND_STORE, "version": FORMAT_VERSION, "time": time.time(),
+                   "entries": entries}, path)  # keys checked above; entries hold tensors
     return tiers
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import collections
+import datetime
 import os
+import pathlib
 import random
+import re
 import stat
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,3 +201,110 @@ def test_store_snapshot_read_error_keeps_previous_file(tmp_path, monkeypatch):
     for s in (store, dst):
         s.close()
     backend.shutdown()
+
+
+# ------------------------------------------------------- what save writes, load reads (issue 27)
+# Note [checkpoint payload types] (tiermem/_ckpt_payload.py): save refuses, before anything is
+# replaced, every object load_checkpoint would refuse; the previous checkpoint stays loadable.
+
+_NS = argparse.Namespace(lr=0.1, name="run")
+
+
+def _refused_cases():
+    return [  # (id, value, where the error points, the fix it names, the fixed value)
+        ("namespace", _NS, r"extra\['x'\] is an argparse.Namespace", r"vars\(extra\['x'\]\)",
+         vars(_NS)),
+        ("np_float64", np.float64(1.25), r"extra\['x'\] is a numpy.float64",
+         r"extra\['x'\].item\(\)", 1.25),
+        ("np_int64", np.int64(7), r"extra\['x'\] is a numpy.int64", r"\.item\(\)", 7),
+        ("np_float32_in_list", [1.0, np.float32(0.5)], r"extra\['x'\]\[1\] is a numpy.float32",
+         r"\.item\(\)", [1.0, 0.5]),
+        ("np_random_state", np.random.get_state(), r"extra\['x'\]\[1\] is a numpy.ndarray",
+         r"torch.from_numpy\(extra\['x'\]\[1\]\)", None),
+        ("path", pathlib.Path("/data/run1"), r"extra\['x'\] is a pathlib.PosixPath",
+         r"str\(extra\['x'\]\)", "/data/run1"),
+        ("datetime", datetime.datetime(2024, 6, 12, 10, 30), r"is a datetime.datetime",
+         r"\.isoformat\(\)", "2024-06-12T10:30:00"),
+        ("defaultdict", collections.defaultdict(list, a=[1]), r"is a collections.defaultdict",
+         r"dict\(extra\['x'\]\)", {"a": [1]}),
+        ("frozenset", frozenset({1, 2}), r"extra\['x'\] is a frozenset", r"set\(extra\['x'\]\)",
+         {1, 2}),
+        ("np_key", {np.int64(3): "a"}, r"extra\['x'\] has a key .*3.* of type numpy.int64",
+         r"\.item\(\)", {3: "a"}),
+        ("tensor_with_attr", _tensor_with_attr(), r"extra\['x'\] is a torch.Tensor",
+         r"attributes", torch.ones(2)),
+    ]
+
+
+def _tensor_with_attr():
+    t = torch.ones(2)
+    t.scale = np.float64(2.0)  # saved with the tensor (its __dict__)
+    return t
+
+
+@pytest.mark.parametrize("case", _refused_cases(), ids=lambda c: c[0])
+def test_save_refuses_what_load_would_refuse_and_keeps_the_previous_checkpoint(tmp_path, case):
+    _, value, where, fix, fixed = case
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model=_state(0), extra={"step": 1, "w": torch.arange(100.0)})
+    before = path.read_bytes()
+    with pytest.raises(TypeError, match=where) as info:
+        save_checkpoint(path, model=_state(1), extra={"step": 2, "x": value})
+    message = str(info.value)
+    assert "\n" not in message and re.search(fix, message), message
+    assert "load_checkpoint" in message and "fix:" in message
+    assert path.read_bytes() == before  # untouched, bit for bit
+    assert load_checkpoint(path)["extra"]["step"] == 1
+    assert os.listdir(tmp_path) == ["c.pt"]  # no temporary directory left
+    if fixed is not None:  # the fix the message names makes the save work
+        save_checkpoint(path, extra={"step": 2, "x": fixed})
+        got = load_checkpoint(path)["extra"]["x"]
+        assert torch.equal(got, fixed) if isinstance(fixed, torch.Tensor) else got == fixed
+
+
+def test_numpy_random_state_round_trips_through_the_named_fix(tmp_path):
+    np.random.seed(3)
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    saved = (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)
+    save_checkpoint(tmp_path / "c.pt", extra={"np_rng": saved})
+    expected = np.random.rand(5)
+    np.random.seed(99)
+    s = load_checkpoint(tmp_path / "c.pt")["extra"]["np_rng"]
+    np.random.set_state((s[0], s[1].numpy(), s[2], s[3], s[4]))
+    assert np.array_equal(np.random.rand(5), expected)
+
+
+def test_optimizer_state_with_a_numpy_lr_is_refused_naming_the_param_group(tmp_path):
+    model = _state(0)
+    opt = torch.optim.SGD(model.parameters(), lr=np.float64(0.1))
+    with pytest.raises(TypeError, match=r"optimizer.state_dict\(\)\['param_groups'\]\[0\]"
+                                        r"\['lr'\] is a numpy.float64"):
+        save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt)
+    assert os.listdir(tmp_path) == []
+
+
+def test_everything_load_reads_is_saved_without_complaint(tmp_path):
+    extra = {"set": {1, "a"}, "od": collections.OrderedDict(b=2), "counter": collections.Counter(
+        "aab"), "bytes": b"\x00\xff", "ba": bytearray(b"xy"), "complex": 1 + 2j,
+        "size": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu"),
+        "param": torch.nn.Parameter(torch.ones(2)), "nested": [({"k": (None, True, -1.5)},)],
+        3: "int key", ("a", 1): "tuple key", "big": 2 ** 70}
+    save_checkpoint(tmp_path / "c.pt", extra=extra)
+    got = load_checkpoint(tmp_path / "c.pt")["extra"]
+    assert got.keys() == extra.keys()
+    for k, v in extra.items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+        assert type(got[k]) is type(v), k
+
+
+def test_save_checks_the_written_file_with_the_loader_itself(tmp_path, monkeypatch):
+    # the walk that names the key is one check; the loader itself reads the written file back
+    # (lazily, through mmap) before the rename, so an object the walk misses is still refused
+    import tiermem.checkpoint as ck  # noqa: PLC0415
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, extra={"step": 1})
+    before = path.read_bytes()
+    monkeypatch.setattr(ck, "check_payload", lambda obj, label: None)
+    with pytest.raises(TypeError, match=r"c.pt.*load_checkpoint would refuse.*numpy"):
+        save_checkpoint(path, extra={"step": 2, "x": np.float64(1.0)})
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["c.pt"]

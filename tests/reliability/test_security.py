@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import pathlib
 import pickle
@@ -10,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import tiermem._leftovers as leftovers
 import tiermem.store.nvme as nvme
@@ -128,16 +131,25 @@ class _Evil:
         return (os.system, ("touch pwned",))
 
 
+def _forge(obj, path):
+    """What an attacker writes: torch.save plus a valid trailer (anyone can compute a SHA-256);
+    tiermem's own writers refuse such objects (Note [checkpoint payload types])."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    trailer = b"TMCKPT\x00\x01" + len(data).to_bytes(8, "little") + hashlib.sha256(data).digest()
+    pathlib.Path(path).write_bytes(data + trailer)
+
+
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_load_refuses_arbitrary_objects_and_runs_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    # a file with a valid trailer (anyone can compute a SHA-256) but an object inside
-    atomic_save({"format": "tiermem.checkpoint", "version": 1, "model": None,
-                 "optimizer": None, "extra": _Evil()}, tmp_path / "evil.pt")
+    # a file with a valid trailer but an object inside
+    _forge({"format": "tiermem.checkpoint", "version": 1, "model": None, "optimizer": None,
+            "extra": _Evil()}, tmp_path / "evil.pt")
     with pytest.raises(UnsafeCheckpointError, match="refused: it holds objects other than"):
         load_checkpoint(tmp_path / "evil.pt")
-    atomic_save({"format": "tiermem.store", "version": 1, "entries": [_Evil()]},
-                tmp_path / "evil.snap")
+    _forge({"format": "tiermem.store", "version": 1, "entries": [_Evil()]}, tmp_path / "evil.snap")
     store = small_store(tmp_path)
     with pytest.raises(UnsafeCheckpointError):
         load_store(tmp_path / "evil.snap", store)
@@ -151,3 +163,15 @@ def test_load_refuses_arbitrary_objects_and_runs_nothing(tmp_path, monkeypatch):
     with pytest.raises(UnsafeCheckpointError):
         load_checkpoint(tmp_path / "plain.pkl", verify=False)
     assert not os.path.exists(tmp_path / "pwned")
+
+
+def test_saving_an_arbitrary_object_is_refused_and_runs_nothing(tmp_path, monkeypatch):
+    # save checks the payload with the weights-only reader (Note [checkpoint payload types]):
+    # the check itself must not execute what it refuses
+    monkeypatch.chdir(tmp_path)
+    for save in (lambda: atomic_save({"extra": _Evil()}, tmp_path / "evil.pt"),
+                 lambda: save_checkpoint(tmp_path / "evil.pt", extra={"x": [_Evil()]})):
+        with pytest.raises(TypeError, match=r"_Evil, which load_checkpoint would refuse .*"
+                                            r"posix.system"):
+            save()
+    assert os.listdir(tmp_path) == []  # nothing written, nothing run
