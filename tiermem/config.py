@@ -20,10 +20,12 @@ from typing import Any, Literal
 
 import yaml
 
+from tiermem import _yaml
 from tiermem.names import (AUTO_BOOL, IO_BACKENDS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
                            PARAM_SYNCS, PLACEMENTS, POLICIES, STATE_TIERS, TIERS, check_aligned,
                            check_bool, check_choice, check_device, check_fraction, check_int,
-                           check_number, dtype_name, parse_bytes, parse_dtype)
+                           check_number, dtype_name, parse_bytes, parse_dtype,
+                           short_repr)
 
 logger = logging.getLogger("tiermem")
 
@@ -35,9 +37,9 @@ __all__ = ["TIERS", "ActivationConfig", "BudgetConfig", "OptimizerConfig", "Stor
 def _warn_unused_nvme_dir(nvme_dir: str) -> None:
     """Say that ``nvme_dir`` without ``nvme_bytes`` leaves the nvme tier off (logger and
     ``UserWarning``): 0 is the documented off switch, so it is not refused."""
-    msg = (f"StoreConfig.nvme_dir={nvme_dir!r} is ignored because StoreConfig.nvme_bytes=0 "
-           f"(the nvme tier is off); set nvme_bytes (e.g. '64GiB') to spill there, or drop "
-           f"nvme_dir")
+    msg = (f"StoreConfig.nvme_dir={short_repr(nvme_dir)} is ignored because "
+           f"StoreConfig.nvme_bytes=0 (the nvme tier is off); set nvme_bytes (e.g. '64GiB') "
+           f"to spill there, or drop nvme_dir")
     logger.warning(msg)
     warnings.warn(msg, UserWarning, stacklevel=4)
 
@@ -128,40 +130,89 @@ class StoreConfig:
 
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
-    """Apply dotted ``section.field=value`` overrides to a nested dict (values parsed as YAML).
+    """Apply dotted ``section.field=value`` overrides to a nested dict (values parsed as YAML,
+    within the bounds of Note [bounded YAML] in tiermem/_yaml.py).
 
     Raises:
-        ValueError: an override without ``=`` or with an empty key.
+        ValueError: an override without ``=`` or with an empty key, or whose value is not YAML
+            or is over a bound (the message names the override, not a file).
     """
     for item in overrides:
         key, sep, raw = item.partition("=")
+        shown = short_repr(item)
         if not sep or not key.strip():
-            raise ValueError(f"override {item!r} is not 'section.field=value' "
+            raise ValueError(f"override {shown} is not 'section.field=value' "
                              f"(e.g. optimizer.offload_fraction=0.5)")
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+                raise ValueError(f"override {shown}: {short_repr(part)} is a value, not a "
+                                 f"section")
+        node[parts[-1]] = _override_value(shown, raw) if raw.strip() else None
     return tree
+
+
+def _override_value(shown: str, raw: str) -> Any:
+    """The YAML value of one override (``shown`` names it in messages).
+
+    Raises:
+        ValueError: the value is not YAML or is over a bound of Note [bounded YAML].
+    """
+    try:
+        return _yaml.load_text(raw)
+    except _yaml.YAMLBoundError as exc:
+        raise ValueError(f"override {shown}: the value {exc}; fix: give a plain value") from None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"override {shown}: the value is not valid YAML ({problem}); fix: "
+                         f"complete it (e.g. optimizer.betas=[0.9,0.95]) or quote it") from None
+    except ValueError as exc:  # a scalar PyYAML cannot convert, e.g. a 5000-digit int
+        raise ValueError(f"override {shown}: the value cannot be read "
+                         f"({short_repr(str(exc), 80)}); fix: give a plain value") from None
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> dict:
     """Read a YAML config (or start empty) and apply dotted overrides.
 
+    The file is read within the bounds of Note [bounded YAML] (tiermem/_yaml.py): at most
+    1 MiB of UTF-8 text, nesting and aliases bounded.
+
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a YAML mapping, or a malformed override.
+        FileNotFoundError, IsADirectoryError, PermissionError, OSError: ``path`` cannot be read.
+        yaml.YAMLError: the file is not YAML (its marks name the file).
+        ValueError: the file is not UTF-8, is over a bound of Note [bounded YAML] or is not a
+            YAML mapping (the message names the file), or a malformed override.
     """
     tree: dict = {}
     if path is not None:
-        with open(path) as f:
-            tree = yaml.safe_load(f) or {}
+        where = f"config file {short_repr(os.fspath(path), 200)}"
+        try:
+            tree = _yaml.load_text(_yaml.read_file(path), name=os.fspath(path)) or {}
+        except _yaml.YAMLBoundError as exc:
+            raise _yaml.YAMLBoundError(f"{where} {exc}; fix: write the values out plainly "
+                                       f"(a config holds tens of values)") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                             f"fix: save it as UTF-8") from None
+        except yaml.YAMLError:
+            raise
+        except ValueError as exc:  # a scalar PyYAML cannot convert, e.g. a 5000-digit int
+            raise ValueError(f"{where}: a value cannot be read ({short_repr(str(exc), 80)}); "
+                             f"fix: correct it") from None
         if not isinstance(tree, dict):
-            raise ValueError(f"config file {path} must hold a YAML mapping of sections")
+            raise ValueError(f"{where} must hold a YAML mapping of sections")
     return apply_overrides(tree, list(overrides))
+
+
+def _listed(names: list, prefix: str = "", most: int = 8) -> str:
+    """``names`` as ``a, b, c`` (each cut to 40 characters; at most ``most`` of them, then a
+    count), so a section of 100,000 unknown fields still gives one short line."""
+    shown = [prefix + short_repr(n, 40) if not isinstance(n, str) else prefix + n[:40]
+             for n in names[:most]]
+    rest = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(shown) + rest
 
 
 def from_dict(cls, section: dict | None, name: str):
@@ -172,9 +223,9 @@ def from_dict(cls, section: dict | None, name: str):
     """
     section = dict(section or {})
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(section) - known)
+    unknown = sorted(set(section) - known, key=str)
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(f'{name}.{u}' for u in unknown)}; "
+        raise ValueError(f"unknown field(s) {_listed(unknown, f'{name}.')}; "
                          f"valid fields of {name}: {', '.join(sorted(known))}")
     return cls(**section)
 
@@ -201,9 +252,9 @@ def from_tree(tree: dict, sections: dict[str, type], *, required: tuple = (),
     if not isinstance(tree, dict):
         raise TypeError(f"{where} must be a mapping of sections ({', '.join(sections)}), got "
                         f"{type(tree).__name__}")
-    unknown = sorted(set(tree) - set(sections))
+    unknown = sorted(set(tree) - set(sections), key=str)
     if unknown:
-        raise ValueError(f"{where}: unknown section(s) {', '.join(map(str, unknown))}; valid "
+        raise ValueError(f"{where}: unknown section(s) {_listed(unknown)}; valid "
                          f"sections: {', '.join(sections)}")
     for name in required:
         if tree.get(name) is None:
@@ -214,7 +265,7 @@ def from_tree(tree: dict, sections: dict[str, type], *, required: tuple = (),
         section = tree.get(name)
         if section is not None and not isinstance(section, dict):
             raise TypeError(f"section {name!r} must be a mapping of fields, got "
-                            f"{type(section).__name__} {section!r}")
+                            f"{type(section).__name__} {short_repr(section)}")
         out[name] = from_dict(cls, section, name)
     return out
 
@@ -231,7 +282,7 @@ def from_yaml(path: str | os.PathLike, sections: dict[str, type], overrides: lis
         ValueError, TypeError: see :func:`load_config` and :func:`from_tree`.
     """
     return from_tree(load_config(path, overrides), sections, required=required,
-                     where=f"config file {os.fspath(path)!r}")
+                     where=f"config file {short_repr(os.fspath(path))}")
 
 
 # ------------------------------------------------------------------ training-loop sections
@@ -315,7 +366,8 @@ class OptimizerConfig:
         who = "optimizer."
         check_number(who, "lr", self.lr, low=0.0)
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2):
-            raise ValueError(f"optimizer.betas={self.betas!r} must be two numbers, e.g. [0.9, 0.95]")
+            raise ValueError(f"optimizer.betas={short_repr(self.betas)} must be two numbers, "
+                             f"e.g. [0.9, 0.95]")
         self.betas = tuple(self.betas)
         for i, beta in enumerate(self.betas):
             check_number(who, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
@@ -380,8 +432,9 @@ class OptimizerConfig:
         else:
             out["grad_accumulation_steps"] = steps
         if store is not None and self.nvme_dir is not None:
-            raise ValueError(f"optimizer.nvme_dir={self.nvme_dir!r} is for HybridAdam's private "
-                             f"store, but a store is given; fix: set store.nvme_dir instead")
+            raise ValueError(f"optimizer.nvme_dir={short_repr(self.nvme_dir)} is for "
+                             f"HybridAdam's private store, but a store is given; fix: set "
+                             f"store.nvme_dir instead")
         for name, value in (("store", store), ("process_group", process_group)):
             if value is not None:
                 out[name] = value

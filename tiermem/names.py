@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from typing import Any
 
 import torch
@@ -55,6 +56,32 @@ _UNITS = {
 }
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = _SHORT.maxdeque = 6
+_SHORT.maxdict = 6
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 160
+
+
+def short_repr(value: Any, max_chars: int = 200) -> str:
+    """``repr(value)`` cut to at most ``max_chars`` characters, at bounded cost.
+
+    Note [bounded repr]: an error message shows the value it refuses, but a value from a user's
+    YAML may be a list nested many levels deep that shares its items (Note [bounded YAML] in
+    tiermem/_yaml.py), whose full ``repr`` takes minutes and gigabytes. ``reprlib`` looks at
+    most 6 items per level and 3 levels deep, so the cost and the length are bounded whatever
+    the value; small values (numbers, names, short strings) print as ``repr`` prints them.
+
+    Raises:
+        nothing: a ``repr`` that fails prints as ``<TYPE>``.
+    """
+    try:
+        text = _SHORT.repr(value)
+    except Exception:  # a failing __repr__, an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
+
+
 def _tail(fix: str) -> str:
     return f"; {fix}" if fix else ""
 
@@ -80,7 +107,7 @@ def check_choice(who: str, field: str, value: Any, choices: tuple, fix: str = ""
         ValueError: ``value`` is not one of ``choices`` (the message lists them).
     """
     if not any(_is_choice(value, c) for c in choices):
-        raise ValueError(f"{who}{field}={value!r} is not one of "
+        raise ValueError(f"{who}{field}={short_repr(value)} is not one of "
                          f"{', '.join(map(repr, choices))}{_tail(fix)}")
     return value
 
@@ -110,15 +137,15 @@ def check_number(who: str, field: str, value: Any, *, low: float | None = None,
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{who}{field} must be a number, got {type(value).__name__} "
-                        f"{value!r}{_tail(fix)}")
+                        f"{short_repr(value)}{_tail(fix)}")
     if value != value:
-        raise ValueError(f"{who}{field}={value!r} is not a number{_tail(fix)}")
+        raise ValueError(f"{who}{field}={short_repr(value)} is not a number{_tail(fix)}")
     if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{who}{field}={value!r} must be {'>' if low_open else '>='} "
-                         f"{low}{_tail(fix)}")
+        raise ValueError(f"{who}{field}={short_repr(value)} must be "
+                         f"{'>' if low_open else '>='} {low}{_tail(fix)}")
     if high is not None and (value >= high if high_open else value > high):
-        raise ValueError(f"{who}{field}={value!r} must be {'<' if high_open else '<='} "
-                         f"{high}{_tail(fix)}")
+        raise ValueError(f"{who}{field}={short_repr(value)} must be "
+                         f"{'<' if high_open else '<='} {high}{_tail(fix)}")
     return value
 
 
@@ -134,9 +161,10 @@ def check_fraction(who: str, field: str, value: Any, meaning: str = "") -> float
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{who}{field} must be a number in [0.0, 1.0], got "
-                        f"{type(value).__name__} {value!r}{_tail(meaning)}")
+                        f"{type(value).__name__} {short_repr(value)}{_tail(meaning)}")
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{who}{field}={value!r} is outside [0.0, 1.0]{_tail(meaning)}")
+        raise ValueError(f"{who}{field}={short_repr(value)} is outside [0.0, 1.0]"
+                         f"{_tail(meaning)}")
     return float(value)
 
 
@@ -156,9 +184,9 @@ def check_int(who: str, field: str, value: Any, *, low: int = 1, unit: str = "",
     what = f"an int >= {low}" + (f" ({unit})" if unit else "")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{who}{field} must be {what}, got {type(value).__name__} "
-                        f"{value!r}{_tail(fix)}")
+                        f"{short_repr(value)}{_tail(fix)}")
     if value < low:
-        raise ValueError(f"{who}{field}={value!r} must be {what}{_tail(fix)}")
+        raise ValueError(f"{who}{field}={short_repr(value)} must be {what}{_tail(fix)}")
     return value
 
 
@@ -175,9 +203,9 @@ def check_aligned(who: str, field: str, value: Any, align_bytes: int, why: str) 
     """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{who}{field} must be a positive multiple of {align_bytes} bytes "
-                        f"({why}), got {type(value).__name__} {value!r}")
+                        f"({why}), got {type(value).__name__} {short_repr(value)}")
     if value < align_bytes or value % align_bytes:
-        raise ValueError(f"{who}{field}={value!r} must be a positive multiple of "
+        raise ValueError(f"{who}{field}={short_repr(value)} must be a positive multiple of "
                          f"{align_bytes} ({why})")
     return value
 
@@ -189,8 +217,8 @@ def check_device(who: str, field: str, value: Any) -> str:
         ValueError: anything else.
     """
     if not (isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value)):
-        raise ValueError(f"{who}{field}={value!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'; "
-                         f"auto is CUDA when present, else the CPU")
+        raise ValueError(f"{who}{field}={short_repr(value)} is not 'auto', 'cpu', 'cuda' or "
+                         f"'cuda:N'; auto is CUDA when present, else the CPU")
     return value
 
 
@@ -237,8 +265,8 @@ def dtype_name(who: str, field: str, value: Any, choices: tuple = MODEL_DTYPES) 
         name = repr(value)
     if name not in choices:
         spell = ", ".join(s for s, canon in DTYPE_SPELLINGS.items() if canon in choices)
-        raise ValueError(f"{who}{field}={value!r} is not a supported dtype; use one of {spell} "
-                         f"(or the torch.dtype)")
+        raise ValueError(f"{who}{field}={short_repr(value)} is not a supported dtype; use one "
+                         f"of {spell} (or the torch.dtype)")
     return name
 
 
@@ -265,25 +293,27 @@ def parse_bytes(value: int | float | str, field: str) -> int:
         TypeError: value is neither a number nor a string.
     """
     if isinstance(value, bool):
-        raise TypeError(f"{field} must be a byte count (int or '4GiB'), got bool {value!r}")
+        raise TypeError(f"{field} must be a byte count (int or '4GiB'), got bool "
+                        f"{short_repr(value)}")
     original = value
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(
-                f"{field}={value!r} is not a byte size; write an integer number of bytes or a "
-                f"number with a unit such as '512MiB' or '4GB'")
+                f"{field}={short_repr(value)} is not a byte size; write an integer number of "
+                f"bytes or a number with a unit such as '512MiB' or '4GB'")
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not isinstance(value, (int, float)):
         raise TypeError(f"{field} must be a byte count (int or '4GiB'), got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{field}={original!r} is not a finite byte size; write an integer "
-                         f"number of bytes or a number with a unit such as '512MiB' or '4GB'")
+        raise ValueError(f"{field}={short_repr(original)} is not a finite byte size; "
+                         f"write an integer number of bytes or a number with a unit such as "
+                         f"'512MiB' or '4GB'")
     if value < 0:
-        raise ValueError(f"{field}={value!r} is negative; a budget is a byte count >= 0 "
-                         f"(0 disables the tier)")
+        raise ValueError(f"{field}={short_repr(value)} is negative; a budget is a byte "
+                         f"count >= 0 (0 disables the tier)")
     if float(value) != int(value):
-        raise ValueError(f"{field}={value!r} is not a whole number of bytes")
+        raise ValueError(f"{field}={short_repr(value)} is not a whole number of bytes")
     return int(value)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tiermem.names import check_int
+from tiermem.names import check_int, short_repr
 
 IGNORE_INDEX = -100
 """Target id that the loss skips (``F.cross_entropy``'s default ``ignore_index``)."""
@@ -50,7 +50,7 @@ class GPTConfig:
         for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r} must be an int >= 1")
+                raise ValueError(f"GPTConfig.{name}={short_repr(value)} must be an int >= 1")
         if self.d_model % self.n_heads:
             raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by "
                              f"n_heads={self.n_heads}")
