@@ -8,9 +8,11 @@ transfers per pass and removes the stall at the start of the backward. The rule:
 buffers come first (a streamed block needs up to ``prefetch_blocks + 2`` blocks' weights on the
 device at once: the block computing, the one after it whose gradients are still being
 accumulated in the backward, and ``prefetch_blocks`` in flight, each counted at the largest
-streamed block's size); then blocks join the resident set from the last one down while the
-resident bytes plus those buffers fit ``gpu_bytes``; the first block that does not fit stops
-the walk (the resident set is always a suffix: no gaps). With every block resident no buffer is
+streamed block's size). The resident set is the longest suffix of the
+blocks whose bytes plus the buffers that the other (streamed) blocks need fit ``gpu_bytes``.
+That cost is not monotone in the suffix (making a large block resident can shrink the buffers
+of the rest), so every suffix is tried, longest first, rather than stopping at the first block
+that does not fit. With every block resident no buffer is
 needed. ``gpu_bytes=None`` streams every block.
 """
 
@@ -80,19 +82,17 @@ def plan_residency(block_bytes: Sequence[int], *, gpu_bytes: int | None,
     if gpu_bytes is None:
         return _plan(sizes, n, prefetch_blocks)
     check_int(who, "gpu_bytes", gpu_bytes, low=0, unit="bytes")
-    first_resident = n
-    while first_resident > 0:
-        candidate = _plan(sizes, first_resident - 1, prefetch_blocks)
-        if candidate.device_bytes > gpu_bytes:
-            break
-        first_resident -= 1
-    plan = _plan(sizes, first_resident, prefetch_blocks)
-    if plan.device_bytes > gpu_bytes:
-        raise ValueError(f"{who}gpu_bytes={gpu_bytes} cannot hold the streaming buffers: "
-                         f"{plan.buffer_blocks} blocks x {max(sizes)} bytes (the largest "
-                         f"block) = {plan.buffer_bytes} bytes; raise gpu_bytes to at least "
-                         f"{plan.buffer_bytes}, lower prefetch_blocks, or pass gpu_bytes=None")
-    return plan
+    plans = [_plan(sizes, first, prefetch_blocks) for first in range(n + 1)]
+    for plan in plans:  # the longest resident suffix first
+        if plan.device_bytes <= gpu_bytes:
+            return plan
+    least = min(plans, key=lambda p: p.device_bytes)
+    raise ValueError(f"{who}gpu_bytes={gpu_bytes} cannot hold these blocks' weights: streaming "
+                     f"every block needs {plans[-1].buffer_blocks} buffers x {max(sizes)} "
+                     f"bytes (the largest block) = {plans[-1].buffer_bytes} bytes, and the "
+                     f"cheapest plan {least.device_bytes} bytes ({len(least.resident)} blocks "
+                     f"resident); raise gpu_bytes to at least {least.device_bytes}, lower "
+                     f"prefetch_blocks, or pass gpu_bytes=None")
 
 
 def _plan(sizes: list[int], first_resident: int, prefetch_blocks: int) -> ResidencyPlan:

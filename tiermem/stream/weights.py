@@ -90,6 +90,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _pre_backward(ref: Any, i: int, token: Any) -> None:
+    me = ref()
+    if me is None or me._closed:
+        raise RuntimeError(f"weight streaming: backward reached blocks[{i}] through a graph "
+                           f"whose pass has ended (its WeightStream was closed)")
+    me._pre_backward(i, token)
+
+
 def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
                    prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
                    resident: Sequence[int] | None = None) -> "WeightStream":
@@ -191,17 +199,24 @@ class WeightStream:
         """
         return dict(self._fetcher.stats)
 
-    def close(self) -> None:
+    def close(self, *, force: bool = False) -> None:
         """Stop streaming: every streamed parameter becomes an ordinary parameter on the device
         it had before (data and gradient copied there), the hooks go and the store keys are
         deleted. Idempotent.
 
+        Args:
+            force: end an open pass even if its graph is alive (a later backward through that
+                graph raises); leaving the ``with`` block on an exception does this.
+
         Raises:
-            RuntimeError: a pass is open with a live graph (run its backward first).
+            RuntimeError: a pass is open with a live graph and ``force`` is False (run its
+                backward first).
         """
         if self._closed:
             return
         self._settle_idle_pass()
+        if self._pass is not None and force:
+            self._end_pass()
         if self._pass is not None:
             raise RuntimeError("WeightStream.close(): a forward pass is open and its graph is "
                                "alive; run its backward (or drop its outputs) first")
@@ -224,8 +239,8 @@ class WeightStream:
     def __enter__(self) -> "WeightStream":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(force=exc_type is not None)
 
     # ------------------------------------------------------------------ setup
 
@@ -426,7 +441,7 @@ class WeightStream:
                     ps.token = weakref.ref(token)
                 ref = weakref.ref(self)
                 for t in outs:
-                    t.register_hook(lambda g, i=i, token=token: ref()._pre_backward(i, token))
+                    t.register_hook(lambda g, i=i, token=token: _pre_backward(ref, i, token))
                 ps.grad_blocks.append(i)
         if self._blocks[i].streamed:
             self._fetcher.release(self._blocks[i])
@@ -440,27 +455,35 @@ class WeightStream:
                                f"graph whose pass has ended (a second backward through a "
                                f"retained graph, or a graph kept from an earlier forward); "
                                f"run one backward per forward")
-        if not ps.backward_started:
-            ps.backward_started = True
-            ref = weakref.ref(self)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: ref()._end_of_backward())
-        if self._blocks[i].streamed:
-            self._fetcher.ready(self._blocks[i])
-        self._prefetch([j for j in reversed(ps.grad_blocks)
-                        if j < i and self._blocks[j].streamed])
+        try:
+            if not ps.backward_started:
+                ps.backward_started = True
+                ref = weakref.ref(self)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: ref()._end_of_backward())
+            if self._blocks[i].streamed:
+                self._fetcher.ready(self._blocks[i])
+            self._prefetch([j for j in reversed(ps.grad_blocks)
+                            if j < i and self._blocks[j].streamed])
+        except BaseException:
+            self._end_pass()  # the backward fails: the pass is over, the stream stays usable
+            raise
 
     def _after_accumulate(self, p: Param) -> None:
         ps = self._pass
         if ps is None or not ps.backward_started:
             return  # a backward outside a pass: the gradient stays where autograd put it
-        grad = p.param.grad
-        p.param.grad = None
-        self._grads.take(p, grad)
-        block = p.block
-        block.accumulated += 1
-        if block.accumulated == block.n_trainable:
-            self._fetcher.release(block)
+        try:
+            grad = p.param.grad
+            p.param.grad = None
+            self._grads.take(p, grad)
+            block = p.block
+            block.accumulated += 1
+            if block.accumulated == block.n_trainable:
+                self._fetcher.release(block)
+        except BaseException:
+            self._end_pass()
+            raise
 
     def _end_of_backward(self) -> None:
         if self._pass is not None:
