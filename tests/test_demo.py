@@ -31,12 +31,15 @@ def test_demo_matches_the_baseline_and_exits_0(capsys):
 
 
 def test_full_offload_with_state_on_nvme_is_exact(tmp_path, capsys):
-    argv = TINY + ["--offload-fraction", "1.0", "--nvme-dir", str(tmp_path),
+    spill = tmp_path / "new" / "spill"  # missing: created as README and docs/quickstart.md say
+    argv = TINY + ["--offload-fraction", "1.0", "--nvme-dir", str(spill),
                    "--nvme-activations", "store.io_chunk_bytes=64KiB", "store.io_backend=posix"]
     assert cli.main(["demo", *argv]) == 0
     out = capsys.readouterr().out
     assert loss_diff(out) < 1e-6
     assert "optimizer state 100% -> nvme" in out and "blocks -> nvme" in out
+    assert f"created --nvme-dir directory {spill} (mode 0700)" in out
+    assert spill.is_dir() and spill.stat().st_mode & 0o777 == 0o700
 
 
 def test_demo_exits_1_when_the_losses_differ(monkeypatch, capsys):

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from tiermem._files import make_private_dir
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.names import format_bytes, resolve_device
 from tiermem.telemetry.saved import SavedBytesCounter
@@ -550,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-fraction", type=float, default=0.5,
                    help="fraction of optimizer state off the device, 0..1 (default 0.5)")
     p.add_argument("--nvme-dir", default=None, metavar="DIR",
-                   help="keep the offloaded optimizer state in spill files under DIR (NVMe tier)")
+                   help="keep the offloaded optimizer state in spill files under DIR (NVMe tier; "
+                        "created with mode 0700 if missing)")
     p.add_argument("--nvme-activations", action="store_true",
                    help="with --nvme-dir: offload activations to the NVMe tier too")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
@@ -575,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         cfg = demo_config(args)
+        if cfg.store.nvme_bytes and cfg.store.nvme_dir is not None:  # as train_gpt.py does
+            make_private_dir(cfg.store.nvme_dir, "--nvme-dir" if args.nvme_dir else
+                             "store.nvme_dir", log=print)
     except (ValueError, TypeError) as exc:
         print(f"tiermem demo: error: {exc}", file=sys.stderr)
         return 2
