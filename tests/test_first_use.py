@@ -74,6 +74,26 @@ def test_examples_refuse_a_bad_config_file_with_one_line_and_exit_2(tmp_path, ca
             "not a mapping": "mapping of sections"}[kind] in line
 
 
+@pytest.mark.parametrize("example", ["train_gpt", "train_large"])
+def test_a_non_utf8_config_names_the_file(tmp_path, capsys, example):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"train:\n  steps: 2\n# caf\xe9\n")
+    assert _example(example).main(["--config", str(path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(path) in line and "UTF-8" in line and "fix:" in line, line
+
+
+@pytest.mark.parametrize("example", ["train_gpt", "train_large"])
+def test_a_broken_override_is_named_not_the_config_file(capsys, example):
+    config = ROOT / "examples" / "configs" / ("cpu.yaml" if example == "train_gpt" else
+                                              "large/h200_13b_nvme.yaml")
+    argv = ["--config", str(config), "optimizer.betas=[0.9,"]
+    assert _example(example).main(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"{example}: error: override 'optimizer.betas=[0.9,': the value is "
+                           f"not valid YAML") and "cpu.yaml" not in line, line
+
+
 def test_train_large_names_a_missing_section(tmp_path, capsys):
     path = tmp_path / "partial.yaml"
     path.write_text("model: {n_layers: 2}\n")
