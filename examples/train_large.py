@@ -20,12 +20,16 @@ predicted time per step (``tiermem.plan.StepTime``; docs/sizing.md, "Time per st
 
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
+    python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml \\
+        optimizer.offload_fraction=0.9 train.grad_accumulation_steps=8 --dry-run
 
 The preset is read by the config classes (:data:`SECTIONS`; the YAML dialect of
 docs/configuration.md, shared with ``tiermem demo``): ``model`` (GPTConfig), ``train``
 (TrainConfig: the fields in :data:`LOOP_FIELDS`), ``budgets`` (BudgetConfig, the planner's
 capacities), ``store`` (StoreConfig; its device follows ``train.device``) and ``optimizer``
-(OptimizerConfig: HybridAdam's arguments). Unknown sections and fields are refused.
+(OptimizerConfig: HybridAdam's arguments). Unknown sections and fields are refused. Dotted
+``section.field=value`` overrides (YAML values, as examples/train_gpt.py takes them) apply last,
+after ``--tiny`` and the other flags.
 
 Activations: every block is checkpointed, so only block inputs stay (seq·d_model·2 bytes a
 block, 0.02 GB at 13B); offloading them (``tiermem.offload``) would save under 1 GB here.
@@ -52,10 +56,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
-from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig, from_tree,  # noqa: E402
-                            load_config)
+from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig,  # noqa: E402
+                            apply_overrides, from_tree, load_config)
 from tiermem.models import materialize_  # noqa: E402
 from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
+from tiermem.names import short_repr  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
 from tiermem.plan import (H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto,  # noqa: E402
                           breadth_first_note, plan)
@@ -78,12 +83,13 @@ TINY = {"model": dict(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=128),
 def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
          grad_accumulation_steps: int | None = None,
          gpu_step_fraction: float | None = None, chunk_numel: int | None = None,
-         breadth_first_blocks: int | str | None = None, param_sync: str | None = None) -> dict:
+         breadth_first_blocks: int | str | None = None, param_sync: str | None = None,
+         overrides: list[str] = ()) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
     ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches per optimizer step),
     ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps),
     ``--chunk-numel`` (elements per offloaded chunk), ``--breadth-first-blocks`` and
-    ``--param-sync`` applied first.
+    ``--param-sync`` applied first, then the dotted ``section.field=value`` ``overrides``.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
@@ -106,12 +112,13 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
                                  ("train", "breadth_first_blocks", breadth_first_blocks)):
         if value is not None and isinstance(tree.get(section), dict):
             tree[section][name] = value
+    apply_overrides(tree, list(overrides))
     cfg = from_tree(tree, SECTIONS, required=tuple(SECTIONS), where=where)
     default = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg["train"], f.name)
         if f.name not in LOOP_FIELDS and value != getattr(default, f.name):
-            raise ValueError(f"{where}: train.{f.name}={value!r} belongs to tiermem demo's loop "
+            raise ValueError(f"{where}: train.{f.name}={short_repr(value)} belongs to tiermem demo's loop "
                              f"and is not used here; fix: remove it (this loop reads train."
                              f"{', train.'.join(LOOP_FIELDS)})")
     k, n_layers = cfg["train"].breadth_first_blocks, cfg["model"].n_layers
@@ -227,6 +234,9 @@ def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", metavar="SECTION.FIELD=VALUE",
+                    help="dotted overrides of the preset, applied last (YAML values), e.g. "
+                         "optimizer.offload_fraction=0.9 budgets.host_bytes=256GiB")
     ap.add_argument("--config", required=True, help="YAML preset (examples/configs/large/...)")
     ap.add_argument("--dry-run", action="store_true", help="only plan; exit 0 fits, 1 does not")
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
@@ -252,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps,
                    args.gpu_step_fraction, args.chunk_numel, args.breadth_first_blocks,
-                   args.param_sync)
+                   args.param_sync, args.overrides)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",

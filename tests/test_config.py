@@ -358,3 +358,21 @@ def test_large_preset_loads_and_trains_a_tiny_model_with_its_hybrid_adam_kwargs(
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
     opt.close()
     store.close()
+
+
+def test_train_large_takes_dotted_overrides_last(capsys):
+    """train_large.py takes train_gpt.py's ``section.field=value`` overrides (issue 27): they
+    apply after the file, ``--tiny`` and the flags, and the plan sees them."""
+    example = _train_large()
+    preset = str(LARGE_PRESETS[0])
+    cfg = example.load(preset, tiny=True, grad_accumulation_steps=3,
+                       overrides=["model.n_layers=3", "optimizer.offload_fraction=0.25",
+                                  "train.grad_accumulation_steps=5", "budgets.host_bytes=1TiB"])
+    assert cfg["model"].n_layers == 3 and cfg["model"].d_model == 64  # --tiny, then n_layers
+    assert cfg["optimizer"].offload_fraction == 0.25
+    assert cfg["train"].grad_accumulation_steps == 5  # the override beats the flag
+    assert cfg["budgets"].host_bytes == 1 << 40
+    assert example.main(["--config", preset, "--dry-run", "train.micro_batch=3"]) == 0
+    capsys.readouterr()
+    assert example.main(["--config", preset, "optimizer.offload_fractoin=1"]) == 2
+    assert "unknown field(s) optimizer.offload_fractoin" in capsys.readouterr().err
