@@ -85,6 +85,9 @@ Note [offload rules] (referred to from code and tests):
    ``RuntimeError`` (Note [cuda graphs] in tiermem/_graphs.py): a replay would skip the
    store's copies. Keep graphed modules (``torch.cuda.make_graphed_callables``) out of the
    blocks and regions; the blocks around them offload as usual.
+12. *In-place changes.* A saved tensor (kept or offloaded) changed in place before backward
+   unpacks it raises autograd's ``RuntimeError``, naming where it was saved: autograd skips
+   its check under saved-tensor hooks (Note [saved versions] in tiermem/offload/versions.py).
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ from tiermem.config import StoreConfig
 from tiermem.names import OFFLOAD_TIERS, check_bool, check_choice, check_int
 from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
                                      simulate)
+from tiermem.offload.versions import BACKWARD, Kept, check_version, version_tracker
 from tiermem.store import TierFullError, TierStore
 
 _ALIGN_BYTES = 512  # offsets of records inside a double-buffer set (any dtype view is aligned)
@@ -365,7 +369,7 @@ class _Saved:
     """What the pack hook returns: a saved tensor, offloaded (``record``) or kept (``tensor``)."""
 
     __slots__ = ("owner", "tensor", "record", "group", "dtype", "size", "stride", "offset",
-                 "version", "marked", "__weakref__")
+                 "version", "marked", "tracker", "__weakref__")
 
     def __init__(self, owner: "ActivationOffloader", tensor: torch.Tensor,
                  marked: bool = False) -> None:
@@ -380,6 +384,7 @@ class _Saved:
         self.stride = tuple(tensor.stride())
         self.offset = tensor.storage_offset()
         self.version = tensor._version  # a deferred offload must copy what was saved
+        self.tracker: torch.Tensor | None = None  # offloaded: Note [saved versions]
 
     def __del__(self) -> None:
         record = self.record
@@ -841,8 +846,11 @@ class ActivationOffloader:
         # what is kept is detached: a saved output returned with its grad_fn would make a
         # reference cycle (node -> saved variable -> tensor -> node) and leak the graph;
         # autograd restores the grad_fn on unpack, and detach() shares the version counter
-        if _in_backward() or not self._is_candidate(t):
-            return t.detach()
+        # (checked on unpack: Note [saved versions] in tiermem/offload/versions.py)
+        if _in_backward():
+            return Kept(t.detach(), BACKWARD)
+        if not self._is_candidate(t):
+            return Kept(t.detach(), self._current)
         with self._lock:
             self.counters["packed"] += 1
             if self._regions:  # Note [offload rules], rule 10: a region offloads everything
@@ -860,7 +868,7 @@ class ActivationOffloader:
                 self._calibration.saved(layer, t)
             if not (marked or self.policy.offloads_layer(layer)):
                 self.counters["kept"] += 1
-                return t.detach()
+                return Kept(t.detach(), layer)
             handle = _Saved(self, t.detach())
             if self._calibrating():  # Note [timed forward]: offloaded once the block has ended
                 self._deferred.append((weakref.ref(handle), (self._fwd, layer)))
@@ -920,16 +928,20 @@ class ActivationOffloader:
         if not group_records or group_records[-1] is not rec and rec not in group_records:
             group_records.append(rec)
         rec.live += 1
+        handle.tracker = version_tracker(t)  # Note [saved versions]: the version, not the memory
         handle.record, handle.group, handle.tensor = rec, group, None
 
     # ------------------------------------------------------------------ unpack
 
     def _unpack(self, handle: Any) -> torch.Tensor:
-        if isinstance(handle, torch.Tensor):
-            return handle
+        if type(handle) is Kept:
+            return handle.unpack()
+        rec = handle.record  # Note [saved versions]: autograd's check, before any reload
+        check_version(handle.version, handle.tensor if rec is None else handle.tracker,
+                      handle.dtype, handle.size, self._store.device, handle.group,
+                      None if rec is None else self.tier)
         with self._lock:
             self._note_backward()
-            rec = handle.record
             if rec is None:
                 return handle.tensor
             self._enter_group(handle.group)
