@@ -21,6 +21,7 @@ import sys
 import torch
 
 from tiermem import StoreConfig, TierStore
+from tiermem.names import check_device, resolve_device
 from tiermem.offload import offload_activations
 from tiermem.optim import HybridAdam
 
@@ -113,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload-fraction", type=float, default=1.0)
     parser.add_argument("--tolerance", type=float, default=1e-6)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    try:  # before anything is built: a 7B preset on a machine without CUDA is one line
+        device = resolve_device(check_device("", "--device", args.device), "--device")
+    except ValueError as exc:
+        print(f"hf_model: error: {exc}", file=sys.stderr)
+        return 2
     print(f"model: LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {args.heads} "
           f"heads, vocab {args.vocab}; {args.steps} steps of {args.batch} x {args.seq} tokens on "
           f"{device}")

@@ -48,6 +48,7 @@ import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, lora_modules)
+from tiermem.names import check_device, resolve_device
 from tiermem.offload import ActivationOffloader, offload_activations, offload_in_modules
 from tiermem.optim import HybridAdam
 
@@ -229,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.offload == "adapters" and args.checkpoint:
         parser.error("--offload=adapters with --checkpoint offloads nothing (a checkpointed "
                      "layer saves only its input); use --offload layers or layers+adapters")
-    device = torch.device(args.device)
+    try:  # before anything is built: a 7B preset on a machine without CUDA is one line
+        device = resolve_device(check_device("", "--device", args.device), "--device")
+    except ValueError as exc:
+        print(f"train_lora: error: {exc}", file=sys.stderr)
+        return 2
     shape = SHAPES[args.preset]
     print(f"model: LlamaForCausalLM '{args.preset}' ({shape.layers} layers, hidden "
           f"{shape.hidden}), LoRA rank {args.rank} on q, k, v, o, gate, up, down; "

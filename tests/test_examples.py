@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import re
+import sys
 
 import pytest
 import yaml
@@ -148,3 +149,27 @@ def test_hf_model_example_matches_the_baseline_exactly(capsys):
     assert "max |loss difference|: 0 (tolerance 1e-06): OK" in out
     assert "store traffic per step: cpu->gpu" in out and "{" not in out  # no raw dict
     assert len(re.findall(r"^ +[1-4] +\d+\.\d{6} +\d+\.\d{6}$", out, re.M)) == 4
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_example",
+                                                  ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="for machines without CUDA")
+@pytest.mark.parametrize("name, argv", [("hf_model", ["--device", "cuda"]),
+                                        ("train_lora", ["--preset", "7b", "--device", "cuda"]),
+                                        ("train_lora", ["--device", "gpu"])])
+def test_cuda_examples_refuse_a_missing_cuda_in_one_line(capsys, name, argv):
+    """docs/lora.md's `train_lora.py --preset 7b --device cuda` and hf_model.py's --device cuda
+    on a machine without CUDA: one line naming --device, exit 2, nothing built (issue 27)."""
+    pytest.importorskip("transformers")
+    assert _load_example(name).main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: error: --device="), err
+    assert ("CUDA is not available" in lines[0]) == ("cuda" in argv) and out == ""
