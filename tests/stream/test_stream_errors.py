@@ -11,6 +11,8 @@ from tiermem import StoreConfig, TierStore
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
 
 @pytest.fixture
 def store(tmp_path):
