@@ -341,9 +341,9 @@ def measured_block_bytes(block: torch.nn.Module, batch: int, seq: int, dtype: to
 
 def fused_attention_gap(tokens: int, d_model: int, n_heads: int, a: int) -> int:
     """Formula minus measurement on the CPU (Note [block activations, measured] in
-    tiermem/plan.py): the fused kernel's output reshape is a view (the formula's copy, d·a per
-    token, is not saved); LayerNorm's mean and rstd (2 LNs x 2, dtype a on the CPU) and SDPA's
-    fp32 logsumexp (4·h) are saved, not counted."""
+    tiermem/plan/memory.py): the fused kernel's output reshape is a view (the formula's copy,
+    d·a per token, is not saved); LayerNorm's mean and rstd (2 LNs x 2, dtype a on the CPU) and
+    SDPA's fp32 logsumexp (4·h) are saved, not counted."""
     return tokens * (d_model * a - 2 * 2 * a - 4 * n_heads)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from tiermem import StoreConfig, TierStore
 from tiermem.cli import main as cli_main
+from tiermem.plan import MachineRates
 from tiermem.tune import (
     CostModel,
     Result,
@@ -22,6 +23,13 @@ from tiermem.tune import (
 )
 
 
+def rates(h2d, d2h, nvme_read, nvme_write, cpu_adam):
+    """MachineRates with the cost model's rates: bytes/s, and params/s for the CPU Adam."""
+    return MachineRates(pcie_h2d_bytes_per_s=h2d, pcie_d2h_bytes_per_s=d2h,
+                        nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
+                        cpu_adam_params_per_s=cpu_adam)
+
+
 def test_link_bytes_maps_store_directions_to_links():
     assert link_bytes({"cpu->gpu": 10, "nvme->gpu": 5, "gpu->cpu": 3, "cpu->nvme": 2,
                        "nvme->cpu": 1, "put->gpu": 4}) == \
@@ -29,16 +37,17 @@ def test_link_bytes_maps_store_directions_to_links():
 
 
 def test_cost_model_predicts_serial_and_overlapped():
-    m = CostModel(h2d_gbps=50, d2h_gbps=25, nvme_read_gbps=2, nvme_write_gbps=1,
-                  cpu_adam_gparams=4)
+    m = CostModel(rates(h2d=50e9, d2h=25e9, nvme_read=2e9, nvme_write=1e9, cpu_adam=4e9))
     links = {"h2d": 10**9, "d2h": 10**9, "nvme_read": 2 * 10**9, "nvme_write": 10**9}
     assert m.link_seconds(links) == pytest.approx(
         {"h2d": 0.02, "d2h": 0.04, "nvme_read": 1.0, "nvme_write": 1.0})
     assert m.adam_seconds(2 * 10**9) == pytest.approx(0.5)
     assert m.predict_s(links, 2 * 10**9, compute_s=0.3) == pytest.approx(0.3 + 2.06 + 0.5)
     assert m.predict_s(links, 2 * 10**9, compute_s=0.3, overlap=True) == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="h2d_gbps"):
-        CostModel(0, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="pcie_h2d_bytes_per_s"):
+        CostModel(rates(0, 1e9, 1e9, 1e9, 1e9))
+    with pytest.raises(TypeError, match="MachineRates"):
+        CostModel(50e9)
     with pytest.raises(ValueError, match="unknown link"):
         m.predict_s({"pcie": 1})
     with pytest.raises(ValueError, match="compute_s"):
@@ -47,8 +56,9 @@ def test_cost_model_predicts_serial_and_overlapped():
 
 def test_cost_model_measure_gives_positive_rates(tmp_path):
     m = CostModel.measure("cpu", nbytes=1 << 20, nvme_dir=str(tmp_path), adam_params=1 << 14)
-    for name in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "cpu_adam_gparams"):
-        assert getattr(m, name) > 0
+    for name in ("pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s", "nvme_read_bytes_per_s",
+                 "nvme_write_bytes_per_s", "cpu_adam_params_per_s"):
+        assert getattr(m.rates, name) > 0
 
 
 def test_expand_grid():
@@ -79,7 +89,7 @@ def test_tune_measures_marks_fastest_that_fits_and_reports_failures():
         return Trial(step=step, stores=[store], adam_params=1000, close=store.close)
 
     out = io.StringIO()
-    model = CostModel(1, 1, 1, 1, 1)
+    model = CostModel(rates(1e9, 1e9, 1e9, 1e9, 1e9))
     results = tune(factory, {"sleep_ms": [1, 10, 99], "gpu": [4096, 1 << 16]}, steps=2,
                    budgets={"gpu": 8192}, cost_model=model, out=out)
     assert len(results) == 6 and all(isinstance(r, Result) for r in results)
@@ -205,31 +215,36 @@ def test_tiermem_tune_trace_beats_lru_under_pressure_with_telemetry(capsys, tmp_
 def test_cost_model_measure_keeps_the_spread_of_its_probes(tmp_path):
     m = CostModel.measure("cpu", nbytes=1 << 20, nvme_dir=str(tmp_path), adam_params=1 << 14,
                           probes=3)
-    assert set(m.ranges) == {"h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
-                             "cpu_adam_gparams"}
+    assert set(m.ranges) == {"pcie_h2d_bytes_per_s", "pcie_d2h_bytes_per_s",
+                             "nvme_read_bytes_per_s", "nvme_write_bytes_per_s",
+                             "cpu_adam_params_per_s"}
     for name, (low, high) in m.ranges.items():
-        assert 0 < low <= getattr(m, name) <= high
+        assert 0 < low <= getattr(m.rates, name) <= high
     assert "(" in m.describe() and "CPU Adam" in m.describe()
     with pytest.raises(ValueError, match="probes=0"):
         CostModel.measure("cpu", nbytes=1 << 20, probes=0)
 
 
 def test_cost_model_prediction_range_brackets_the_prediction():
-    m = CostModel(50, 25, 2, 1, 4, ranges={"h2d_gbps": (40, 60), "nvme_read_gbps": (1, 3)})
+    m = CostModel(rates(50e9, 25e9, 2e9, 1e9, 4e9),
+                  ranges={"pcie_h2d_bytes_per_s": (40e9, 60e9),
+                          "nvme_read_bytes_per_s": (1e9, 3e9)})
     links = {"h2d": 10**9, "nvme_read": 2 * 10**9}
     fast, slow = m.predict_range_s(links, 0, compute_s=0.1)
     assert fast < m.predict_s(links, 0, compute_s=0.1) < slow
     assert slow == pytest.approx(0.1 + 1 / 40 + 2 / 1) and fast == pytest.approx(0.1 + 1 / 60 + 2 / 3)
-    assert CostModel(1, 1, 1, 1, 1).predict_range_s({"h2d": 10**9}) == (1.0, 1.0)  # no spread
-    with pytest.raises(ValueError, match=r"ranges\['h2d_gbps'\]"):
-        CostModel(50, 25, 2, 1, 4, ranges={"h2d_gbps": (51, 60)})
+    assert CostModel(rates(1e9, 1e9, 1e9, 1e9, 1e9)).predict_range_s({"h2d": 10**9}) \
+        == (1.0, 1.0)  # no spread
+    with pytest.raises(ValueError, match=r"ranges\['pcie_h2d_bytes_per_s'\]"):
+        CostModel(rates(50e9, 25e9, 2e9, 1e9, 4e9),
+                  ranges={"pcie_h2d_bytes_per_s": (51e9, 60e9)})
 
 
 def test_tune_reports_a_prediction_off_by_more_than_2x(caplog):
     """Issue 17 item 7: a measured step far from the model's prediction is flagged in the table
     and logged as a warning, with the prediction's range."""
     out = io.StringIO()
-    model = CostModel(1, 1, 1, 1, 1)  # 1 GB/s, 1 G params/s: the steps below predict ~1 ms
+    model = CostModel(rates(1e9, 1e9, 1e9, 1e9, 1e9))  # 1 GB/s, 1 G params/s: ~1 ms a step
     with caplog.at_level("WARNING", logger="tiermem"):
         results = tune(lambda s: (lambda: time.sleep(s["sleep_ms"] / 1e3)),
                        {"sleep_ms": [0, 30]}, steps=2, warmup=0, cost_model=model,

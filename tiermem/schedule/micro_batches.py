@@ -4,7 +4,7 @@ breadth-first (Note [breadth-first blocks]).
 Note [breadth-first blocks]: with HybridAdam and ``max_grad_norm`` the CPU step of the offloaded
 chunks cannot start before ``step()`` (the global norm comes first), so it runs after the last
 backward, and with ``param_sync="step"`` the next forward waits for all of it (Note [optimizer
-tail] in tiermem/plan.py). With ``param_sync="forward"`` each module waits only for its own
+tail] in tiermem/plan/timing.py). With ``param_sync="forward"`` each module waits only for its own
 chunks, and the worker steps them in forward order (Note [stepping order] in
 tiermem/optim/hybrid_adam.py): the first layers are ready first. Depth-first, only one
 micro-batch's forward can use that: the next step's micro-batch 0 runs block after block as the

@@ -27,8 +27,9 @@ then at its fastest), printed beside it. A setting whose measured time is more t
 prediction, or less than half of it, is reported (a WARNING on the ``tiermem`` logger and a line
 under the table): the model does not describe it, so the measurement is what counts.
 
-Units: bandwidths in GB/s (1e9 bytes/s), CPU Adam in G params/s (1e9 parameters/s), times in
-seconds, sizes in bytes.
+The rates are the planner's :class:`tiermem.plan.MachineRates` (one model of the machine, measured
+here by :meth:`CostModel.measure`). Units: bandwidths in bytes/s, CPU Adam in parameters/s,
+times in seconds, sizes in bytes (the printed cost model line says GB/s and G params/s).
 
 Modules: :mod:`~tiermem.tune.cost` (the cost model), :mod:`~tiermem.tune.results` (trials,
 results, the grid), :mod:`~tiermem.tune.runner` (:func:`tune`, the measured runs),

@@ -5,33 +5,38 @@ directions share the disk), the CPU Adam steps its parameters at its rate, and c
 ``compute_s``. Serial prediction: the sum of all; overlapped (``overlap=True``): the largest of
 compute, H2D, D2H, NVMe and CPU Adam (perfect overlap; a lower bound).
 
-How sure a prediction is: :meth:`CostModel.measure` probes every rate ``probes`` times (3 by
-default) and keeps the median, with the slowest and fastest probe in ``CostModel.ranges``; each
-prediction then has a range (:meth:`CostModel.predict_range_s`: every rate at its slowest probe,
-then at its fastest).
+The rates are the planner's: a :class:`tiermem.plan.MachineRates` (one model of the machine for
+``tiermem plan``, ``tiermem tune`` and ``examples/train_large.py``), of which the cost model
+uses the fields in :data:`RATES`. How sure a prediction is: :meth:`CostModel.measure` probes
+every rate ``probes`` times (3 by default, :meth:`tiermem.plan.MachineRates.measure`) and keeps
+the median, with the slowest and fastest probe in ``CostModel.ranges``; each prediction then
+has a range (:meth:`CostModel.predict_range_s`: every rate at its slowest probe, then at its
+fastest).
 
-Units: bandwidths in GB/s (1e9 bytes/s), CPU Adam in G params/s (1e9 parameters/s), times in
-seconds, sizes in bytes.
+Units: bandwidths in bytes/s, CPU Adam in parameters/s (:class:`~tiermem.plan.MachineRates`'
+own), times in seconds, sizes in bytes; :meth:`CostModel.describe` prints GB/s and G params/s.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import statistics
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from tiermem.names import resolve_device
-from tiermem.schedule.layers import best_time_s, copy_bandwidths, disk_bandwidths
+from tiermem.plan.rates import MEASURED, MachineRates
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 """Links of the cost model."""
 
-RATES = ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "cpu_adam_gparams")
-"""The rates of :class:`CostModel`."""
+LINK_RATES = {"h2d": "pcie_h2d_bytes_per_s", "d2h": "pcie_d2h_bytes_per_s",
+              "nvme_read": "nvme_read_bytes_per_s", "nvme_write": "nvme_write_bytes_per_s"}
+"""Each link's :class:`~tiermem.plan.MachineRates` field (bytes/s)."""
+
+RATES = MEASURED
+"""The :class:`~tiermem.plan.MachineRates` fields the cost model uses: the four links' (bytes/s)
+and the CPU Adam's with fp32 moments (``cpu_adam_params_per_s``, params/s)."""
 
 DISAGREE_FACTOR = 2.0
 """Measured and predicted step times further apart than this factor are reported."""
@@ -61,37 +66,30 @@ class CostModel:
     """Predicts a step's time from bytes per link and CPU Adam work.
 
     Args:
-        h2d_gbps: host -> device bandwidth, GB/s.
-        d2h_gbps: device -> host bandwidth, GB/s.
-        nvme_read_gbps: spill read bandwidth, GB/s.
-        nvme_write_gbps: spill write bandwidth, GB/s.
-        cpu_adam_gparams: CPU Adam rate, G parameters/s.
-        ranges: per rate name (``"h2d_gbps"``, ...), the ``(slowest, fastest)`` of the probes
-            that measured it, in the same unit (empty: no spread known).
+        rates: the machine's rates (:class:`tiermem.plan.MachineRates`, which checks them);
+            the model uses the fields in :data:`RATES`. Default: the H200 machine's.
+        ranges: per field of :data:`RATES` (``"pcie_h2d_bytes_per_s"``, ...), the
+            ``(slowest, fastest)`` of the probes that measured it, in the field's unit
+            (empty: no spread known).
 
     Raises:
-        ValueError: a rate that is not a positive number, or a range that does not hold it.
+        TypeError: ``rates`` is not a :class:`~tiermem.plan.MachineRates`.
+        ValueError: a range of an unknown rate or one that does not hold the rate.
     """
 
-    h2d_gbps: float
-    d2h_gbps: float
-    nvme_read_gbps: float
-    nvme_write_gbps: float
-    cpu_adam_gparams: float
+    rates: MachineRates = field(default_factory=MachineRates)
     ranges: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in RATES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not value > 0 or math.isinf(value):
-                raise ValueError(f"CostModel.{name}={value!r} must be a positive finite number")
+        if not isinstance(self.rates, MachineRates):
+            raise TypeError(f"CostModel.rates must be a tiermem.plan.MachineRates, got "
+                            f"{type(self.rates).__name__}")
         for name, (low, high) in self.ranges.items():
             if name not in RATES:
                 raise ValueError(f"CostModel.ranges has unknown rate {name!r}; use {RATES}")
-            if not 0 < low <= getattr(self, name) <= high:
+            if not 0 < low <= getattr(self.rates, name) <= high:
                 raise ValueError(f"CostModel.ranges[{name!r}]=({low!r}, {high!r}) must be "
-                                 f"positive and hold {name}={getattr(self, name)!r}")
+                                 f"positive and hold {name}={getattr(self.rates, name)!r}")
 
     def link_seconds(self, bytes_per_link: Mapping[str, int]) -> dict[str, float]:
         """Return seconds per link for ``{"h2d": bytes, "d2h": ..., "nvme_read": ...,
@@ -104,13 +102,12 @@ class CostModel:
         if unknown:
             raise ValueError(f"CostModel: unknown link(s) {sorted(unknown)}; use {LINKS} "
                              f"(tiermem.tune.link_bytes converts store directions)")
-        rate = {"h2d": self.h2d_gbps, "d2h": self.d2h_gbps, "nvme_read": self.nvme_read_gbps,
-                "nvme_write": self.nvme_write_gbps}
-        return {link: bytes_per_link.get(link, 0) / (rate[link] * 1e9) for link in LINKS}
+        return {link: bytes_per_link.get(link, 0) / getattr(self.rates, LINK_RATES[link])
+                for link in LINKS}
 
     def adam_seconds(self, adam_params: int) -> float:
         """Return the seconds the CPU Adam takes for ``adam_params`` parameters."""
-        return adam_params / (self.cpu_adam_gparams * 1e9)
+        return adam_params / self.rates.cpu_adam_params_per_s
 
     def offload_seconds(self, bytes_per_link: Mapping[str, int], adam_params: int) -> float:
         """Return the serial time of all transfers and the CPU Adam (seconds)."""
@@ -143,29 +140,33 @@ class CostModel:
         """``(fastest, slowest)`` predicted seconds: :meth:`predict_s` with every rate at the
         fastest, then at the slowest of its probes (``ranges``; a rate without a range counts
         as exact). Same arguments and errors as :meth:`predict_s`."""
-        fast = {n: self.ranges.get(n, (getattr(self, n),) * 2)[1] for n in RATES}
-        slow = {n: self.ranges.get(n, (getattr(self, n),) * 2)[0] for n in RATES}
-        return (CostModel(**fast).predict_s(bytes_per_link, adam_params, compute_s, overlap),
-                CostModel(**slow).predict_s(bytes_per_link, adam_params, compute_s, overlap))
+        fast = dataclasses.replace(self.rates, **{n: hi for n, (_, hi) in self.ranges.items()})
+        slow = dataclasses.replace(self.rates, **{n: lo for n, (lo, _) in self.ranges.items()})
+        return (CostModel(fast).predict_s(bytes_per_link, adam_params, compute_s, overlap),
+                CostModel(slow).predict_s(bytes_per_link, adam_params, compute_s, overlap))
 
     def describe(self) -> str:
-        """One line: every rate (the probes' median) with the probes' range."""
+        """One line: every rate (the probes' median) with the probes' range, in GB/s and
+        G params/s."""
         def rate(name: str, label: str, unit: str, digits: int) -> str:
-            value = f"{label} {getattr(self, name):.{digits}f} {unit}"
+            value = f"{label} {getattr(self.rates, name) / 1e9:.{digits}f} {unit}"
             if name in self.ranges:
                 low, high = self.ranges[name]
-                value += f" ({low:.{digits}f}-{high:.{digits}f})"
+                value += f" ({low / 1e9:.{digits}f}-{high / 1e9:.{digits}f})"
             return value
-        return ", ".join((rate("h2d_gbps", "H2D", "GB/s", 1), rate("d2h_gbps", "D2H", "GB/s", 1),
-                          rate("nvme_read_gbps", "NVMe read", "GB/s", 2),
-                          rate("nvme_write_gbps", "write", "GB/s", 2),
-                          rate("cpu_adam_gparams", "CPU Adam", "G params/s", 2)))
+        return ", ".join((rate("pcie_h2d_bytes_per_s", "H2D", "GB/s", 1),
+                          rate("pcie_d2h_bytes_per_s", "D2H", "GB/s", 1),
+                          rate("nvme_read_bytes_per_s", "NVMe read", "GB/s", 2),
+                          rate("nvme_write_bytes_per_s", "write", "GB/s", 2),
+                          rate("cpu_adam_params_per_s", "CPU Adam", "G params/s", 2)))
 
     @classmethod
     def measure(cls, device: str | torch.device = "auto", nbytes: int = 32 << 20,
                 nvme_dir: str | None = None, adam_params: int = 1 << 20,
                 probes: int = 3) -> "CostModel":
-        """Measure the rates on this machine with small copies and CPU Adam calls.
+        """A cost model of this machine's rates: :meth:`tiermem.plan.MachineRates.measure`
+        (small copies, spill-file writes and reads, CPU Adam calls; the rates the model does
+        not use stay the H200 machine's).
 
         Args:
             device: the compute device (``"auto"``: CUDA if present). Without CUDA, H2D/D2H are
@@ -181,21 +182,7 @@ class CostModel:
             ValueError: ``probes`` < 1.
             OSError: ``nvme_dir`` is not writable.
         """
-        from tiermem.optim.cpu_adam import adam_step_
-
-        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
-            raise ValueError(f"CostModel.measure: probes={probes!r} must be an int >= 1")
-        device = resolve_device(device, "CostModel.measure device")
-        p, g, m, v = (torch.rand(adam_params) for _ in range(4))
-        steps = itertools.count(1)
-        seen: dict[str, list[float]] = {n: [] for n in RATES}
-        for _ in range(probes):
-            d2h_bps, h2d_bps = copy_bandwidths(device, nbytes)
-            write_bps, read_bps = disk_bandwidths(nvme_dir, nbytes)
-            adam = adam_params / best_time_s(lambda: adam_step_(
-                p, g, m, v, step=next(steps), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                weight_decay=0.0), repeat=3)
-            for name, bps in zip(RATES, (h2d_bps, d2h_bps, read_bps, write_bps, adam)):
-                seen[name].append(bps / 1e9)
-        return cls(*(statistics.median(seen[n]) for n in RATES),
-                   ranges={n: (min(seen[n]), max(seen[n])) for n in RATES} if probes > 1 else {})
+        measured = MachineRates.measure(device, nbytes=nbytes, nvme_dir=nvme_dir,
+                                        adam_params=adam_params, probes=probes,
+                                        who="CostModel.measure")
+        return cls(measured.rates, ranges=dict(measured.ranges))

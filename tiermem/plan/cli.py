@@ -1,0 +1,247 @@
+"""``tiermem plan``, the command: its arguments (the model, the machine's capacities and rates,
+HybridAdam's settings) and :func:`main`, which prints the plan's table or JSON (exit code 0
+fits, 1 does not fit, 2 bad usage). The rate flags take GB/s, TFLOP/s and G params/s and are
+converted to :class:`MachineRates`' units here, at the command's boundary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+from tiermem.names import PARAM_SYNCS
+from tiermem.plan.placement import breadth_first_note, plan
+from tiermem.plan.rates import MachineRates
+from tiermem.plan.shapes import PRESETS
+
+
+def _fraction(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1] or 'auto'") from None
+
+
+def _layers(text: str) -> int | None:
+    value = blocks_or_auto(text)
+    return None if value == "auto" else value
+
+
+def blocks_or_auto(text: str) -> int | str:
+    """The ``--breadth-first-blocks`` argument: an int, or ``"auto"``.
+
+    Raises:
+        argparse.ArgumentTypeError: neither.
+    """
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or 'auto'") from None
+
+
+def _share(text: str) -> float:
+    try:
+        return float(text)  # the range is plan()'s check, one message for both
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]") from None
+
+
+def _norm(text: str) -> float:
+    try:
+        return float(text)  # the range is plan()'s check, one message for both
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (a clipping norm > 0, "
+                                         f"e.g. 1.0)") from None
+
+
+def _count(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 13e9)") from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tiermem plan",
+        description="Say what must go where (GPU / pinned host RAM / NVMe) to train a GPT-style "
+                    "model (dense, or mixture of experts with --experts, --top-k and --d-expert), "
+                    "and whether it fits. Exit code 0: fits; 1: does not fit; 2: bad "
+                    "usage. The memory model is documented in tiermem/plan.py and "
+                    "docs/design.md.")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--model-size", choices=sorted(PRESETS, key=lambda s: float(s[:-1])),
+                      help="a GPT preset (vocab 32000, seq 2048; 1b: 24x2048 micro-batch 8, "
+                           "7b: 32x4096, 13b: 40x5120, 30b: 60x6656, 70b: 80x8192, batch 1)")
+    size.add_argument("--params", type=_count, help="parameter count, e.g. 13e9 "
+                      "(needs --layers and --d-model; for an MoE all parameters, and optional: "
+                      "counted from the shape)")
+    p.add_argument("--layers", type=int, help="transformer blocks")
+    p.add_argument("--d-model", type=int, help="model width")
+    p.add_argument("--heads", type=int, help="attention heads (eager attention only)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=int, help="sequences per micro-batch (default: preset's, or 1)")
+    p.add_argument("--experts", type=int, help="MoE: experts per block (with --top-k, --d-expert)")
+    p.add_argument("--top-k", type=int, help="MoE: experts each token is routed to")
+    p.add_argument("--d-expert", type=int, help="MoE: hidden width of each expert's MLP")
+    p.add_argument("--dtype", default="bf16",
+                   help="parameter dtype: bf16, fp32 or fp16, or their long names (bfloat16, "
+                        "...) (default bf16)")
+    p.add_argument("--moments-dtype", default="fp32",
+                   help="dtype of the Adam moments, on the GPU and offloaded alike: fp32 or "
+                        "bf16, or their long names (default fp32)")
+    p.add_argument("--gpu", default="141GB",
+                   help="GPU capacity (default 141GB = 131.3 GiB: one H200; output is in GiB)")
+    p.add_argument("--host", default="128GiB", help="host RAM (default 128GiB)")
+    p.add_argument("--nvme", default="64GiB", help="NVMe space for spill files (default 64GiB)")
+    p.add_argument("--gpu-reserve", default=None,
+                   help="GPU bytes kept free (default 1GiB + 5%% of --gpu)")
+    p.add_argument("--host-reserve", default="8GiB", help="host bytes kept free (default 8GiB)")
+    p.add_argument("--offload-fraction", type=_fraction, default=None, metavar="F|auto",
+                   help="optimizer state off the GPU, 0..1 (default auto: the least that fits)")
+    p.add_argument("--state-tier", default="auto", choices=["auto", "cpu", "nvme", "split"],
+                   help="where offloaded state lives (default auto: RAM, else split RAM + NVMe)")
+    p.add_argument("--offload-layers", type=_layers, default=None, metavar="K|auto",
+                   help="blocks whose activations are offloaded (default auto)")
+    p.add_argument("--activation-tier", default="cpu", choices=["cpu", "nvme"],
+                   help="where offloaded activations go (default cpu)")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="blocks reloaded ahead (1)")
+    p.add_argument("--eager-attention", action="store_true",
+                   help="attention saves its softmax (no flash/efficient SDPA kernel)")
+    p.add_argument("--gpu-step-fraction", type=_share, default=0.0, metavar="S",
+                   help="share of the offloaded chunks HybridAdam's GPU lane steps "
+                        "(optimizer.gpu_step_fraction), 0..1, for the time per step: that share "
+                        "crosses PCIe as state both ways instead of being stepped by the CPU "
+                        "(default 0: the CPU steps all)")
+    p.add_argument("--max-grad-norm", type=_norm, default=None, metavar="X",
+                   help="HybridAdam's gradient clipping norm (optimizer.max_grad_norm), for the "
+                        "time per step: with it the optimizer phase cannot overlap backward (it "
+                        "waits for the global norm), so the floor step is the GPU's time plus "
+                        "the whole optimizer phase (default: no clipping)")
+    p.add_argument("--grad-accumulation-steps", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step, for the time per step: tokens per "
+                        "step = batch x seq x N (default 1; the memory depends on it only with "
+                        "--breadth-first-blocks)")
+    p.add_argument("--param-sync", choices=PARAM_SYNCS, default="step",
+                   help="HybridAdam's param_sync (optimizer.param_sync), for the time per "
+                        "step: with 'forward' and --max-grad-norm the next forward runs beside "
+                        "the optimizer's tail (default: step)")
+    p.add_argument("--breadth-first-blocks", type=blocks_or_auto, default=0, metavar="K",
+                   help="blocks run for every micro-batch first (train.breadth_first_blocks), "
+                        "or 'auto': the most that fit; their saved inputs count on the GPU, and "
+                        "with --param-sync forward their forward runs beside the optimizer's "
+                        "tail (default 0)")
+    rates = p.add_argument_group(
+        "machine rates", "what the time per optimizer step is predicted from (defaults: the "
+        "H200 machine, one run each, docs/results/*.log; docs/sizing.md)")
+    d = MachineRates()
+    for flag, fld, scale, unit, log in _RATE_FLAGS:
+        rates.add_argument(flag, type=_rate, default=None, metavar=unit.split()[0],
+                           help=f"{unit} (default {getattr(d, fld) / scale:,.2f}, {log})")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+_RATE_FLAGS = (
+    ("--gpu-tflops", "gpu_flops", 1e12, "TFLOP/s of forward + backward counted as 6·N·tokens",
+     "bench_activations.log"),
+    ("--gpu-tflops-checkpointed", "gpu_flops_checkpointed", 1e12,
+     "TFLOP/s of forward + backward with every block checkpointed, counted as 8·N·tokens",
+     "bench_activations.log"),
+    ("--pcie-h2d", "pcie_h2d_bytes_per_s", 1e9, "GB/s host to device", "bench_transfer.log"),
+    ("--pcie-d2h", "pcie_d2h_bytes_per_s", 1e9, "GB/s device to host", "bench_transfer.log"),
+    ("--pcie-both", "pcie_both_bytes_per_s", 1e9, "GB/s both directions at once",
+     "bench_transfer.log"),
+    ("--cpu-adam", "cpu_adam_params_per_s", 1e9, "Gparams/s of CPU Adam, fp32 moments",
+     "bench_adam.log"),
+    ("--cpu-adam-bf16", "cpu_adam_bf16_moments_params_per_s", 1e9,
+     "Gparams/s of CPU Adam, bf16 moments", "bench_adam.log"),
+    ("--nvme-read", "nvme_read_bytes_per_s", 1e9, "GB/s spill-file reads", "bench_io.log"),
+    ("--nvme-write", "nvme_write_bytes_per_s", 1e9, "GB/s spill-file writes", "bench_io.log"),
+)
+"""``tiermem plan``'s rate options: flag, :class:`MachineRates` field, unit scale, unit, log."""
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``tiermem plan``; return 0 (fits), 1 (does not fit) or 2 (bad usage).
+
+    Bad usage prints one line (or argparse's usage message) on stderr and returns 2.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        moe = dict(n_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert)
+        is_moe = any(v is not None for v in moe.values())
+        if args.model_size is None and args.params is None and not is_moe:
+            raise ValueError("give the model: --model-size 1b|7b|13b|30b|70b, --params N "
+                             "with --layers and --d-model, or an MoE: --layers, --d-model, "
+                             "--experts, --top-k and --d-expert")
+        shape = PRESETS.get(args.model_size)
+        kw = dict(
+            n_layers=args.layers or (shape.n_layers if shape else None),
+            d_model=args.d_model or (shape.d_model if shape else None),
+            n_heads=args.heads or (shape.n_heads if shape else None),
+            vocab=args.vocab or (shape.vocab if shape else 32000),
+            seq=args.seq or (shape.seq_len if shape else 2048),
+            batch=args.batch or (shape.micro_batch if shape else 1),
+            dtype=args.dtype, moments_dtype=args.moments_dtype, gpu_bytes=args.gpu,
+            host_bytes=args.host, nvme_bytes=args.nvme, gpu_reserve_bytes=args.gpu_reserve,
+            host_reserve_bytes=args.host_reserve, offload_fraction=args.offload_fraction,
+            state_tier=args.state_tier, offload_layers=args.offload_layers,
+            activation_tier=args.activation_tier, checkpoint=args.checkpoint,
+            prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
+            grad_accumulation_steps=args.grad_accumulation_steps,
+            gpu_step_fraction=args.gpu_step_fraction, max_grad_norm=args.max_grad_norm,
+            param_sync=args.param_sync, breadth_first_blocks=args.breadth_first_blocks,
+            rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
+                                  for flag, fld, scale, _, _ in _RATE_FLAGS
+                                  if getattr(args, flag[2:].replace("-", "_")) is not None}),
+            **moe)
+        if shape is not None:
+            if args.layers or args.d_model:
+                raise ValueError("--model-size sets the shape; use --params with --layers and "
+                                 "--d-model for another shape")
+            if is_moe:
+                raise ValueError("--model-size is a dense GPT preset; for an MoE give --layers, "
+                                 "--d-model, --experts, --top-k and --d-expert instead")
+            n = dataclasses.replace(shape, vocab=kw["vocab"], seq_len=kw["seq"]).num_params()
+        else:
+            n = args.params
+        result = plan(n, **kw)
+        hint = breadth_first_note(result, n, kw)
+    except (ValueError, TypeError) as exc:
+        print(f"tiermem plan: error: {exc}", file=sys.stderr)
+        return 2
+    if hint:
+        result.notes.append(hint)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.table(), end="")
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

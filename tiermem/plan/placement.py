@@ -1,0 +1,402 @@
+"""The placement: :func:`plan` puts a training run's state on GPU / pinned host RAM / NVMe by the
+memory model (:mod:`tiermem.plan.memory`), says whether it fits, and predicts its step
+(:mod:`tiermem.plan.timing`); :func:`breadth_first_note` says when another schedule would be
+faster.
+
+Automatic placement (``offload_fraction=None``, ``state_tier="auto"``, ``offload_layers=None``):
+keep activations on the GPU if possible, and find the smallest offload fraction (in steps of
+0.01) with which the GPU fits; put the offloaded state in RAM, else split it (RAM first, the
+rest on NVMe: HybridAdam's ``state_tier="split"``). Only when even ``f = 1`` does not fit the
+GPU are the activations of all blocks but the last offloaded (to the host tier). When no
+placement fits, the plan says which tier overflows, by how much, and whether RAM + NVMe
+together could hold the offloaded state at all (with fp32 and with bf16 moments).
+
+MoE models (``n_experts``, ``top_k``, ``d_expert``): parameters, gradients and optimizer state
+count every parameter (the total, ``MoEConfig.num_params()``); the activations depend on
+``top_k`` and ``d_expert`` only; the plan also reports the active parameters (those one token
+uses, ``MoEConfig.active_params()``: what the compute per token scales with).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tiermem.config import parse_bytes
+from tiermem.names import (MOMENTS_DTYPES, OFFLOAD_TIERS, PARAM_SYNCS, STATE_TIERS,
+                           check_choice, check_fraction, check_int, dtype_name)
+from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS,
+                                  gpu_side_state_bytes, lane_slot_bytes, state_numel)
+from tiermem.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, head_bytes,
+                                 host_buffer_bytes, largest_chunk,
+                                 moe_activation_bytes_per_block, short_dtype)
+from tiermem.plan.rates import H200_GPU_BYTES, H200_HOST_BYTES, H200_NVME_BYTES, MachineRates
+from tiermem.plan.result import Item, Plan, add_notes, overflow
+from tiermem.plan.shapes import GiB
+from tiermem.plan.timing import LANE_MEANING, check_max_grad_norm, step_time
+
+
+def _moe_shape(n_experts, top_k, d_expert) -> bool:
+    """Validate the MoE inputs; True for an MoE, False for a dense model (none given)."""
+    given = {"n_experts": n_experts, "top_k": top_k, "d_expert": d_expert}
+    if all(v is None for v in given.values()):
+        return False
+    missing = [name for name, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"plan: an MoE needs n_experts, top_k and d_expert; {', '.join(missing)} "
+                         f"missing (command line: --experts, --top-k, --d-expert)")
+    for name, value in given.items():
+        check_int("plan: ", name, value)
+    if top_k > n_experts:
+        raise ValueError(f"top_k={top_k} exceeds n_experts={n_experts}; route each token to at "
+                         f"most n_experts experts")
+    return True
+
+
+def plan(num_params=None, *, model=None, n_layers: int | None = None,
+         d_model: int | None = None, n_heads: int | None = None, vocab: int = 32000,
+         seq: int = 2048, batch: int = 1, mlp_ratio: int = 4, n_experts: int | None = None,
+         top_k: int | None = None, d_expert: int | None = None, dtype=None,
+         moments_dtype="fp32", gpu_bytes=H200_GPU_BYTES, host_bytes=H200_HOST_BYTES,
+         nvme_bytes=H200_NVME_BYTES, offload_fraction: float | None = None,
+         state_tier: str = "auto", offload_layers: int | None = None,
+         activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
+         eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
+         chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
+         grad_accumulation_steps: int = 1, gpu_step_fraction: float = 0.0,
+         max_grad_norm: float | None = None, param_sync: str = "step",
+         breadth_first_blocks: int | str = 0, rates: MachineRates | None = None) -> Plan:
+    """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
+
+    Args:
+        num_params: parameter count (for an MoE: all parameters, every expert's), or an
+            ``nn.Module`` (its parameters are counted, its dtype taken, and its ``cfg`` read
+            when it is a ``tiermem.models.GPT`` or ``tiermem.models.MoE``); None with an MoE
+            shape: counted from the shape (``tiermem.models.MoEConfig.num_params``).
+        model: an ``nn.Module`` (alternative to passing it as ``num_params``).
+        n_layers, d_model, n_heads: the transformer's shape, for the activation estimate
+            (required unless the model is a tiermem GPT; ``n_heads`` only matters with
+            ``eager_attention``; default d_model/128).
+        vocab: vocabulary size (tokens), for the head and loss.
+        seq: tokens per sequence.
+        batch: sequences per micro-batch.
+        mlp_ratio: MLP width / d_model (dense models).
+        n_experts, top_k, d_expert: an MoE block (``tiermem.models.moe``): experts per block,
+            experts per token, expert hidden width; all three or none (dense). The
+            activations depend on ``top_k`` and ``d_expert``; ``plan.active_params`` is the
+            total less the ``n_experts - top_k`` experts per block a token skips.
+        dtype: parameter (and activation) dtype: bfloat16 or float32 (float16: 2 bytes), in any
+            spelling of :data:`tiermem.names.DTYPE_SPELLINGS` (``"bf16"``, ``"bfloat16"``,
+            ``torch.bfloat16``, ...); None: the model's dtype when a model is given, else bf16.
+        moments_dtype: dtype of the Adam moments, float32 or bfloat16, in any spelling
+            (``"fp32"``, ``"float32"``, ``torch.float32``, ...): HybridAdam's, which stores them
+            so on the GPU side and the offloaded side alike (bf16: 4 B/param less on each).
+            ``plan.inputs`` keeps both dtypes by their canonical names (``"bfloat16"``).
+        gpu_bytes, host_bytes, nvme_bytes: capacities in bytes (ints or strings like
+            ``"141GB"``, ``"128GiB"``); defaults: the H200 machine.
+        offload_fraction: fraction of the optimizer state off the GPU in [0, 1]; None: the
+            smallest that fits.
+        state_tier: ``"cpu"``, ``"nvme"``, ``"split"`` (RAM first, the rest on NVMe, like
+            HybridAdam's ``state_tier="split"``) or ``"auto"`` (RAM if it fits, else split).
+        offload_layers: blocks whose activations are offloaded, in [0, n_layers); None:
+            0, or n_layers-1 when the GPU cannot fit otherwise.
+        activation_tier: ``"cpu"`` or ``"nvme"``: where offloaded activations go.
+        checkpoint: activation checkpointing of every block.
+        prefetch_depth: blocks reloaded ahead in backward (offloaded activations).
+        eager_attention: the attention saves its softmax (no flash/efficient SDPA kernel).
+        gpu_reserve_bytes: GPU bytes kept free for the CUDA context, workspaces and
+            fragmentation; None: 1 GiB + 5 % of ``gpu_bytes``.
+        host_reserve_bytes: host bytes kept free for the OS, Python and torch.
+        chunk_numel, nvme_lookahead_chunks: HybridAdam's, for the pinned staging and NVMe
+            read-ahead buffers (``chunk_numel=None``: HybridAdam's default for the offloaded
+            elements, see :func:`tiermem.optim.partition.auto_chunk_numel`).
+        grad_accumulation_steps: micro-batches per optimizer step: the time per step depends
+            on it (``batch x seq x grad_accumulation_steps`` tokens), the memory only with
+            ``breadth_first_blocks``.
+        gpu_step_fraction: HybridAdam's share of the offloaded chunks the GPU steps (Note [gpu
+            lane] in ``tiermem/optim/hybrid_adam.py``), in [0, 1]: only the time per step
+            depends on it (that share crosses PCIe as state both ways instead of being stepped
+            by the CPU; :func:`step_time`); the lane's device slots are not in the memory.
+        max_grad_norm: HybridAdam's gradient clipping norm (a number > 0), or None (no
+            clipping): only the time per step depends on it (with it the optimizer phase
+            overlaps no backward: Note [optimizer tail]).
+        param_sync: HybridAdam's, ``"step"`` or ``"forward"``: only the time per step depends
+            on it (Note [optimizer tail]).
+        breadth_first_blocks: blocks run for every micro-batch before the rest of the first
+            (Note [breadth-first blocks]), 0 to ``n_layers``: each of the other
+            ``grad_accumulation_steps - 1`` micro-batches keeps what those blocks saved plus
+            its hidden state on the GPU (an item of its own), and with ``param_sync="forward"``
+            the step time counts that forward beside the optimizer tail. ``"auto"``: the most
+            blocks that still fit, after the fraction and tier are chosen (so with
+            ``offload_fraction=None``, usually none).
+        rates: :class:`MachineRates` the time per step is predicted from; None: the H200
+            machine's.
+
+    Returns:
+        a :class:`Plan` (``plan.fits``, ``plan.table()``, ``plan.step_time``).
+
+    Raises:
+        ValueError: a missing or non-positive size, an unknown dtype, tier or param_sync,
+            ``breadth_first_blocks`` above ``n_layers``, a fraction
+            (``offload_fraction``, ``gpu_step_fraction``) outside [0, 1], ``max_grad_norm``
+            not above 0 or nan, ``offload_layers`` outside [0, n_layers), an MoE shape given
+            in part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of
+            the experts a token skips, naming the argument.
+        TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
+            that is not an int, or a fraction or ``max_grad_norm`` that is not a number
+            (naming the argument); ``rates`` not a :class:`MachineRates`.
+    """
+    if model is not None and num_params is not None:
+        raise TypeError("plan: pass num_params or model, not both")
+    model = model if model is not None else (None if num_params is None or
+                                             isinstance(num_params, (int, float)) else num_params)
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"plan: num_params must be a number or an nn.Module, got "
+                            f"{type(model).__name__}")
+        params = list(model.parameters())
+        num_params = sum(p.numel() for p in params)
+        if params and dtype is None:
+            dtype = params[0].dtype  # the model's own dtype when none is given
+        cfg = getattr(model, "cfg", None)
+        if cfg is not None:
+            n_layers = n_layers or getattr(cfg, "n_layers", None)
+            d_model = d_model or getattr(cfg, "d_model", None)
+            n_heads = n_heads or getattr(cfg, "n_heads", None)
+            vocab = getattr(cfg, "vocab", vocab)
+            mlp_ratio = getattr(cfg, "mlp_ratio", mlp_ratio)
+            n_experts = n_experts or getattr(cfg, "n_experts", None)
+            top_k = top_k or getattr(cfg, "top_k", None)
+            d_expert = d_expert or getattr(cfg, "d_expert", None)
+    moe = _moe_shape(n_experts, top_k, d_expert)
+    if num_params is None and not moe:
+        raise ValueError("plan: give the model size: num_params (e.g. 13e9), a model, or an MoE "
+                         "shape (n_experts, top_k, d_expert)")
+    if num_params is not None and (isinstance(num_params, bool) or not isinstance(
+            num_params, (int, float)) or not num_params >= 1 or not math.isfinite(num_params)):
+        raise ValueError(f"plan: num_params={num_params!r} must be a positive number")
+    if n_layers is None or d_model is None:
+        raise ValueError("plan: the activation estimate needs the shape: n_layers and d_model "
+                         "(command line: --layers and --d-model, or --model-size)")
+    n_layers = check_int("plan: ", "n_layers", n_layers)
+    d_model = check_int("plan: ", "d_model", d_model)
+    n_heads = check_int("plan: ", "n_heads", n_heads or max(1, d_model // 128))
+    for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
+                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth),
+                        ("grad_accumulation_steps", grad_accumulation_steps)):
+        check_int("plan: ", name, value)
+    if rates is not None and not isinstance(rates, MachineRates):
+        raise TypeError(f"plan: rates must be a tiermem.plan.MachineRates, got "
+                        f"{type(rates).__name__}")
+    n = active = None if num_params is None else int(num_params)
+    if moe:
+        from tiermem.models.moe import MoEConfig  # torch is loaded with tiermem already
+        # n_heads=1: heads do not change the count (and need not divide d_model here)
+        cfg = MoEConfig(n_layers=n_layers, d_model=d_model, n_heads=1, seq_len=seq,
+                        vocab=vocab, n_experts=n_experts, top_k=top_k, d_expert=d_expert)
+        n = cfg.num_params() if n is None else n
+        skipped = cfg.num_params() - cfg.active_params()  # the experts a token does not run
+        if n <= skipped:
+            raise ValueError(f"plan: num_params={num_params!r} is not above the {skipped:,} "
+                             f"parameters of the experts a token skips (n_layers x (n_experts - "
+                             f"top_k) experts of d_expert={d_expert}); give the total count, "
+                             f"or check n_experts and d_expert")
+        active = n - skipped
+    if chunk_numel is not None:
+        check_int("plan: ", "chunk_numel", chunk_numel)
+    check_int("plan: ", "nvme_lookahead_chunks", nvme_lookahead_chunks, low=0)
+    # one spelling from here on: the canonical name (inputs, notes) and the torch.dtype (sizes)
+    dtype = dtype_name("plan: ", "dtype", "bfloat16" if dtype is None else dtype, PARAM_DTYPES)
+    moments_dtype = dtype_name("plan: ", "moments_dtype", moments_dtype, MOMENTS_DTYPES)
+    param_dt, moments_dt = getattr(torch, dtype), getattr(torch, moments_dtype)
+    p = param_dt.itemsize
+    cap = {"gpu": parse_bytes(gpu_bytes, "gpu_bytes"),
+           "host": parse_bytes(host_bytes, "host_bytes"),
+           "nvme": parse_bytes(nvme_bytes, "nvme_bytes")}
+    if cap["gpu"] == 0:
+        raise ValueError("gpu_bytes=0: the plan needs a GPU capacity")
+    gpu_reserve = (GiB + cap["gpu"] // 20) if gpu_reserve_bytes is None else \
+        parse_bytes(gpu_reserve_bytes, "gpu_reserve_bytes")
+    host_reserve = parse_bytes(host_reserve_bytes, "host_reserve_bytes")
+    if offload_fraction is not None:
+        check_fraction("plan: ", "offload_fraction", offload_fraction,
+                       "the optimizer state off the GPU, or None: the least that fits")
+    gpu_step_fraction = check_fraction("plan: ", "gpu_step_fraction", gpu_step_fraction,
+                                       LANE_MEANING)
+    check_max_grad_norm("plan: ", max_grad_norm)
+    check_choice("plan: ", "param_sync", param_sync, PARAM_SYNCS)
+    auto_blocks = breadth_first_blocks == "auto"
+    if auto_blocks:
+        breadth_first_blocks = 0  # the placement is chosen without them, then the most that fit
+    check_int("plan: ", "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks",
+              fix=f"give 0 (depth-first) to {n_layers}, or 'auto'")
+    if breadth_first_blocks > n_layers:
+        raise ValueError(f"plan: breadth_first_blocks={breadth_first_blocks} exceeds "
+                         f"n_layers={n_layers}; give 0 (depth-first) to {n_layers}")
+    check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
+                 "auto: RAM if it fits, else split")
+    check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
+    if offload_layers is not None and (isinstance(offload_layers, bool) or not isinstance(
+            offload_layers, int) or not 0 <= offload_layers < n_layers):
+        raise ValueError(f"offload_layers={offload_layers!r} must be an int in [0, {n_layers}) "
+                         f"(the last block's activations stay on the GPU)")
+
+    shape = dict(batch=batch, seq=seq, d_model=d_model, dtype_bytes=p)
+    if moe:
+        per_block = moe_activation_bytes_per_block(**shape, n_heads=n_heads, top_k=top_k,
+                                                   d_expert=d_expert,
+                                                   eager_attention=eager_attention)
+    else:
+        per_block = activation_bytes_per_block(**shape, n_heads=n_heads, mlp_ratio=mlp_ratio,
+                                               eager_attention=eager_attention)
+    block_input = batch * seq * d_model * p
+    kept_per_block = block_input if checkpoint else per_block
+    head = head_bytes(**shape, vocab=vocab)
+    gpu_state_per_param = gpu_side_state_bytes(1, param_dt, moments_dt)  # 12 or 8 (bf16 params)
+    off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
+    inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
+                  seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
+                  gpu_step_fraction=gpu_step_fraction, max_grad_norm=max_grad_norm,
+                  param_sync=param_sync,
+                  breadth_first_blocks="auto" if auto_blocks else breadth_first_blocks,
+                  n_experts=n_experts, top_k=top_k, d_expert=d_expert,
+                  dtype=dtype, moments_dtype=moments_dtype,
+                  checkpoint=checkpoint, activation_tier=activation_tier,
+                  prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
+                  host_reserve_bytes=host_reserve)
+
+    def build(f: float, tier: str, k: int, bf: int = breadth_first_blocks) -> Plan:
+        off_n = round(f * n)
+        gpu_n = n - off_n
+        items = [Item("parameters", gpu=n * p, note=short_dtype(dtype)),
+                 Item("gradients", gpu=n * p, note=short_dtype(dtype))]
+        items.append(Item("optimizer state, GPU side",
+                          gpu=gpu_side_state_bytes(gpu_n, param_dt, moments_dt),
+                          note=f"{gpu_state_per_param} B/param ("
+                               f"{'fp32 master + ' if param_dt != torch.float32 else ''}"
+                               f"{short_dtype(moments_dtype)} moments)"))
+        state = off_n * off_state_per_param
+        state_item = Item("optimizer state, offloaded",
+                          host=state if tier == "cpu" else 0, nvme=state if tier == "nvme" else 0,
+                          note=f"{off_state_per_param} B/param (fp32 master + "
+                               f"{short_dtype(moments_dtype)} moments)" if off_n else "")
+        items.append(state_item)
+        rings, staging = host_buffer_bytes(off_n, chunk_numel, param_dt, moments_dt,
+                                           nvme_lookahead_chunks, tier)
+        if rings:
+            items.append(Item("pinned staging (grads + params)", host=rings,
+                              note=f"{GRAD_SLOTS} + {OUT_SLOTS} chunks"))
+        if staging:
+            items.append(Item("NVMe read-ahead buffers", host=staging,
+                              note=f"{nvme_lookahead_chunks}+{NVME_EXTRA_CHUNKS} chunks"))
+        if off_n and gpu_step_fraction > 0:  # Note [gpu lane]: device slots, not the state
+            items.append(Item("GPU lane slots",
+                              gpu=lane_slot_bytes(largest_chunk(off_n, chunk_numel), moments_dt),
+                              note=f"{LANE_SLOTS} chunks of state + fp32 grads"))
+        on_gpu_blocks = n_layers - k
+        window = min(k, prefetch_depth + 1)
+        act = Item("activations", gpu=on_gpu_blocks * kept_per_block + window * kept_per_block,
+                   note=f"{kept_per_block / GiB:.2f} GiB/block"
+                        f"{' (checkpointed)' if checkpoint else ''} x {on_gpu_blocks} blocks"
+                        + (f" + {window} reloading" if k else ""))
+        if checkpoint:
+            act.gpu += per_block  # the block being recomputed in backward
+            act.note += " + 1 recomputed"
+        if k:
+            setattr(act, "host" if activation_tier == "cpu" else "nvme", k * kept_per_block)
+            act.note += f"; {k} blocks offloaded to {activation_tier}"
+        items.append(act)
+        if bf and grad_accumulation_steps > 1:  # Note [breadth-first blocks]
+            waiting = grad_accumulation_steps - 1
+            items.append(Item("breadth-first block inputs",
+                              gpu=waiting * (bf * kept_per_block + block_input),
+                              note=f"{waiting} micro-batches x ({bf} blocks' saved + 1 hidden)"))
+        items.append(Item("head + loss", gpu=head, note="logits, fp32 log-softmax, grads"))
+        items.append(Item("reserve", gpu=gpu_reserve, host=host_reserve,
+                          note="CUDA context/workspace/fragmentation; OS + Python"))
+        if tier == "split":  # HybridAdam state_tier="split": RAM first, the rest on NVMe
+            host_free = cap["host"] - sum(i.host for i in items)
+            state_item.host = max(0, min(state, host_free))
+            state_item.nvme = state - state_item.host
+            state_item.note += f"; {state_item.host / max(state, 1):.0%} in RAM, rest on NVMe"
+        used = {t: sum(getattr(i, t) for i in items) for t in ("gpu", "host", "nvme")}
+        reasons = [f"{t} needs {used[t] / GiB:,.1f} GiB, has {cap[t] / GiB:,.1f} GiB "
+                   f"(over by {(used[t] - cap[t]) / GiB:,.1f} GiB)"
+                   for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
+        return Plan(n, active, not reasons, f, tier, k, checkpoint, items, dict(cap), used,
+                    reasons, inputs=inputs, breadth_first_blocks=bf)
+
+    def gpu_fixed(k: int) -> int:
+        return build(1.0, "cpu", k).used["gpu"]
+
+    def min_fraction(k: int) -> float:
+        room = cap["gpu"] - gpu_fixed(k)
+        if room >= n * gpu_state_per_param:
+            return 0.0
+        f = math.ceil((1.0 - room / (n * gpu_state_per_param)) * 100) / 100
+        return f  # > 1 when even full offload does not fit
+
+    layer_options = [offload_layers] if offload_layers is not None else \
+        sorted({0, n_layers - 1})
+    tiers = ["cpu", "split"] if state_tier == "auto" else [state_tier]  # split beats all-nvme
+    best: Plan | None = None
+    for k in layer_options:
+        f = offload_fraction if offload_fraction is not None else min(1.0, min_fraction(k))
+        for tier in tiers:
+            candidate = build(f, tier, k)
+            if candidate.fits:
+                best = candidate
+                break
+            if best is None or overflow(candidate) < overflow(best):
+                best = candidate  # the nearest miss: GPU fitting first, then least overflow
+        if best is not None and best.fits:
+            break
+    assert best is not None
+    if auto_blocks and best.fits:  # the most blocks that still fit this placement
+        best = next((c for c in (build(best.offload_fraction, best.state_tier,
+                                       best.offload_layers, bf)
+                                 for bf in range(n_layers, 0, -1)) if c.fits), best)
+    state_item = next(i for i in best.items if i.name == "optimizer state, offloaded")
+    off_n = round(best.offload_fraction * n)
+    chunk = largest_chunk(off_n, chunk_numel)
+    best.step_time = step_time(
+        active_params=active, offloaded_params=off_n, param_bytes=p,
+        moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
+        grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
+        activation_offload_bytes=best.offload_layers * kept_per_block,
+        activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
+        max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
+        param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,
+        n_layers=n_layers, rates=rates)
+    add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
+               dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
+    return best
+
+
+def breadth_first_note(result: Plan, num_params, kw: dict) -> str | None:
+    """With ``max_grad_norm`` and micro-batches, when the run does not already use it: what
+    ``param_sync="forward"`` with ``breadth_first_blocks="auto"`` would predict, as a note for
+    :attr:`Plan.notes` (None: nothing to add, or it would not fit or not be faster).
+    ``result`` is ``plan(num_params, **kw)``.
+
+    Raises:
+        ValueError, TypeError: what :func:`plan` raises for these inputs.
+    """
+    st = result.step_time
+    if (not result.fits or st is None or st.max_grad_norm is None or result.offload_fraction == 0
+            or kw["grad_accumulation_steps"] < 2
+            or (st.param_sync == "forward" and st.breadth_first_blocks)):
+        return None
+    alt = plan(num_params, **{**kw, "param_sync": "forward", "breadth_first_blocks": "auto",
+                              "offload_fraction": result.offload_fraction})
+    ast = alt.step_time
+    if not alt.fits or ast is None or not alt.breadth_first_blocks \
+            or ast.overlapped_s >= st.overlapped_s:
+        return None
+    return (f"faster: --param-sync forward --breadth-first-blocks auto (one process): the first "
+            f"{alt.breadth_first_blocks} blocks of every micro-batch run before the rest, so "
+            f"{ast.forward_overlap_s:.2f} s of the next forward runs beside the optimizer's "
+            f"tail: predicted {ast.overlapped_s:.2f} s (floor) instead of {st.overlapped_s:.2f}"
+            f" s, the same gradients (Note [breadth-first blocks] in "
+            f"tiermem/schedule/micro_batches.py)")
