@@ -61,6 +61,22 @@ def test_cost_model_measure_gives_positive_rates(tmp_path):
         assert getattr(m.rates, name) > 0
 
 
+def test_cost_model_and_planner_share_one_rates_model(tmp_path):
+    """Issue 28: the tuner predicts from the planner's MachineRates (bytes/s), not rates of its
+    own: by default the same H200 figures, and a measured machine keeps the rates it did not
+    measure from its base."""
+    assert CostModel().rates == MachineRates()
+    base = MachineRates(gpu_flops=1e12, pcie_both_bytes_per_s=7e9)
+    measured = MachineRates.measure("cpu", nbytes=1 << 20, nvme_dir=str(tmp_path),
+                                    adam_params=1 << 14, probes=1, base=base)
+    assert measured.ranges == {}  # one probe: no spread
+    assert measured.rates.gpu_flops == 1e12 and measured.rates.pcie_both_bytes_per_s == 7e9
+    model = CostModel(measured.rates)
+    assert model.link_seconds({"d2h": 10**6})["d2h"] == \
+        10**6 / measured.rates.pcie_d2h_bytes_per_s
+    assert model.adam_seconds(10**6) == 10**6 / measured.rates.cpu_adam_params_per_s
+
+
 def test_expand_grid():
     assert expand_grid({"a": [1, 2], "b": ["x"]}) == [{"a": 1, "b": "x"}, {"a": 2, "b": "x"}]
     assert expand_grid([{"a": 1}]) == [{"a": 1}]
