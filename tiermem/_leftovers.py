@@ -56,26 +56,30 @@ def _pid_start_time(pid: int) -> float | None:
         return None
 
 
-def write_marker(dir_path: str, owner: Owner) -> None:
-    """Create ``dir_path/.tiermem-owner`` (O_EXCL, O_NOFOLLOW, mode 0600) describing ``owner``.
+def write_marker(dir_path: str, owner: Owner, dir_fd: int | None = None) -> None:
+    """Create ``dir_path/.tiermem-owner`` (O_EXCL, O_NOFOLLOW, mode 0600) describing ``owner``;
+    relative to the open directory ``dir_fd`` when given (then ``dir_path`` is only its name).
 
     Raises:
         OSError: the marker exists already or cannot be written.
     """
     start = "-" if owner.start is None else repr(owner.start)
     text = f"{_MAGIC}\nkind {owner.kind}\npid {owner.pid}\nstart {start}\nid {owner.id}\n"
-    path = os.path.join(dir_path, MARKER_NAME)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    path = os.path.join(dir_path, MARKER_NAME) if dir_fd is None else MARKER_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=dir_fd)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 
 
-def read_marker(dir_path: str) -> Owner | None:
-    """The :class:`Owner` of ``dir_path``'s marker, or None when it is missing, not a regular
-    file of this user, or not a tiermem marker."""
-    path = os.path.join(dir_path, MARKER_NAME)
+def read_marker(dir_path: str, dir_fd: int | None = None) -> Owner | None:
+    """The :class:`Owner` of ``dir_path``'s marker (relative to the open directory ``dir_fd``
+    when given), or None when it is missing, not a regular file of this user, or not a tiermem
+    marker."""
+    path = os.path.join(dir_path, MARKER_NAME) if dir_fd is None else MARKER_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError:
         return None
     try:

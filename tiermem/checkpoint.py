@@ -1,15 +1,20 @@
 """Crash-safe checkpoints of a model, an optimizer and a :class:`~tiermem.TierStore`.
 
-Writing (:func:`atomic_save`, used by :func:`save_checkpoint` and :func:`save_store`):
+Writing (:func:`atomic_save`, used by :func:`save_checkpoint` and :func:`save_store`), after the
+payload is checked against the loader (Note [checkpoint payload types]), works relative to
+directory descriptors (Note [checkpoint directory fds], :mod:`tiermem._ckpt_dir`):
 
-1. a private temporary directory ``.<name>.tiermem-tmp-<pid>-<random>`` (0700) is made in the
-   target's directory, holding a marker file (pid, process start time, random id; see
-   :mod:`tiermem._leftovers`), and in it the file ``data`` is created with ``O_CREAT | O_EXCL |
-   O_NOFOLLOW`` and mode 0600 (``mkdir`` never follows or reuses a planted name);
+1. a private temporary directory ``.<name>.tiermem-tmp-<pid>-<random>`` (0700, checked through
+   its descriptor to be this user's) is made in the target's directory, holding a marker file
+   (pid, process start time, random id; see :mod:`tiermem._leftovers`), and in it the file
+   ``data`` is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (``mkdir`` never
+   follows or reuses a planted name);
 2. ``torch.save`` writes the payload into it while a SHA-256 of the bytes is computed on the
    fly; a 48-byte trailer (magic, payload length, digest) is appended;
-3. the file is flushed and ``fsync``-ed, then ``os.replace``-d onto the target (atomic on POSIX:
-   same filesystem), and the temporary directory (now holding only the marker) is removed;
+3. the file is flushed, ``fsync``-ed and read back by the loader (``mmap``), then
+   ``os.replace``-d onto the target (atomic on POSIX: same filesystem) once the temporary name
+   is checked to still lead to the directory written, and the target's name is checked to lead
+   to the file written; the temporary directory (now holding only the marker) is removed;
 4. the directory is ``fsync``-ed so the rename itself is durable.
 
 A process killed at any point before step 3 leaves the previous checkpoint untouched (plus a
@@ -37,13 +42,15 @@ import logging
 import os
 import pickle
 import re
+import stat
 import time
 from typing import Any, Hashable
 
 import torch
 
+from tiermem._ckpt_dir import DIR_FLAGS, TempDir, lstat_at, same_file
 from tiermem._ckpt_payload import check_payload, refusal_reason, weights_only_load
-from tiermem._leftovers import make_owned_dir, remove_owned_dir, stale_dirs
+from tiermem._leftovers import MARKER_NAME, read_marker, stale_dirs
 from tiermem.config import TIERS
 from tiermem.store.store import TierFullError
 
@@ -111,15 +118,13 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+def _fsync_dir(dir_fd: int) -> None:
+    """``fsync`` the open directory ``dir_fd`` so a rename in it is durable."""
     try:
-        os.fsync(fd)
+        os.fsync(dir_fd)
     except OSError as exc:  # some filesystems cannot fsync a directory; the rename still holds
         if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
             raise
-    finally:
-        os.close(fd)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
@@ -134,8 +139,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         FileNotFoundError: the directory of ``path`` does not exist.
         IsADirectoryError: ``path`` is a directory.
         FileExistsError: something already has the temporary directory's name (planted).
-        OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); the message names
-            the file.
+        OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); or someone else
+            replaced the temporary directory or the checkpoint during the save (``EPERM``,
+            Note [checkpoint directory fds]); the message names the file.
     """
     check_payload(obj, "obj", caller="atomic_save")
     _atomic_write(obj, path)
@@ -143,25 +149,38 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 
 def _atomic_write(obj: Any, path: str | os.PathLike) -> None:
     """:func:`atomic_save` once ``obj`` is checked (the file is still read back before the
-    rename)."""
+    rename). Every step works relative to directory descriptors: Note [checkpoint directory
+    fds]."""
     path = os.fspath(path)
-    directory = os.path.dirname(path) or "."
-    if os.path.isdir(path):
+    directory, name = os.path.split(path)
+    directory = directory or "."
+    if name in ("", ".", ".."):
         raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", directory)
-    cleanup_temp_files(directory)
-    tmp_dir = make_owned_dir(directory, f".{os.path.basename(path)}{_TMP_TAG}", _TMP_KIND)
     try:
-        _write_and_replace(obj, os.path.join(tmp_dir, _TMP_DATA), path)
+        dir_fd = os.open(directory, DIR_FLAGS)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist",
+                                directory) from None
+    try:
+        target = lstat_at(dir_fd, name)
+        if target is not None and stat.S_ISDIR(target.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+        cleanup_temp_files(directory)
+        tmp = TempDir.make(dir_fd, directory, f".{name}{_TMP_TAG}", _TMP_KIND)
+        try:
+            _write_and_replace(obj, tmp, name, path)
+        finally:
+            tmp.remove((_TMP_DATA,))
+        _fsync_dir(dir_fd)
     finally:
-        remove_owned_dir(tmp_dir, (_TMP_DATA,))
-    _fsync_dir(directory)
+        os.close(dir_fd)
 
 
-def _write_and_replace(obj: Any, tmp: str, path: str) -> None:
-    """Steps 1 (the file) to 3 of :func:`atomic_save`; on error the file ``tmp`` is removed."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _write_and_replace(obj: Any, tmp: TempDir, name: str, path: str) -> None:
+    """Steps 1 (the file) to 3 of :func:`atomic_save`: ``data`` in ``tmp``, renamed onto
+    ``name`` in ``tmp``'s parent (``path`` is for messages); on error ``data`` is removed."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(_TMP_DATA, flags, 0o600, dir_fd=tmp.fd)
     try:
         with os.fdopen(fd, "w+b") as f:
             writer = _HashingWriter(f)
@@ -175,10 +194,18 @@ def _write_and_replace(obj: Any, tmp: str, path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
             _check_readable(f, path)
-        os.replace(tmp, path)
+            tmp.check_in_place(path)  # Note [checkpoint directory fds], step 4
+            os.replace(_TMP_DATA, name, src_dir_fd=tmp.fd, dst_dir_fd=tmp.parent_fd)
+            # step 5, while f is open (its inode cannot be freed and reused meanwhile)
+            now = lstat_at(tmp.parent_fd, name)
+            if now is None or not same_file(now, os.fstat(f.fileno())):
+                raise OSError(errno.EPERM, f"checkpoint {path} is not the file this save wrote "
+                              f"right after renaming it there: someone else can write "
+                              f"{os.path.dirname(path) or '.'}; save into a directory only "
+                              f"you can write", path)
     except BaseException as exc:
         try:
-            os.unlink(tmp)
+            os.unlink(_TMP_DATA, dir_fd=tmp.fd)
         except OSError:
             pass
         if isinstance(exc, OSError) and exc.filename is None:
@@ -208,8 +235,8 @@ def _check_readable(f, path: str) -> None:
         reason = refusal_reason(exc)
         raise TypeError(f"cannot save checkpoint {path}: it would hold an object that "
                         f"load_checkpoint would refuse (torch.load(weights_only=True): "
-                        f"{reason}); the previous checkpoint was kept; fix: save only tensors, dicts, "
-                        f"lists, tuples, sets, str, int, float, bool or None") from None
+                        f"{reason}); the previous checkpoint was kept; fix: save only tensors, "
+                        f"dicts, lists, tuples, sets, str, int, float, bool or None") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,14 +328,53 @@ def cleanup_temp_files(directory: str | os.PathLike) -> list[str]:
     included), look-alike names without a marker (a user's ``.notes.tiermem-tmp-1-ab``) and
     directories holding anything else are left alone. Called by every save for its directory.
 
+    Removal goes through descriptors (Note [checkpoint directory fds]): each directory found is
+    opened with ``O_NOFOLLOW`` and checked again through its descriptor (this user's, its
+    marker agrees with its name, nothing else in it) before ``data`` and the marker are
+    unlinked in it, so one swapped for a link meanwhile is left alone.
+
     Returns:
         The paths removed.
     """
     removed: list[str] = []
-    for path in stale_dirs(directory, _TMP_RE, _TMP_KIND, (_TMP_DATA,)):
-        if remove_owned_dir(path, (_TMP_DATA,)):
-            removed.append(path)
+    stale = stale_dirs(directory, _TMP_RE, _TMP_KIND, (_TMP_DATA,))
+    if not stale:
+        return removed
+    try:
+        dir_fd = os.open(directory, DIR_FLAGS)
+    except OSError:
+        return removed
+    try:
+        for path in stale:
+            tmp = _open_stale(dir_fd, os.fspath(directory), os.path.basename(path))
+            if tmp is not None and tmp.remove((_TMP_DATA,)):
+                removed.append(path)
+    finally:
+        os.close(dir_fd)
     return removed
+
+
+def _open_stale(dir_fd: int, directory: str, name: str) -> TempDir | None:
+    """The temporary directory ``name`` of a dead writer, opened (``O_NOFOLLOW``) and checked
+    through its descriptor; None when it is not (or no longer) one."""
+    try:
+        fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return None  # gone, or a link now
+    try:
+        m = _TMP_RE.fullmatch(name)
+        owner = read_marker(name, dir_fd=fd)
+        inside = set(os.listdir(fd))
+        agrees = owner is not None and (owner.kind, str(owner.pid), owner.id) == (
+            _TMP_KIND, m.group("pid"), m.group("id")) and inside <= {MARKER_NAME, _TMP_DATA}
+        unfinished = owner is None and (not inside or inside == {MARKER_NAME} and os.stat(
+            MARKER_NAME, dir_fd=fd, follow_symlinks=False).st_size == 0)  # killed before it
+        if os.fstat(fd).st_uid == os.geteuid() and (agrees or unfinished):
+            return TempDir(dir_fd, directory, name, fd)
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +397,9 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
             the payload holds an object :func:`load_checkpoint` would refuse (the message names
             its key path, e.g. ``extra['args']``, its type and the fix); the previous
             checkpoint at ``path`` is untouched.
-        OSError: the write failed (the previous checkpoint at ``path`` is untouched).
+        OSError: the write failed, or someone else changed the directory during the save
+            (Note [checkpoint directory fds]); the previous checkpoint at ``path`` is untouched
+            unless the change came after the rename.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"save_checkpoint: model must be a torch.nn.Module, "

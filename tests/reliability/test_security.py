@@ -175,3 +175,98 @@ def test_saving_an_arbitrary_object_is_refused_and_runs_nothing(tmp_path, monkey
                                             r"posix.system"):
             save()
     assert os.listdir(tmp_path) == []  # nothing written, nothing run
+
+
+# ------------------------------------------------ a checkpoint directory writable by someone else
+# Note [checkpoint directory fds] (tiermem/_ckpt_dir.py): a save works inside the temporary
+# directory through its descriptor, never through its name, and fails loudly when the name no
+# longer leads to it.
+
+
+def _attacked_save(tmp_path, monkeypatch, attack):
+    """A checkpoint in a directory an attacker controls (``shared``), a save during which
+    ``attack(shared, temp_name)`` runs (as torch.save starts writing); returns the error."""
+    import tiermem.checkpoint as ck  # noqa: PLC0415
+    shared, victim = tmp_path / "shared", tmp_path / "home"
+    shared.mkdir()
+    victim.mkdir()
+    (victim / "data").write_text("precious")  # a file of the user's that the old code moved
+    path = shared / "c.pt"
+    save_checkpoint(path, extra={"step": 1, "w": torch.arange(1000.0)})
+    before = path.read_bytes()
+    real_save = ck.torch.save
+
+    def save_under_attack(obj, f, *args, **kwargs):
+        temp = next(n for n in os.listdir(shared) if ".tiermem-tmp-" in n)
+        attack(shared, temp, victim)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ck.torch, "save", save_under_attack)
+    with pytest.raises(OSError) as info:
+        save_checkpoint(path, extra={"step": 2, "w": torch.zeros(1000)})
+    monkeypatch.undo()
+    assert sorted(os.listdir(victim)) == ["data"] and (victim / "data").read_text() == "precious"
+    return info.value, path, before
+
+
+def test_temp_dir_swapped_for_a_symlink_mid_save_fails_and_writes_nothing_through_it(
+        tmp_path, monkeypatch):
+    def swap(shared, temp, victim):  # the temporary directory becomes a link to the user's dir
+        os.rename(shared / temp, shared / "moved")
+        os.symlink(victim, shared / temp)
+
+    error, path, before = _attacked_save(tmp_path, monkeypatch, swap)
+    assert "was replaced" in str(error) and str(path) in str(error), error
+    assert path.read_bytes() == before  # the previous checkpoint, untouched
+    assert load_checkpoint(path)["extra"]["step"] == 1
+    assert os.listdir(path.parent / "moved") == []  # our files removed through the fd
+    temp = next(n for n in os.listdir(path.parent) if ".tiermem-tmp-" in n)
+    assert os.path.islink(path.parent / temp)  # the attacker's link: not followed, not deleted
+
+
+def test_checkpoint_replaced_right_after_the_rename_fails_loudly(tmp_path, monkeypatch):
+    import tiermem.checkpoint as ck  # noqa: PLC0415
+    real_replace = os.replace
+
+    def replace_then_swap(src, dst, **kwargs):  # someone puts another file in its place
+        real_replace(src, dst, **kwargs)
+        os.unlink(dst, dir_fd=kwargs.get("dst_dir_fd"))
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=kwargs.get("dst_dir_fd"))
+        os.close(fd)
+
+    save_checkpoint(tmp_path / "c.pt", extra={"step": 1})
+    monkeypatch.setattr(ck.os, "replace", replace_then_swap)
+    with pytest.raises(OSError, match=r"c.pt is not the file this save wrote"):
+        save_checkpoint(tmp_path / "c.pt", extra={"step": 2})
+
+
+def test_stale_temp_dir_swapped_for_a_symlink_before_cleanup_removes_nothing_through_it(
+        tmp_path, monkeypatch):
+    # a save's cleanup of a killed writer's temporary directory, in a directory someone else
+    # can write: the directory is swapped for a link to the user's directory after it was
+    # checked; removal goes through a descriptor opened with O_NOFOLLOW, so nothing is unlinked
+    import tiermem.checkpoint as ck  # noqa: PLC0415
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)
+    shared, victim = tmp_path / "shared", tmp_path / "home"
+    shared.mkdir()
+    victim.mkdir()
+    stale = shared / f".c.pt.tiermem-tmp-{dead}-0badf00d"
+    stale.mkdir(mode=0o700)
+    leftovers.write_marker(str(stale), leftovers.Owner("checkpoint-tmp", dead, None, "0badf00d"))
+    (stale / "data").write_bytes(b"partial")
+    leftovers.write_marker(str(victim), leftovers.Owner("checkpoint-tmp", dead, None, "0badf00d"))
+    (victim / "data").write_text("precious")  # the user's files with the names a save removes
+    real = ck.stale_dirs
+
+    def stale_then_swap(*args):
+        found = real(*args)
+        os.rename(stale, shared / "moved")
+        os.symlink(victim, stale)
+        return found
+
+    monkeypatch.setattr(ck, "stale_dirs", stale_then_swap)
+    assert ck.cleanup_temp_files(shared) == []
+    assert sorted(os.listdir(victim)) == [".tiermem-owner", "data"]
+    assert (victim / "data").read_text() == "precious"
+    assert os.path.islink(stale)
