@@ -4,9 +4,9 @@ A Llama-style model is built from a config (no weights are downloaded) and train
 deterministic synthetic token stream twice from the same init: with tiermem (the saved
 activations of all decoder layers but the last go to the store's cpu tier and come back,
 prefetched, in backward; HybridAdam keeps ``--offload-fraction`` of the optimizer state in
-pinned RAM and steps it on the CPU) and without (torch fused AdamW). It prints the store's
-traffic per step, both loss curves side by side and their largest difference, and exits 1 if
-that exceeds ``--tolerance``.
+pinned RAM and steps it on the CPU) and without (torch fused AdamW). It prints each step's loss
+as the step finishes (the tiermem run's beside the baseline's), the store's traffic per step and
+the largest loss difference, and exits 1 if that exceeds ``--tolerance``.
 
     pip install -e ".[hf]"
     python examples/hf_model.py --steps 10                 # CPU: a tiny model, fp32, exact
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -57,8 +58,11 @@ def batches(args: argparse.Namespace, device: torch.device):
         yield ids.to(device)
 
 
-def train(args: argparse.Namespace, device: torch.device, offload: bool) -> list[float]:
-    """Train ``args.steps`` steps; return the losses."""
+def train(args: argparse.Namespace, device: torch.device, offload: bool,
+          reference: list[float] | None = None, log=lambda s: print(s, flush=True)
+          ) -> list[float]:
+    """Train ``args.steps`` steps, logging each step's loss as it finishes (beside
+    ``reference``'s, when given); return the losses."""
     model = build(args, device)
     layers = model.model.layers
     store = None
@@ -73,7 +77,8 @@ def train(args: argparse.Namespace, device: torch.device, offload: bool) -> list
         opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
         ctx = None
     losses = []
-    for ids in batches(args, device):
+    t0 = time.perf_counter()
+    for step, ids in enumerate(batches(args, device)):
         if ctx is not None:
             with ctx:
                 loss = model(input_ids=ids, labels=ids).loss
@@ -83,9 +88,13 @@ def train(args: argparse.Namespace, device: torch.device, offload: bool) -> list
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        beside = f"  (baseline {reference[step]:.6f})" if reference else ""
+        log(f"[{'tiermem' if offload else 'baseline'}] step {step + 1:>3}/{args.steps}  loss "
+            f"{losses[-1]:.6f}{beside}  ({time.perf_counter() - t0:.1f} s)")
+        t0 = time.perf_counter()
     if offload:
         opt.close()
-        print(describe_traffic(store.stats()["moved_bytes"], args.steps, device))
+        log(describe_traffic(store.stats()["moved_bytes"], args.steps, device))
         store.close()
     return losses
 
@@ -121,17 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model: LlamaForCausalLM, {args.layers} layers, hidden {args.hidden}, {args.heads} "
           f"heads, vocab {args.vocab}; {args.steps} steps of {args.batch} x {args.seq} tokens on "
-          f"{device}")
-    print("baseline: torch.optim.AdamW(fused=True), nothing offloaded")
+          f"{device}", flush=True)
+    print("baseline: torch.optim.AdamW(fused=True), nothing offloaded", flush=True)
     base = train(args, device, offload=False)
     print(f"tiermem: HybridAdam with {args.offload_fraction:.0%} of the optimizer state in host "
           f"RAM (pinned with CUDA), activations of {args.layers - 1} of {args.layers} layers -> "
-          f"the store's cpu tier")
-    off = train(args, device, offload=True)
+          f"the store's cpu tier", flush=True)
+    off = train(args, device, offload=True, reference=base)
     diff = max(abs(a - b) for a, b in zip(off, base))
-    print(f"{'step':>4}  {'baseline loss':>13}  {'tiermem loss':>12}")
-    for i, (b, o) in enumerate(zip(base, off), 1):
-        print(f"{i:>4}  {b:>13.6f}  {o:>12.6f}")
     verdict = "OK" if diff <= args.tolerance else "FAILED"
     print(f"max |loss difference|: {diff:.3g} (tolerance {args.tolerance:g}): {verdict}")
     return 0 if diff <= args.tolerance else 1

@@ -9,14 +9,17 @@ the same batches: with tiermem (HybridAdam keeps ``--offload-fraction`` of the o
 the store's cpu tier and steps it on the CPU during backward; the saved activations of all
 blocks but the last go to the cpu tier and come back in backward) and without (torch AdamW, no
 offload). Experts that get no token in a step get no gradient and are skipped by both
-optimizers. Prints the loss per step, the experts left without tokens, and whether the two runs
-agree. Exit code: 0 they agree within ``--tolerance``, 1 they differ.
+optimizers. Prints, as each step finishes, its loss (the offloaded run's beside the first run's)
+and the experts left without tokens, then whether the two runs agree. Exit code: 0 they agree
+within ``--tolerance``, 1 they differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from typing import Callable
 
 import torch
 
@@ -29,8 +32,12 @@ from tiermem.optim import HybridAdam
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def train(args: argparse.Namespace, cfg: MoEConfig, offload: bool) -> tuple[list[float], list[int]]:
-    """Train ``args.steps`` steps; return the losses and the experts without tokens per step."""
+def train(args: argparse.Namespace, cfg: MoEConfig, offload: bool,
+          reference: list[float] | None = None,
+          log: Callable[[str], object] = lambda s: print(s, flush=True)
+          ) -> tuple[list[float], list[int]]:
+    """Train ``args.steps`` steps, logging a line as each finishes (beside ``reference``'s loss
+    of the same step, when given); return the losses and the experts without tokens per step."""
     torch.manual_seed(0)
     model = MoE(cfg)
     data = MarkovText(cfg.vocab)
@@ -41,6 +48,7 @@ def train(args: argparse.Namespace, cfg: MoEConfig, offload: bool) -> tuple[list
     else:
         opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
     losses, idle = [], []
+    t0 = time.perf_counter()
     for step in range(args.steps):
         idx, tgt = data.batch(step, args.batch, cfg.seq_len)
         if offload:
@@ -53,10 +61,15 @@ def train(args: argparse.Namespace, cfg: MoEConfig, offload: bool) -> tuple[list
         opt.zero_grad(set_to_none=True)  # experts without tokens keep grad None: skipped
         losses.append(loss.item())
         idle.append(sum(int((b.moe.tokens_per_expert == 0).sum()) for b in model.blocks))
+        beside = f"  (without offload {reference[step]:.5f})" if reference else ""
+        log(f"[{'offload' if offload else 'baseline'}] step {step + 1:3d}/{args.steps}  loss "
+            f"{losses[-1]:.5f}{beside}" + (f"  experts without tokens: {idle[-1]}" if offload
+                                           else "") + f"  ({time.perf_counter() - t0:.1f} s)")
+        t0 = time.perf_counter()
     if offload:
         state = opt.memory_bytes()
-        print(f"tiermem: optimizer state {state['gpu']:,} B on the device, {state['cpu']:,} B "
-              f"in the cpu tier; {ctx.stats()['put_bytes']:,} B of activations offloaded")
+        log(f"tiermem: optimizer state {state['gpu']:,} B on the device, {state['cpu']:,} B "
+            f"in the cpu tier; {ctx.stats()['put_bytes']:,} B of activations offloaded")
         opt.close()
         ctx.close()
         store.close()
@@ -81,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
                     vocab=args.vocab, n_experts=args.experts, top_k=args.top_k,
                     d_expert=2 * args.d_model)
     print(f"MoE: {cfg.num_params():,} parameters, {cfg.active_params():,} active per token "
-          f"(top-{cfg.top_k} of {cfg.n_experts} experts in each of {cfg.n_layers} blocks)")
+          f"(top-{cfg.top_k} of {cfg.n_experts} experts in each of {cfg.n_layers} blocks)",
+          flush=True)
+    print("without offload: torch AdamW, nothing offloaded", flush=True)
     base, _ = train(args, cfg, offload=False)
-    off, idle = train(args, cfg, offload=True)
-    for step, (a, b, n) in enumerate(zip(base, off, idle)):
-        print(f"step {step:3d}  loss {b:.5f}  (without offload {a:.5f})  experts without "
-              f"tokens: {n}")
+    print(f"with tiermem: HybridAdam with {args.offload_fraction:.0%} of the optimizer state in "
+          f"the cpu tier, activations of {cfg.n_layers - 1} of {cfg.n_layers} blocks offloaded",
+          flush=True)
+    off, idle = train(args, cfg, offload=True, reference=base)
     diff = max(abs(a - b) for a, b in zip(off, base))
     same = diff <= args.tolerance
     print(f"loss {off[0]:.4f} -> {off[-1]:.4f}; max |difference| with offload: {diff:.3g} "

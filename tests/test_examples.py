@@ -148,7 +148,45 @@ def test_hf_model_example_matches_the_baseline_exactly(capsys):
     out = capsys.readouterr().out
     assert "max |loss difference|: 0 (tolerance 1e-06): OK" in out
     assert "store traffic per step: cpu->gpu" in out and "{" not in out  # no raw dict
-    assert len(re.findall(r"^ +[1-4] +\d+\.\d{6} +\d+\.\d{6}$", out, re.M)) == 4
+    assert len(re.findall(r"^\[baseline\] step +[1-4]/4  loss \d+\.\d{6}  \(", out, re.M)) == 4
+    assert len(re.findall(r"^\[tiermem\] step +[1-4]/4  loss (\d+\.\d{6})  \(baseline \1\)",
+                          out, re.M)) == 4  # fp32 on the CPU: the same digits
+
+
+@pytest.mark.parametrize("name", ["hf_model", "train_moe"])
+def test_examples_print_each_step_as_it_finishes(monkeypatch, name):
+    """train_moe.py was silent for 135 s and hf_model.py printed its per-step lines only at
+    the end (issue 27): each step's line is logged before the next step's batch is drawn."""
+    import argparse
+    module = _load_example(name)
+    drawn = [0]
+    if name == "hf_model":
+        pytest.importorskip("transformers")
+        real = module.batches
+
+        def counted(args, device):
+            for ids in real(args, device):
+                drawn[0] += 1
+                yield ids
+        monkeypatch.setattr(module, "batches", counted)
+        args = argparse.Namespace(vocab=64, hidden=32, layers=2, heads=2, seq=8, batch=1,
+                                  steps=3, offload_fraction=1.0)
+        run = lambda log: module.train(args, module.torch.device("cpu"), True, log=log)
+    else:
+        class Counted(module.MarkovText):
+            def batch(self, *a, **kw):
+                drawn[0] += 1
+                return super().batch(*a, **kw)
+        monkeypatch.setattr(module, "MarkovText", Counted)
+        args = argparse.Namespace(steps=3, batch=1, offload_fraction=1.0)
+        cfg = module.MoEConfig(n_layers=2, d_model=32, n_heads=4, seq_len=8, vocab=64,
+                               n_experts=4, top_k=2, d_expert=64)
+        run = lambda log: module.train(args, cfg, True, log=log)
+    seen: list[tuple[int, str]] = []
+    run(lambda line: seen.append((drawn[0], line)))
+    steps = [(n, line) for n, line in seen if " step " in line]
+    assert [n for n, _ in steps] == [1, 2, 3], seen
+    assert all(f"step {k + 1:>3}/3" in line for k, (_, line) in enumerate(steps))
 
 
 def _load_example(name: str):

@@ -259,3 +259,25 @@ def test_progress_bars_show_on_a_terminal_only(monkeypatch):
     shown = term.getvalue()
     n = sum(p.numel() for p in model.parameters())
     assert "materialize_" in shown and f"/{n / 1e3:.1f}k [" in shown  # the bar's total
+
+
+def test_bench_activations_prints_as_it_goes(monkeypatch, one_thread):
+    """tiermem bench activations was silent up to 97 s between rows (issue 27): now a line per
+    run of a setup, and within a run a line at the first step after HEARTBEAT_S of silence
+    (0 here: a line per step, so the count is the decision under test)."""
+    from tiermem.bench import activations as bench
+
+    monkeypatch.setattr(bench, "HEARTBEAT_S", 0.0)
+    args = bench._parse_args(["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16",
+                              "--batch", "2", "--vocab", "64", "--steps", "1", "--warmup", "0",
+                              "--repeats", "2", "--only", "all but"])
+    lines: list[str] = []
+    rows = bench.run(args, log=lines.append)
+    assert len(rows) == 3  # no offload, its noise, tiermem cpu N=1
+    for row in rows:
+        name = row.setup
+        steps = [s for s in lines if s.startswith(f"  {name}: run ") and "step 1/1 ..." in s]
+        runs = [s for s in lines if re.fullmatch(rf"  {re.escape(name)}: run [12]/2: "
+                                                 rf"[\d.]+ ms/step", s)]
+        assert len(steps) == 2 and len(runs) == 2, lines
+        assert lines.index(runs[0]) < lines.index(steps[1])  # run 1's line before run 2 starts

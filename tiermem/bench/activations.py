@@ -171,9 +171,11 @@ def _spans(layers: list[int]) -> str:
     return ",".join(out) or "none"
 
 
-def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tuple:
+def _train(model, init: dict, make_ctx: Callable, batches, args, device,
+           on_step: Callable[[int, int], None] | None = None) -> tuple:
     """One run of a setup from ``init``: (timed step seconds, losses, moved bytes, context,
-    peak device bytes of the timed fwd+bwd windows without the optimizer's state)."""
+    peak device bytes of the timed fwd+bwd windows without the optimizer's state).
+    ``on_step(done, total)`` is called after each step (progress lines)."""
     model.load_state_dict(init)
     opt = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=0.1)
     ctx = make_ctx(model)  # entered once per step (double-buffer sets persist)
@@ -198,13 +200,35 @@ def _train(model, init: dict, make_ctx: Callable, batches, args, device) -> tupl
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        if on_step is not None:
+            on_step(step + 1, len(batches) - 1)
     with torch.no_grad():  # the final weights, seen through one more batch
         losses.append(model(*batches[-1])[1])
     return times[args.warmup:], [float(x) for x in losses], moved, ctx, peak
 
 
+HEARTBEAT_S = 10.0
+"""Longest silence (seconds) inside a setup: a progress line at the first step after it."""
+
+
 def run(args, log=print) -> list[Row]:
-    """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
+    """Run every setup ``args.repeats`` times and return its row (with its parity verdict).
+    Progress goes to ``log`` as it happens: a line per setup, per run when there are several,
+    and one at least every :data:`HEARTBEAT_S` seconds within a run (a row can take minutes on
+    a CPU)."""
+    said = [time.monotonic()]  # when the last line was logged
+    outer_log = log
+
+    def log(line: str) -> None:  # noqa: F811 - the same log, remembering when it spoke
+        outer_log(line)
+        said[0] = time.monotonic()
+
+    def heartbeat(name: str, rep: int) -> Callable[[int, int], None]:
+        def on_step(done: int, total: int) -> None:
+            if time.monotonic() - said[0] >= HEARTBEAT_S:
+                log(f"  {name}: run {rep}/{args.repeats}, step {done}/{total} ...")
+        return on_step
+
     device = bench_device()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -233,11 +257,13 @@ def run(args, log=print) -> list[Row]:
         for name, ckpt, make_ctx in _setups(args, store, nvme_store):
             model.checkpoint = ckpt
             medians, runs = [], []
-            for _ in range(args.repeats):
+            for rep in range(1, args.repeats + 1):
                 times, losses, moved, ctx, peak = _train(model, init, make_ctx, batches, args,
-                                                         device)
+                                                         device, heartbeat(name, rep))
                 medians.append(1e3 * statistics.median(times))
                 runs.append(losses)
+                if args.repeats > 1:
+                    log(f"  {name}: run {rep}/{args.repeats}: {medians[-1]:.1f} ms/step")
             if name == "no offload":
                 baseline, parity = runs, "baseline"
             else:
