@@ -127,6 +127,14 @@ uses, so tensors marked for it are honoured too)."""
 
 
 _MARKED: dict[int, weakref.ref] = {}  # id(storage) -> weakref: storages of marked tensors
+# the offloader entered on each thread: saved-tensor hooks are per thread, so each thread may
+# train its own model under its own context (one per thread: nesting is refused)
+_ACTIVE = threading.local()
+
+
+def active_offloader() -> "ActivationOffloader | None":
+    """The offload context entered on the calling thread, if any."""
+    return getattr(_ACTIVE, "offloader", None)
 
 
 def mark_storage(t: torch.Tensor) -> None:
@@ -516,7 +524,6 @@ class ActivationOffloader:
     object can be entered again after it exited (e.g. once per training step).
     """
 
-    _active: ClassVar["ActivationOffloader | None"] = None
     _uids = itertools.count()
     _regions_only: ClassVar[bool] = False  # tiermem.offload.tensors.TensorOffloader: no blocks
 
@@ -593,6 +600,7 @@ class ActivationOffloader:
         self._hooks: list = []
         self._saved_hooks: Any = None
         self._entered = False
+        self._thread: int | None = None  # the thread that entered (its forwards' block hooks)
         self._closing = False
         self._weight_ptrs: set[int] = set()
         # forward state
@@ -634,10 +642,13 @@ class ActivationOffloader:
         return self._records
 
     def __enter__(self) -> "ActivationOffloader":
-        if ActivationOffloader._active is not None:
+        if active_offloader() is not None:
             raise RuntimeError("offload_activations: another offload context is active; nested "
                                "use is not supported: exit it first, or give one context all "
                                "blocks (layers=[...] picks which are offloaded)")
+        if self._entered:
+            raise RuntimeError("offload_activations: this context is already entered on another "
+                               "thread; give each thread its own offload_activations(...)")
         if self._own_store and (self._store is None or self._store.closed):
             self._store = TierStore(default_store_config())
             # one private store for the offloader's life: pinned memory is allocated once, not
@@ -660,7 +671,8 @@ class ActivationOffloader:
         self._current = None
         self._blocks_run = 0
         self._unassigned = 0
-        ActivationOffloader._active = self
+        _ACTIVE.offloader = self
+        self._thread = threading.get_ident()
         self._entered = True
         return self
 
@@ -671,7 +683,7 @@ class ActivationOffloader:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        ActivationOffloader._active = None
+        _ACTIVE.offloader = None
         self._entered = False
         with self._lock:
             self._pending.clear()  # tensors saved after the last block stay where they are
@@ -728,7 +740,7 @@ class ActivationOffloader:
         return hook
 
     def _on_block_enter(self, index: int) -> None:
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or _in_backward() or not self._own_thread():
             return  # eval forwards and checkpoint recomputation change no state
         with self._lock:
             self._offload_deferred()  # an enclosing block's, or one whose exit hook never ran
@@ -762,7 +774,7 @@ class ActivationOffloader:
                         self._offload(handle, (self._fwd, index))
 
     def _on_block_exit(self, index: int) -> None:
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or _in_backward() or not self._own_thread():
             return
         with self._lock:
             self._current = None
@@ -772,6 +784,11 @@ class ActivationOffloader:
                     t0 = time.perf_counter()
                     self._offload_deferred()
                     self._calibration.offload_host_s[index] = time.perf_counter() - t0
+
+    def _own_thread(self) -> bool:
+        """True on the thread that entered: another thread's forward of the same blocks is not
+        this context's (its saved tensors do not reach these hooks)."""
+        return threading.get_ident() == self._thread
 
     def _offload_deferred(self) -> None:
         """Offload the timed forward's handles held back until their block ended (Note [timed
@@ -1094,7 +1111,8 @@ def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None 
             ``tier="nvme"`` without an nvme budget, ``double_buffering`` with
             ``prefetch_depth`` > 1, ``min_offload_bytes`` < 0, ``max_kept_bytes`` < 0 or given
             with explicit layers.
-        RuntimeError: (on entry) another offload context is active.
+        RuntimeError: (on entry) another offload context is active on this thread, or this
+            one is entered on another (each thread may enter its own, for its own model).
     """
     return ActivationOffloader(blocks, store=store, tier=tier, num_layers=num_layers, layers=layers,
                                prefetch_depth=prefetch_depth, min_offload_bytes=min_offload_bytes,

@@ -31,7 +31,8 @@ from typing import Iterable
 
 from torch import nn
 
-from tiermem.offload.activations import MARK, ActivationOffloader, _in_backward, mark_storage
+from tiermem.offload.activations import (MARK, ActivationOffloader, _in_backward,
+                                         active_offloader, mark_storage)
 from tiermem.store import TierStore
 
 _NOOP = object()  # an entry with nothing to do (in backward, or under foreign hooks)
@@ -59,7 +60,7 @@ class TensorOffloader(ActivationOffloader):
         if _in_backward():  # checkpoint recomputation: saves nothing here, and hooks of ours
             self._host.append(_NOOP)  # would hide its tensors from the checkpoint's own
             return self
-        active = ActivationOffloader._active
+        active = active_offloader()  # the calling thread's
         if active is not None and active is not self:
             if not self._own_store and self._store is not active.store:
                 raise ValueError("offload_tensors: an offload context with another store is "
