@@ -146,7 +146,6 @@ def test_tiermem_tune_help_and_bad_usage(capsys):
 
 
 def test_tiermem_tune_runs_the_gpt_demo(capsys, tmp_path):
-    t0 = time.perf_counter()
     rc = main(["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
                "--vocab", "64", "--num-layers", "0,1", "--offload-fraction", "0,1",
                "--state-tier", "cpu,nvme", "--prefetch-depth", "1", "--policy", "lru,trace",
@@ -154,7 +153,6 @@ def test_tiermem_tune_runs_the_gpt_demo(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0 and "yes *" in out and "cost model:" in out
     assert out.count(" trace ") >= 4 and out.count(" lru ") >= 4
-    assert time.perf_counter() - t0 < 30
 
 
 def test_act_gpu_bytes_and_setting_labels():
