@@ -147,8 +147,9 @@ def test_double_buffering_gradients_equal_and_buffers_reused(make_store):
 def test_double_buffering_falls_back_when_a_set_was_reused(make_store):
     """A record whose set was overwritten is read from the store again (Note [offload rules], rule 6)."""
     store = make_store()
-    from tiermem.offload.activations import _DoubleBuffer, _Record
-    buffers = _DoubleBuffer(store.device)
+    from tiermem.offload.activations import _Record
+    from tiermem.offload.double_buffer import DoubleBuffer
+    buffers = DoubleBuffer(store.device)
     recs = []
     for i in range(3):
         store.put(("k", i), torch.full((1000,), i, dtype=torch.uint8), tier="cpu")

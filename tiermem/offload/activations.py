@@ -100,7 +100,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Hashable
 
 import torch
@@ -111,10 +111,10 @@ from tiermem.config import StoreConfig
 from tiermem.names import OFFLOAD_TIERS, check_bool, check_choice, check_int
 from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
                                      simulate)
+from tiermem.offload.double_buffer import DoubleBuffer
 from tiermem.offload.versions import BACKWARD, Kept, check_version, version_tracker
 from tiermem.store import TierFullError, TierStore
 
-_ALIGN_BYTES = 512  # offsets of records inside a double-buffer set (any dtype view is aligned)
 _HOST_FRACTION = 0.5  # share of MemAvailable a private store may pin for its cpu tier
 _CALIBRATION_FORWARD = 2  # layers="auto" times this forward (the first one warms up)
 _BWD_PER_FWD = 2.0  # backward compute of a block, in forwards (its two matmuls per forward one)
@@ -403,117 +403,6 @@ class _Saved:
                 pass
 
 
-# ---------------------------------------------------------------------------------- double buffer
-
-
-@dataclass
-class _BufferSet:
-    buf: torch.Tensor | None = None
-    generation: int = 0  # bumped on every load, so stale slots are detected
-    event: Any = None  # H2D event of the current load (CUDA)
-    holds: list = field(default_factory=list)  # (key) the load reads from, released when done
-
-
-class _DoubleBuffer:
-    """Two persistent device buffer sets that reloads of consecutive groups alternate between."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.sets = [_BufferSet(), _BufferSet()]
-        self.next_set = 0
-        self.loads = 0
-        self.fallbacks = 0
-
-    def capacity_bytes(self) -> int:
-        return sum(s.buf.numel() for s in self.sets if s.buf is not None)
-
-    def load(self, records: list[_Record], store: TierStore) -> list:
-        """Copy ``records`` (their keys held in the store's host tier) into the next set.
-
-        Returns the keys held for the copy; release them with :meth:`release_done`.
-        """
-        index = self.next_set
-        self.next_set ^= 1
-        bset = self.sets[index]
-        self.release_set(bset, store, wait=True)
-        offsets, total = [], 0
-        for rec in records:
-            offsets.append(total)
-            total += -(-rec.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        if bset.buf is None or bset.buf.numel() < total:
-            bset.buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-        bset.generation += 1
-        hosts = [store.get(rec.key, tier="cpu", hold=True) for rec in records]
-        bset.holds = [rec.key for rec in records]
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            # the set's previous readers (queued before backward entered this layer) finish first
-            self.stream.wait_stream(compute)
-            with torch.cuda.stream(self.stream):
-                for rec, off, host in zip(records, offsets, hosts):
-                    bset.buf[off:off + rec.nbytes].copy_(host.reshape(-1).view(torch.uint8),
-                                                         non_blocking=True)
-                bset.event = torch.cuda.Event()
-                bset.event.record(self.stream)  # readers wait on it; host blocks may be freed after
-            bset.buf.record_stream(self.stream)  # a regrown set's old memory: written on this stream
-        else:
-            for rec, off, host in zip(records, offsets, hosts):
-                bset.buf[off:off + rec.nbytes].copy_(host.reshape(-1).view(torch.uint8))
-            self.release_set(bset, store, wait=False)
-        for rec, off in zip(records, offsets):
-            rec.slot = (index, bset.generation, off)
-        self.loads += 1
-        return bset.holds
-
-    def view(self, rec: _Record) -> torch.Tensor | None:
-        """The record's bytes in its set, or None if the set was reused since its load."""
-        if rec.slot is None:
-            return None
-        index, generation, off = rec.slot
-        bset = self.sets[index]
-        if bset.generation != generation:
-            rec.slot = None
-            self.fallbacks += 1
-            return None
-        if bset.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(bset.event)  # the load has landed
-        return bset.buf[off:off + rec.nbytes]
-
-    def release_set(self, bset: _BufferSet, store: TierStore, wait: bool) -> None:
-        """Release the store holds of ``bset``'s load once its copy has finished."""
-        if not bset.holds:
-            return
-        if bset.event is not None:
-            if not bset.event.query():
-                if not wait:
-                    return
-                bset.event.synchronize()  # host blocks are reused only after the copy read them
-        for key in bset.holds:
-            try:
-                store.release(key)
-            except (KeyError, ValueError):  # already deleted with its last handle
-                pass
-        bset.holds = []
-
-    def release_key(self, key: Hashable, store: TierStore) -> None:
-        """Release the hold on ``key`` (before deleting it), waiting for its copy if needed."""
-        for bset in self.sets:
-            if key in bset.holds:
-                if bset.event is not None and not bset.event.query():
-                    bset.event.synchronize()  # the H2D still reads this key's host block
-                store.release(key)
-                bset.holds.remove(key)
-
-    def close(self, store: TierStore, keep_buffers: bool) -> None:
-        """Release every store hold (waiting for the loads); free the sets unless kept."""
-        for bset in self.sets:
-            self.release_set(bset, store, wait=True)
-            if not keep_buffers:
-                bset.buf = None
-
-
 # ---------------------------------------------------------------------------------- offloader
 
 
@@ -623,7 +512,7 @@ class ActivationOffloader:
         # backward state
         self._graph_task = None
         self._entered_groups: set = set()
-        self._buffers: _DoubleBuffer | None = None
+        self._buffers: DoubleBuffer | None = None
         self.counters = dict.fromkeys(
             ("packed", "offloaded", "deduplicated", "kept", "put_bytes", "reloads", "prefetches",
              "store_full", "gpu_full"), 0)
@@ -656,7 +545,7 @@ class ActivationOffloader:
             weakref.finalize(self, self._store.close)
         if self.double_buffering and (self._buffers is None or
                                       self._buffers.device != self._store.device):
-            self._buffers = _DoubleBuffer(self._store.device)
+            self._buffers = DoubleBuffer(self._store.device)
         self._closing = False
         self._weight_ptrs = {t.untyped_storage().data_ptr() for b in self.blocks
                              for t in itertools.chain(b.parameters(), b.buffers())}
