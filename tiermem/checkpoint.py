@@ -280,16 +280,44 @@ def _verify(f, path: str) -> None:
             f"were written); use an older checkpoint", path)
 
 
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _open_regular(path: str):
+    """Open ``path`` for reading without blocking on a FIFO (``O_NONBLOCK``), and only if
+    ``fstat`` says it is a regular file.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        IsADirectoryError: ``path`` is a directory.
+        CheckpointError: ``path`` is a FIFO, socket or device (names it and what it is).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", path) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+            raise CheckpointError(f"checkpoint {path} is not a regular file (it is {what}); "
+                                  f"name the checkpoint file itself", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _load_verified(path: str | os.PathLike, kind: str, verify: bool = True) -> dict:
     """Open ``path`` once, verify it (``verify``), ``torch.load(weights_only=True)`` it from
     the same open file (a concurrent save renaming a new file over ``path`` cannot slip in
     between), and check its format tag and version."""
     path = os.fspath(path)
-    try:
-        f = open(path, "rb")  # noqa: SIM115  (closed by the with block below)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", path) from None
-    with f:
+    with _open_regular(path) as f:
         if verify:
             _verify(f, path)
         f.seek(0)
@@ -437,10 +465,12 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     Raises:
         FileNotFoundError: no file at ``path`` (temporary files of interrupted saves are never
             used instead).
+        IsADirectoryError: ``path`` is a directory.
         CheckpointCorruption: truncated or damaged file (names the file).
         UnsafeCheckpointError: the file holds arbitrary (non-weights) objects.
-        CheckpointError: a tiermem store snapshot or another file type; or ``model`` /
-            ``optimizer`` given but the checkpoint has none.
+        CheckpointError: a tiermem store snapshot or another file type; ``path`` is not a
+            regular file (a FIFO, socket or device: refused at once, never read); or ``model``
+            / ``optimizer`` given but the checkpoint has none.
         RuntimeError, ValueError: from ``load_state_dict`` of the model / optimizer.
     """
     payload = _load_verified(path, _KIND_CHECKPOINT, verify)

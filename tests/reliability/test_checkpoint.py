@@ -308,3 +308,50 @@ def test_save_checks_the_written_file_with_the_loader_itself(tmp_path, monkeypat
     with pytest.raises(TypeError, match=r"c.pt.*load_checkpoint would refuse.*numpy"):
         save_checkpoint(path, extra={"step": 2, "x": np.float64(1.0)})
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["c.pt"]
+
+
+# ------------------------------------------------------------------- not a regular file (issue 27)
+
+
+def _load_in_thread(load, path, **kwargs):
+    """load(path, **kwargs) in a daemon thread; (finished, result or exception). The join's
+    timeout only keeps a regression from hanging the suite: a fixed load returns at once."""
+    import threading  # noqa: PLC0415
+    out = {}
+
+    def run():
+        try:
+            out["result"] = load(path, **kwargs)
+        except BaseException as exc:  # noqa: BLE001  (reported to the test)
+            out["result"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    return not t.is_alive(), out.get("result")
+
+
+@pytest.mark.parametrize("what,verify", [("checkpoint", True), ("checkpoint", False),
+                                         ("store", True)])
+def test_loading_a_fifo_raises_at_once_naming_it(tmp_path, what, verify):
+    fifo = tmp_path / "c.pt"
+    os.mkfifo(fifo)
+    store = small_store(tmp_path) if what == "store" else None
+    load = load_checkpoint if store is None else lambda p, **k: load_store(p, store, **k)
+    finished, result = _load_in_thread(load, fifo, verify=verify)
+    if not finished:  # unblock the stuck reader so the thread ends
+        with open(fifo, "wb"):
+            pass
+    assert finished, "load_checkpoint blocked on a FIFO"
+    assert isinstance(result, CheckpointError), result
+    assert str(fifo) in str(result) and "not a regular file" in str(result)
+    assert "FIFO" in str(result) and "\n" not in str(result)
+    if store is not None:
+        assert len(store) == 0
+        store.close()
+
+
+def test_loading_a_directory_names_it(tmp_path):
+    with pytest.raises(IsADirectoryError) as info:
+        load_checkpoint(tmp_path)
+    assert info.value.filename == str(tmp_path)
