@@ -95,3 +95,91 @@ def test_markov_text_is_deterministic_and_learnable():
     assert 0 < data.entropy < math.log(4) < math.log(64)
     with pytest.raises(ValueError, match="branching=0 must be in"):
         MarkovText(64, branching=0)
+
+
+# ------------------------------------------------- Note [run cost before building] (issue 27)
+
+def _train_gpt():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_empty_config_on_the_cpu_is_refused_before_building(tmp_path, monkeypatch, capsys):
+    """An empty --config got GPTConfig's 1.34B defaults and failed after 98 s of building with
+    a HybridAdam error that never named the config: now the cost line and a one-line refusal
+    naming the file and store.cpu_bytes come before anything is built."""
+    import tiermem.demo as demo
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's defaults")
+
+    def no_build(*a, **kw):
+        raise AssertionError("the model was built")
+    monkeypatch.setattr(demo, "build_model", no_build)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert _train_gpt().main(["--config", str(empty)]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"train_gpt: error: config file {str(empty)!r}: optimizer."
+                               f"offload_fraction=0.5 of a 1,343.9M-param model (model.n_layers")
+    assert "but store.cpu_bytes=4.0 GiB; fix: raise store.cpu_bytes" in lines[0]
+    assert "cost: 1,343.9M params" in out and "16,384 tokens per step" in out
+    assert "so GPTConfig's defaults: model.n_layers=24, model.d_model=2048" in out
+
+
+def test_the_cost_line_comes_before_building_and_names_left_out_fields(tmp_path, monkeypatch):
+    import tiermem.demo as demo
+    path = tmp_path / "two.yaml"
+    path.write_text("model: {n_layers: 2}\ntrain: {device: cpu}\n")
+    cfg = RunConfig.load(path, ["train.steps=3"])
+    assert cfg.left_out == ("d_model", "n_heads", "seq_len", "vocab")
+    assert cfg.origin == f"config file {str(path)!r} + 1 override"
+    lines: list[str] = []
+
+    def stop(*a, **kw):
+        raise KeyboardInterrupt  # the test ends where training would start
+    monkeypatch.setattr(demo, "train", stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, log=lines.append)
+    cost = next(line for line in lines if line.startswith("cost: "))
+    assert cost.startswith("cost: 236.0M params") and "16,384 tokens per step" in cost
+    assert re.search(r"GFLOP/s of a 1024 x 1024 matmul on this CPU now: ~[\d.]+ (s|min|h) per "
+                     r"step, ~[\d.]+ (s|min|h) for 3 steps x 2 runs", cost), cost
+    assert "model.d_model=2048, model.n_heads=16, model.seq_len=2048, model.vocab=32000" in cost
+
+
+def test_run_cost_bounds_are_lower_bounds_of_what_the_library_needs(tmp_path):
+    """The refusals only refuse what cannot fit: a store one byte under the estimate of the
+    offloaded state is refused by HybridAdam too; the host bound counts weights, gradients and
+    Adam moments of the params a built model really has."""
+    from tiermem import run_cost
+    from tiermem.models.gpt import GPT
+    tree = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 16, "vocab": 64},
+            "train": {"steps": 1, "micro_batch": 2, "progress": False, "log_every": 0,
+                      "device": "cpu", "baseline": False},
+            "optimizer": {"offload_fraction": 1.0, "chunk_numel": 4096}}
+    cfg = RunConfig.from_tree(tree)
+    cost = run_cost.estimate(cfg)
+    n = sum(p.numel() for p in GPT(cfg.model).parameters())
+    assert cost.params == n and cost.host_bytes == 16 * n and cost.tokens_per_step == 32
+    assert cost.offloaded_state_bytes == 12 * n
+    run_cost.check(cfg, cost, "cpu", host_available=16 * n)  # fits exactly: no refusal
+    tight = RunConfig.from_tree({**tree, "store": {"cpu_bytes": cost.offloaded_state_bytes - 1}},
+                                "config file 'tight.yaml'")
+    with pytest.raises(ValueError, match=r"^config file 'tight.yaml': optimizer.offload_fraction"
+                                         r"=1 of a 0.\dM-param model puts at least .* but "
+                                         r"store.cpu_bytes="):
+        run_cost.check(tight, cost, "cpu", host_available=None)
+    data = MarkovText(64)
+    from tiermem.demo import train
+    with pytest.raises(ValueError, match="HybridAdam: the store's cpu tier has"):
+        train(tight, offload=True, data=data, log=lambda s: None)
+    with pytest.raises(ValueError, match=r"needs at least .* of host memory for weights, "
+                                         r"gradients and Adam moments .* is available"):
+        run_cost.check(cfg, cost, "cpu", host_available=16 * n - 1)

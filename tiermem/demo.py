@@ -40,8 +40,10 @@ from typing import Any, Callable
 import torch
 
 from tiermem._files import make_private_dir
+from tiermem import run_cost
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.names import format_bytes, resolve_device
+from tiermem.names import format_bytes, resolve_device, short_repr
+from tiermem.run_cost import SIZE_FIELDS
 from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.config import (ActivationConfig, OptimizerConfig, StoreConfig, TrainConfig,
                             apply_overrides, from_tree, load_config)
@@ -71,6 +73,11 @@ class RunConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     activations: ActivationConfig = field(default_factory=ActivationConfig)
+    origin: str = "the run config"
+    """Where the config came from, for messages (``"config file 'run.yaml'"``)."""
+    left_out: tuple[str, ...] = ()
+    """The ``model`` fields that size the model (:data:`tiermem.run_cost.SIZE_FIELDS`) which the
+    config left out, so they have GPTConfig's (H200-sized) defaults."""
 
     def __post_init__(self) -> None:
         n = self.model.n_layers
@@ -98,15 +105,19 @@ class RunConfig:
         return self.train.seq_len or self.model.seq_len
 
     @classmethod
-    def from_tree(cls, tree: dict) -> "RunConfig":
-        """Build a RunConfig from a nested dict of sections (a parsed YAML file).
+    def from_tree(cls, tree: dict, origin: str = "the run config") -> "RunConfig":
+        """Build a RunConfig from a nested dict of sections (a parsed YAML file); ``origin``
+        names it in messages.
 
         Raises:
             ValueError: an unknown section or field (the message lists the valid ones), or a
                 bad value (naming the field).
             TypeError: a value of the wrong type, or a section that is not a mapping.
         """
-        return cls(**from_tree(tree, SECTIONS, where="the run config"))
+        sections = from_tree(tree, SECTIONS, where=origin)
+        given = tree.get("model") or {}
+        left_out = tuple(k for k in SIZE_FIELDS if k not in given)
+        return cls(**sections, origin=origin, left_out=left_out)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None, overrides: list[str] = ()) -> "RunConfig":
@@ -116,7 +127,11 @@ class RunConfig:
             FileNotFoundError: ``path`` does not exist.
             ValueError, TypeError: see :meth:`from_tree` and :func:`tiermem.config.load_config`.
         """
-        return cls.from_tree(load_config(path, list(overrides)))
+        origin = ("the defaults" if path is None else
+                  f"config file {short_repr(os.fspath(path))}")
+        if overrides:
+            origin += f" + {len(overrides)} override{'s' if len(overrides) > 1 else ''}"
+        return cls.from_tree(load_config(path, list(overrides)), origin)
 
     def to_tree(self) -> dict:
         """The sections as a nested dict of plain values (for printing and YAML)."""
@@ -492,6 +507,11 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print
         f"{t.steps} steps x {t.grad_accumulation_steps} x {t.micro_batch} x {cfg.seq_len} tokens")
     log(f"offload: optimizer state {cfg.optimizer.offload_fraction:.0%} -> "
         f"{cfg.optimizer.state_tier}, activations {layers}")
+    device_type = resolve_device(t.device, "train.device").type
+    cost = run_cost.estimate(cfg)  # Note [run cost before building]
+    log(run_cost.describe(cfg, cost, device_type,
+                          run_cost.cpu_flop_per_s() if device_type == "cpu" else None))
+    run_cost.check(cfg, cost, device_type, run_cost.host_available_bytes())
     off = train(cfg, offload=True, data=data, log=log, name="offload")
     if not t.baseline:
         return off, None, None
@@ -584,7 +604,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiermem demo: error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    _, _, cmp = run(cfg)
+    try:
+        _, _, cmp = run(cfg)
+    except ValueError as exc:  # a budget that cannot hold the run (tiermem.run_cost.check)
+        print(f"tiermem demo: error: {exc}", file=sys.stderr)
+        return 2
     print(f"total {time.perf_counter() - start:.1f} s")
     return 0 if cmp is None or cmp.ok else 1
 
