@@ -140,6 +140,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "or 'auto': the most that fit; their saved inputs count on the GPU, and "
                         "with --param-sync forward their forward runs beside the optimizer's "
                         "tail (default 0)")
+    stream = p.add_argument_group(
+        "weight streaming", "issue 29: the blocks' weights live on the host and reach the GPU "
+        "block by block (docs/streaming.md; Note [streaming plan] in tiermem/plan/streaming.py); "
+        "predictions: no streaming run has been measured on a GPU yet")
+    stream.add_argument("--stream-weights", choices=sorted(_STREAM), default="auto",
+                        help="stream the blocks' weights: on, off, or auto: only when the GPU "
+                             "cannot hold every weight (default auto)")
+    stream.add_argument("--stream-tier", default="auto", choices=["auto", "cpu", "nvme"],
+                        help="the streamed weights' home: pinned RAM (cpu), NVMe, or auto: RAM "
+                             "if the run fits so, else NVMe (default auto)")
+    stream.add_argument("--prefetch-blocks", type=int, default=1, metavar="P",
+                        help="streamed blocks fetched ahead; the GPU holds P + 2 blocks' "
+                             "buffers (default 1)")
+    stream.add_argument("--stream-schedule", default="auto",
+                        choices=["auto", "block-major", "depth-first"],
+                        help="block-major moves each streamed block once per pass whatever the "
+                             "micro-batches (and keeps every micro-batch's activations); "
+                             "depth-first once per micro-batch (default auto: block-major with "
+                             "--grad-accumulation-steps > 1)")
     rates = p.add_argument_group(
         "machine rates", "what the time per optimizer step is predicted from (defaults: the "
         "H200 machine, one run each, docs/results/*.log; docs/sizing.md)")
@@ -169,6 +188,10 @@ _RATE_FLAGS = (
     ("--nvme-write", "nvme_write_bytes_per_s", 1e9, "GB/s spill-file writes", "bench_io.log"),
 )
 """``tiermem plan``'s rate options: flag, :class:`MachineRates` field, unit scale, unit, log."""
+
+
+_STREAM = {"on": True, "off": False, "auto": "auto"}
+"""``--stream-weights`` -> ``plan(stream_weights=...)``."""
 
 
 def _rate(text: str) -> float:
@@ -215,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             grad_accumulation_steps=args.grad_accumulation_steps,
             gpu_step_fraction=args.gpu_step_fraction, max_grad_norm=args.max_grad_norm,
             param_sync=args.param_sync, breadth_first_blocks=args.breadth_first_blocks,
+            stream_weights=_STREAM[args.stream_weights], stream_tier=args.stream_tier,
+            prefetch_blocks=args.prefetch_blocks, stream_schedule=args.stream_schedule,
             rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
                                   for flag, fld, scale, _, _ in _RATE_FLAGS
                                   if getattr(args, flag[2:].replace("-", "_")) is not None}),

@@ -34,6 +34,8 @@ from tiermem.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, head_
 from tiermem.plan.rates import H200_GPU_BYTES, H200_HOST_BYTES, H200_NVME_BYTES, MachineRates
 from tiermem.plan.result import Item, Plan, add_notes, overflow
 from tiermem.plan.shapes import GiB
+from tiermem.plan.streaming import (check_stream_args, gpu_breakdown, non_block_params,
+                                    place_stream, schedule_for)
 from tiermem.plan.timing import LANE_MEANING, check_max_grad_norm, step_time
 
 
@@ -66,7 +68,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
          grad_accumulation_steps: int = 1, gpu_step_fraction: float = 0.0,
          max_grad_norm: float | None = None, param_sync: str = "step",
-         breadth_first_blocks: int | str = 0, rates: MachineRates | None = None) -> Plan:
+         breadth_first_blocks: int | str = 0, stream_weights: bool | str = False,
+         stream_tier: str = "auto", prefetch_blocks: int = 1, stream_schedule: str = "auto",
+         rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
     Args:
@@ -130,6 +134,21 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             the step time counts that forward beside the optimizer tail. ``"auto"``: the most
             blocks that still fit, after the fraction and tier are chosen (so with
             ``offload_fraction=None``, usually none).
+        stream_weights: stream the blocks' weights (issue 29; Note [streaming plan] in
+            ``tiermem/plan/streaming.py``): True, False, or ``"auto"``: only when the plan with
+            every weight on the GPU overflows the GPU (and neither ``gpu_step_fraction`` nor
+            ``breadth_first_blocks`` is given: they are not planned with streamed weights). Streaming keeps the last blocks resident
+            as far as the GPU holds them (``plan.stream``), the optimizer state of all params
+            off the GPU unless ``offload_fraction`` is given, and the activations on the GPU
+            unless they do not fit (``offload_layers``).
+        stream_tier: the streamed weights' home: ``"cpu"`` (pinned RAM), ``"nvme"``, or
+            ``"auto"``: RAM if the run fits so (the optimizer state may split RAM + NVMe
+            first: a byte of state on NVMe costs one read and one write per step, a weight
+            two reads and a write), else NVMe.
+        prefetch_blocks: the stream's blocks fetched ahead (GPU buffers: this + 2).
+        stream_schedule: ``"block-major"``, ``"depth-first"`` or ``"auto"`` (block-major with
+            ``grad_accumulation_steps`` > 1): the PCIe traffic per step and, block-major, the
+            activations of every micro-batch at once.
         rates: :class:`MachineRates` the time per step is predicted from; None: the H200
             machine's.
 
@@ -142,7 +161,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             (``offload_fraction``, ``gpu_step_fraction``) outside [0, 1], ``max_grad_norm``
             not above 0 or nan, ``offload_layers`` outside [0, n_layers), an MoE shape given
             in part, ``top_k`` > ``n_experts``, or ``num_params`` not above the parameters of
-            the experts a token skips, naming the argument.
+            the experts a token skips, naming the argument; an unknown ``stream_weights``,
+            ``stream_tier`` or ``stream_schedule``, a negative ``prefetch_blocks``, streaming
+            with ``gpu_step_fraction`` > 0 or ``breadth_first_blocks`` > 0, or with
+            ``num_params`` not above the weights outside the blocks.
         TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
             that is not an int, or a fraction or ``max_grad_norm`` that is not a number
             (naming the argument); ``rates`` not a :class:`MachineRates`.
@@ -234,6 +256,16 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     if breadth_first_blocks > n_layers:
         raise ValueError(f"plan: breadth_first_blocks={breadth_first_blocks} exceeds "
                          f"n_layers={n_layers}; give 0 (depth-first) to {n_layers}")
+    check_stream_args(stream_weights, stream_tier, stream_schedule, prefetch_blocks,
+                      gpu_step_fraction=gpu_step_fraction,
+                      breadth_first_blocks="auto" if auto_blocks else breadth_first_blocks)
+    schedule = schedule_for(stream_schedule, grad_accumulation_steps)
+    outside = non_block_params(vocab=vocab, seq=seq, d_model=d_model)
+    if stream_weights is not False and n - outside < n_layers:
+        raise ValueError(f"plan: num_params={n:,} is not above the {outside:,} params outside "
+                         f"the blocks (embeddings, head) plus one per block: nothing to stream; "
+                         f"check num_params, vocab and d_model")
+    block_params = (n - outside) // n_layers
     check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
                  "auto: RAM if it fits, else split")
     check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
@@ -264,9 +296,14 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                   dtype=dtype, moments_dtype=moments_dtype,
                   checkpoint=checkpoint, activation_tier=activation_tier,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
-                  host_reserve_bytes=host_reserve)
+                  host_reserve_bytes=host_reserve, stream_weights=stream_weights,
+                  stream_tier=stream_tier, prefetch_blocks=prefetch_blocks,
+                  stream_schedule=stream_schedule)
 
-    def build(f: float, tier: str, k: int, bf: int = breadth_first_blocks) -> Plan:
+    def build(f: float, tier: str, k: int, bf: int = breadth_first_blocks,
+              home: str | None = None) -> Plan:
+        # Note [streaming plan]: block-major keeps every micro-batch's activations at once
+        mb = grad_accumulation_steps if home and schedule == "block-major" else 1
         off_n = round(f * n)
         gpu_n = n - off_n
         items = [Item("parameters", gpu=n * p, note=short_dtype(dtype)),
@@ -296,15 +333,20 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                               note=f"{LANE_SLOTS} chunks of state + fp32 grads"))
         on_gpu_blocks = n_layers - k
         window = min(k, prefetch_depth + 1)
-        act = Item("activations", gpu=on_gpu_blocks * kept_per_block + window * kept_per_block,
+        act = Item("activations",
+                   gpu=on_gpu_blocks * kept_per_block * mb + window * kept_per_block,
                    note=f"{kept_per_block / GiB:.2f} GiB/block"
                         f"{' (checkpointed)' if checkpoint else ''} x {on_gpu_blocks} blocks"
+                        + (f" x {mb} micro-batches (block-major)" if mb > 1 else "")
                         + (f" + {window} reloading" if k else ""))
         if checkpoint:
             act.gpu += per_block  # the block being recomputed in backward
             act.note += " + 1 recomputed"
+        if mb > 1:  # the gradients flowing down between blocks, one per micro-batch
+            act.gpu += mb * block_input
+            act.note += f" + {mb} micro-batches' gradients"
         if k:
-            setattr(act, "host" if activation_tier == "cpu" else "nvme", k * kept_per_block)
+            setattr(act, "host" if activation_tier == "cpu" else "nvme", k * kept_per_block * mb)
             act.note += f"; {k} blocks offloaded to {activation_tier}"
         items.append(act)
         if bf and grad_accumulation_steps > 1:  # Note [breadth-first blocks]
@@ -315,6 +357,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         items.append(Item("head + loss", gpu=head, note="logits, fp32 log-softmax, grads"))
         items.append(Item("reserve", gpu=gpu_reserve, host=host_reserve,
                           note="CUDA context/workspace/fragmentation; OS + Python"))
+        stream = problem = None
+        if home is not None:  # Note [streaming plan]
+            stream, problem = place_stream(
+                items, cap_gpu=cap["gpu"], n_layers=n_layers, block_params=block_params,
+                param_bytes=p, prefetch_blocks=prefetch_blocks, tier=home, schedule=schedule,
+                micro_batches=grad_accumulation_steps, gpu_state_params=gpu_n)
         if tier == "split":  # HybridAdam state_tier="split": RAM first, the rest on NVMe
             host_free = cap["host"] - sum(i.host for i in items)
             state_item.host = max(0, min(state, host_free))
@@ -324,8 +372,18 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         reasons = [f"{t} needs {used[t] / GiB:,.1f} GiB, has {cap[t] / GiB:,.1f} GiB "
                    f"(over by {(used[t] - cap[t]) / GiB:,.1f} GiB)"
                    for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
+        if stream is not None and used["gpu"] > cap["gpu"]:  # name what does not fit
+            fixes = [("checkpointing (--checkpoint)", not checkpoint),
+                     ("a smaller micro-batch (--batch) or shorter sequences", True),
+                     ("--prefetch-blocks 0 (2 buffers)", prefetch_blocks > 0),
+                     ("offloaded activations (--offload-layers)", not k),
+                     ("a larger --gpu", True)]
+            reasons[0] += (f": {gpu_breakdown(items)}; fix: "
+                           + ", ".join(fix for fix, useful in fixes if useful))
+        if problem:
+            reasons.append(problem)
         return Plan(n, active, not reasons, f, tier, k, checkpoint, items, dict(cap), used,
-                    reasons, inputs=inputs, breadth_first_blocks=bf)
+                    reasons, inputs=inputs, breadth_first_blocks=bf, stream=stream)
 
     def gpu_fixed(k: int) -> int:
         return build(1.0, "cpu", k).used["gpu"]
@@ -353,13 +411,22 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         if best is not None and best.fits:
             break
     assert best is not None
-    if auto_blocks and best.fits:  # the most blocks that still fit this placement
+    if stream_weights is True or (stream_weights == "auto" and best.used["gpu"] > cap["gpu"]
+                                  and not gpu_step_fraction and not breadth_first_blocks):
+        best = _best_stream(build, offload_fraction, layer_options, tiers,
+                            ["cpu", "nvme"] if stream_tier == "auto" else [stream_tier])
+    if auto_blocks and best.fits and best.stream is None:  # the most blocks that still fit
         best = next((c for c in (build(best.offload_fraction, best.state_tier,
                                        best.offload_layers, bf)
                                  for bf in range(n_layers, 0, -1)) if c.fits), best)
     state_item = next(i for i in best.items if i.name == "optimizer state, offloaded")
     off_n = round(best.offload_fraction * n)
     chunk = largest_chunk(off_n, chunk_numel)
+    st = best.stream
+    if st is not None and st.streamed_params > off_n:  # no run steps these weights: no time
+        add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
+                  dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
+        return best
     best.step_time = step_time(
         active_params=active, offloaded_params=off_n, param_bytes=p,
         moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
@@ -368,9 +435,33 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
         max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
         param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,
-        n_layers=n_layers, rates=rates)
+        n_layers=n_layers, streamed_bytes=st.streamed_bytes if st else 0,
+        stream_schedule=schedule, stream_tier=st.tier if st else "cpu", rates=rates)
     add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
+    return best
+
+
+def _best_stream(build, offload_fraction, layer_options, tiers, homes) -> Plan:
+    """The first streaming placement that fits (Note [streaming plan]), trying activations on
+    the GPU before offloaded ones, the weights in RAM before on NVMe, and the state in RAM
+    before split; else the nearest miss. All optimizer state is offloaded unless
+    ``offload_fraction`` is given.
+
+    Raises:
+        nothing: ``build`` validated its inputs.
+    """
+    f = 1.0 if offload_fraction is None else offload_fraction
+    best: Plan | None = None
+    for k in layer_options:
+        for home in homes:
+            for tier in tiers:
+                candidate = build(f, tier, k, 0, home)
+                if candidate.fits:
+                    return candidate
+                if best is None or overflow(candidate) < overflow(best):
+                    best = candidate
+    assert best is not None
     return best
 
 

@@ -49,6 +49,9 @@ class Plan:
             (:class:`StepTime`; also when it does not fit, though the table then omits it).
         breadth_first_blocks: blocks run for every micro-batch first (given, or chosen for
             ``"auto"``; Note [breadth-first blocks]).
+        stream: the weight stream (:class:`tiermem.plan.streaming.StreamPlan`: resident and
+            streamed blocks, buffers, home, schedule; Note [streaming plan]), or None: every
+            weight on the GPU.
     """
 
     num_params: int
@@ -66,6 +69,7 @@ class Plan:
     inputs: dict = field(default_factory=dict)
     step_time: StepTime | None = None
     breadth_first_blocks: int = 0
+    stream: object | None = None
 
     def to_dict(self) -> dict:
         """Plain-data form (for ``--json``)."""
@@ -97,6 +101,8 @@ class Plan:
                 f"activations of {self.offload_layers} blocks offloaded"
                 f"{', checkpointing' if self.checkpoint else ''}")
         out = [head]
+        if self.stream is not None:
+            out.append(stream_summary(self.stream))
         moe = self.inputs.get("n_experts")
         if moe:
             out.append(f"parameters: {self.num_params / 1e9:.2f}B in total (weights, gradients, "
@@ -139,11 +145,17 @@ def add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.dt
         if pl.breadth_first_blocks:
             cfg.append(f"train.breadth_first_blocks={pl.breadth_first_blocks}")
         pl.notes.append("configure: " + " ".join(cfg))
+        if pl.stream is not None:
+            pl.notes.append(stream_configure(pl.stream))
         if f == 0 and not pl.offload_layers:
             pl.notes.append("fits on the GPU alone: tiermem is not needed for memory "
                             "(offload only costs time here)")
         return
     over = {t: pl.used[t] > cap[t] for t in cap}
+    if pl.stream is not None:
+        if over["host"] or over["nvme"]:
+            pl.notes.append(stream_host_hint(pl, moments_dtype))
+        return
     if over["gpu"]:
         if f < 1.0:
             bf16 = "" if moments_dtype != "float32" else (
@@ -191,3 +203,58 @@ def add_notes(pl: Plan, n: int, cap: dict, host_reserve: int, param_dt: torch.dt
                             f"the GPU may keep more of it (--offload-fraction auto finds the "
                             f"least that fits); or lower the offload fraction if the GPU has "
                             f"room")
+
+
+def stream_summary(stream) -> str:
+    """One line under the plan's head for a :class:`tiermem.plan.streaming.StreamPlan`: how
+    many blocks stream, from where, with how many buffers, on which schedule.
+
+    Raises:
+        nothing: formatting.
+    """
+    home = "pinned RAM" if stream.tier == "cpu" else "NVMe"
+    many = "es" if stream.micro_batches > 1 else ""
+    default = " (the default; with one micro-batch the same as depth-first)" \
+        if stream.schedule == "block-major" else ""
+    return (f"weights of {len(stream.streamed)} of {stream.n_blocks} blocks streamed from "
+            f"{home} ({len(stream.resident)} resident, {stream.buffer_blocks} GPU buffers, "
+            f"prefetch {stream.prefetch_blocks}), {stream.schedule} over "
+            f"{stream.micro_batches} micro-batch{many}{default}; a prediction: no "
+            f"weight-streaming run has been measured on a GPU yet")
+
+
+def stream_configure(stream) -> str:
+    """The note that says how to run a streaming plan that fits: ``stream_weights``' arguments
+    (its ``gpu_bytes`` counts the resident blocks' and the buffers' weights) and the store's
+    RAM for the streamed weights.
+
+    Raises:
+        nothing: formatting.
+    """
+    store = (f"the store's cpu_bytes at least {stream.streamed_bytes / GiB:,.1f} GiB (the "
+             f"streamed weights)" if stream.tier == "cpu" else
+             "the store's nvme_dir on the NVMe and cpu_bytes at least the staging row")
+    return (f"stream: stream_weights(model.blocks, store=..., tier={stream.tier!r}, "
+            f"prefetch_blocks={stream.prefetch_blocks}, gpu_bytes={stream.stream_gpu_bytes}) "
+            f"({stream.stream_gpu_bytes / GiB:,.1f} GiB: the last {len(stream.resident)} "
+            f"blocks resident + {stream.buffer_blocks} buffers), {store}; the plan assumes "
+            f"HybridAdam steps the streamed weights on the host (issue 29 item 3) and the "
+            f"{stream.schedule} schedule (docs/streaming.md)")
+
+
+def stream_host_hint(pl: Plan, moments_dtype: str) -> str:
+    """What the host side of a streaming plan holds and what would make it fit.
+
+    Raises:
+        nothing: formatting.
+    """
+    rows = {i.name: i for i in pl.items}
+    held = " + ".join(f"{name} {(rows[name].host + rows[name].nvme) / GiB:,.1f} GiB"
+                      for name in ("parameters", "gradients", "optimizer state, offloaded")
+                      if name in rows)
+    bf16 = ", bf16 moments (--moments-dtype bf16: 8 B/param of state instead of 12)" \
+        if moments_dtype == "float32" else ""
+    return (f"with streamed weights the host side holds {held} (the streamed blocks' weights "
+            f"and gradients, every offloaded parameter's state): more RAM or NVMe (the state "
+            f"splits RAM + NVMe, the weights may live on NVMe: --stream-tier nvme){bf16}, or a "
+            f"larger --gpu (more blocks stay resident)")

@@ -120,6 +120,11 @@ class StepTime:
         param_sync: HybridAdam's ``param_sync``.
         breadth_first_blocks: blocks run for every micro-batch first (Note [breadth-first
             blocks] in tiermem/schedule/micro_batches.py).
+        stream_schedule: ``"block-major"`` or ``"depth-first"`` with streamed weights (Note
+            [streaming plan] in ``tiermem/plan/streaming.py``; ``moved`` then has
+            ``stream_h2d_bytes``, ``stream_d2h_bytes`` and ``stream_nvme_read_bytes``); None:
+            no weights streamed.
+        stream_tier: the streamed weights' home, ``"cpu"`` or ``"nvme"`` (None: none).
     """
 
     tokens: int
@@ -145,6 +150,8 @@ class StepTime:
     forward_overlap_s: float = 0.0
     param_sync: str = "step"
     breadth_first_blocks: int = 0
+    stream_schedule: str | None = None
+    stream_tier: str | None = None
 
 
 LANE_MEANING = ("it is HybridAdam's share of the offloaded chunks the GPU steps by streaming "
@@ -171,7 +178,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               gpu_step_fraction: float = 0.0, max_grad_norm: float | None = None,
               offloaded_chunks: int = 0, param_sync: str = "step",
               breadth_first_blocks: int = 0, n_layers: int | None = None,
-              rates: MachineRates | None = None) -> StepTime:
+              streamed_bytes: int = 0, stream_schedule: str = "block-major",
+              stream_tier: str = "cpu", rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
@@ -193,7 +201,14 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
       lane chunks included: fewer, larger chunks shorten it);
     - NVMe: ``nvme_state_bytes`` read and written once per optimizer step, one after the other
       on one disk (plus ``activation_offload_bytes`` per micro-batch with
-      ``activation_tier="nvme"``).
+      ``activation_tier="nvme"``);
+    - streamed weights (``streamed_bytes`` S > 0; Note [streaming plan] in
+      ``tiermem/plan/streaming.py``): ``2·S`` H2D and ``S`` of gradients D2H per pass, one
+      pass per step block-major, one per micro-batch depth-first, during forward + backward;
+      their params are neither sent back nor their gradients shipped in the optimizer phase
+      (``S / param_bytes`` of the offloaded params leave the optimizer's PCIe bytes); with
+      ``stream_tier="nvme"`` also ``2·S`` NVMe reads per pass (forward + backward) and ``S``
+      written per step (the update, in the optimizer phase).
 
     The step (Note [optimizer tail]): the floor is forward + backward (the GPU, or the
     offloaded activations' traffic if slower) plus what of the optimizer phase (its PCIe, CPU
@@ -232,6 +247,10 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         breadth_first_blocks: blocks run for every micro-batch before the rest of the first
             (Note [breadth-first blocks]), 0 to ``n_layers``.
         n_layers: the model's blocks (needed with ``breadth_first_blocks``).
+        streamed_bytes: bytes of the streamed blocks' weights (0: none streamed); their
+            params must be among the offloaded ones.
+        stream_schedule: ``"block-major"`` or ``"depth-first"``.
+        stream_tier: the streamed weights' home, ``"cpu"`` or ``"nvme"``.
         rates: :class:`MachineRates`; None: the H200 machine's.
 
     Raises:
@@ -239,7 +258,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             offloaded and NVMe ones), an unknown dtype or tier, ``gpu_step_fraction`` not a
             number in [0.0, 1.0], ``max_grad_norm`` not a number > 0 (or None), ``rates``
             not MachineRates, an unknown ``param_sync``, ``breadth_first_blocks`` above
-            ``n_layers`` or given without it.
+            ``n_layers`` or given without it, ``streamed_bytes`` not a whole number of
+            params or more params than are offloaded, an unknown schedule or stream tier.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -253,8 +273,16 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     for name, value in (("offloaded_params", offloaded_params),
                         ("nvme_state_bytes", nvme_state_bytes),
                         ("activation_offload_bytes", activation_offload_bytes),
-                        ("offloaded_chunks", offloaded_chunks)):
+                        ("offloaded_chunks", offloaded_chunks),
+                        ("streamed_bytes", streamed_bytes)):
         check_int(who, name, value, low=0)
+    check_choice(who, "stream_schedule", stream_schedule, ("block-major", "depth-first"))
+    check_choice(who, "stream_tier", stream_tier, OFFLOAD_TIERS)
+    streamed_params, odd = divmod(streamed_bytes, param_bytes)
+    if odd or streamed_params > offloaded_params:
+        raise ValueError(f"{who}streamed_bytes={streamed_bytes} must be whole params of "
+                         f"param_bytes={param_bytes} among the offloaded_params="
+                         f"{offloaded_params} (a streamed weight is stepped on the host)")
     moments = dtype_name(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
     check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
     share = check_fraction(who, "gpu_step_fraction", gpu_step_fraction, LANE_MEANING)
@@ -275,19 +303,30 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     lane_bytes = lane_params * 4 * state_numel(1, getattr(torch, moments))  # state, each way
     # each way, once per optimizer step: the CPU chunks' gradients off and params back, the
     # lane chunks' state (fp32 master + moments) in and back
-    opt_bytes = cpu_params * param_bytes + lane_bytes
+    opt_bytes = (cpu_params - streamed_params) * param_bytes + lane_bytes
+    # Note [streaming plan]: per pass 2·S weights H2D, S gradients D2H (and 2·S NVMe reads);
+    # one pass per step block-major (fixed), one per micro-batch depth-first (per token)
+    per_mb = stream_schedule == "depth-first"
+    s_fixed, s_per = (0.0, streamed_bytes / micro_batch_tokens) if per_mb else \
+        (float(streamed_bytes), 0.0)
+    s_read = 2 if stream_tier == "nvme" else 0  # NVMe reads per streamed byte and pass
+    s_write = streamed_bytes if stream_tier == "nvme" else 0  # the update, once per step
     adam_rate = r.cpu_adam_params_per_s if moments == "float32" else \
         r.cpu_adam_bf16_moments_params_per_s
     disk = 1 / r.nvme_read_bytes_per_s + 1 / r.nvme_write_bytes_per_s  # s per byte read + written
     # (fixed seconds, seconds per token) of each term; a resource takes its largest term
     terms = {
-        "pcie": [(opt_bytes / r.pcie_d2h_bytes_per_s, act_per_token / r.pcie_d2h_bytes_per_s),
-                 (opt_bytes / r.pcie_h2d_bytes_per_s, act_per_token / r.pcie_h2d_bytes_per_s),
-                 (2 * opt_bytes / r.pcie_both_bytes_per_s,
-                  2 * act_per_token / r.pcie_both_bytes_per_s)],
+        "pcie": [((opt_bytes + s_fixed) / r.pcie_d2h_bytes_per_s,
+                  (act_per_token + s_per) / r.pcie_d2h_bytes_per_s),
+                 ((opt_bytes + 2 * s_fixed) / r.pcie_h2d_bytes_per_s,
+                  (act_per_token + 2 * s_per) / r.pcie_h2d_bytes_per_s),
+                 ((2 * opt_bytes + 3 * s_fixed) / r.pcie_both_bytes_per_s,
+                  (2 * act_per_token + 3 * s_per) / r.pcie_both_bytes_per_s)],
         "cpu_adam": [(cpu_params / adam_rate + offloaded_chunks * r.worker_s_per_chunk, 0.0)],
-        "nvme": [(nvme_state_bytes * disk,
-                  act_per_token * disk if activation_tier == "nvme" else 0.0)],
+        "nvme": [(nvme_state_bytes * disk + s_write / r.nvme_write_bytes_per_s
+                  + s_read * s_fixed / r.nvme_read_bytes_per_s,
+                  (act_per_token * disk if activation_tier == "nvme" else 0.0)
+                  + s_read * s_per / r.nvme_read_bytes_per_s)],
     }
     g = flops_per_token / (r.gpu_flops_checkpointed if checkpoint else r.gpu_flops)
     seconds = {"gpu": g * tokens}
@@ -299,9 +338,16 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     pcie_per_byte = max(1 / r.pcie_d2h_bytes_per_s, 1 / r.pcie_h2d_bytes_per_s,
                         2 / r.pcie_both_bytes_per_s)  # s per byte moved each way
     act_bytes = act_per_token * tokens  # each way, all micro-batches
-    fwd_bwd = max(seconds["gpu"], act_bytes * pcie_per_byte,
-                  act_bytes * disk if activation_tier == "nvme" else 0.0)
-    opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"], nvme_state_bytes * disk)
+    s_step = s_fixed + s_per * tokens  # streamed bytes per pass x passes: S or M·S
+    # forward + backward: the GPU's work, or the traffic that runs during it if longer
+    fwd_bwd = max(seconds["gpu"],
+                  (act_bytes + s_step) / r.pcie_d2h_bytes_per_s,
+                  (act_bytes + 2 * s_step) / r.pcie_h2d_bytes_per_s,
+                  (2 * act_bytes + 3 * s_step) / r.pcie_both_bytes_per_s,
+                  (act_bytes * disk if activation_tier == "nvme" else 0.0)
+                  + s_read * s_step / r.nvme_read_bytes_per_s)
+    opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"],
+           nvme_state_bytes * disk + s_write / r.nvme_write_bytes_per_s)
     window = 0.0 if max_grad_norm is not None else \
         seconds["gpu"] / grad_accumulation_steps * ((6 / 8) if checkpoint else (4 / 6))
     # Note [optimizer tail]: the next forward beside the tail (chunks stepped in forward order)
@@ -324,16 +370,20 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     gpu_bound = None if need is None else math.ceil(need * (1 - 1e-12))
     act_total = activation_offload_bytes * grad_accumulation_steps
     moved = dict(gpu_flops=float(flops_per_token * tokens),
-                 pcie_d2h_bytes=float(opt_bytes + act_total),
-                 pcie_h2d_bytes=float(opt_bytes + act_total),
+                 pcie_d2h_bytes=float(opt_bytes + act_total + s_step),
+                 pcie_h2d_bytes=float(opt_bytes + act_total + 2 * s_step),
                  pcie_gpu_lane_bytes=float(lane_bytes),
                  cpu_adam_params=float(cpu_params),
                  offloaded_chunks=float(offloaded_chunks),
                  gpu_lane_params=float(lane_params),
-                 nvme_read_bytes=float(nvme_state_bytes
+                 nvme_read_bytes=float(nvme_state_bytes + s_read * s_step
                                        + (act_total if activation_tier == "nvme" else 0)),
-                 nvme_write_bytes=float(nvme_state_bytes
+                 nvme_write_bytes=float(nvme_state_bytes + s_write
                                         + (act_total if activation_tier == "nvme" else 0)))
+    if streamed_bytes:
+        moved.update(stream_h2d_bytes=float(2 * s_step), stream_d2h_bytes=float(s_step),
+                     stream_nvme_read_bytes=float(s_read * s_step),
+                     stream_nvme_write_bytes=float(s_write))
     return StepTime(tokens=tokens, micro_batch_tokens=micro_batch_tokens, seconds=seconds,
                     bound=bound, overlapped_s=overlapped, serial_s=serial,
                     tokens_per_s_overlapped=tokens / overlapped,
@@ -346,7 +396,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                     max(1, math.ceil(gpu_bound / micro_batch_tokens)),
                     moved=moved, rates=rates, gpu_step_fraction=share,
                     max_grad_norm=max_grad_norm, forward_overlap_s=ahead,
-                    param_sync=param_sync, breadth_first_blocks=breadth_first_blocks)
+                    param_sync=param_sync, breadth_first_blocks=breadth_first_blocks,
+                    stream_schedule=stream_schedule if streamed_bytes else None,
+                    stream_tier=stream_tier if streamed_bytes else None)
 
 
 def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
@@ -373,7 +425,10 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
                 f"GiB H2D" + (f" (of which {m['pcie_gpu_lane_bytes'] / GiB:,.1f} GiB each way: "
                               f"the state of the {m['gpu_lane_params'] / 1e9:,.2f}B params the "
                               f"GPU lane steps, gpu_step_fraction={st.gpu_step_fraction:g})"
-                              if m.get("gpu_lane_params") else ""),
+                              if m.get("gpu_lane_params") else "")
+                + (f" (of which {m['stream_h2d_bytes'] / GiB:,.1f} GiB H2D streamed weights and "
+                   f"{m['stream_d2h_bytes'] / GiB:,.1f} GiB D2H their gradients, during fwd+bwd)"
+                   if m.get("stream_h2d_bytes") else ""),
         "cpu_adam": f"{m['cpu_adam_params'] / 1e9:,.2f}B params"
                     + (" (the rest of the offloaded: GPU lane)" if m.get("gpu_lane_params")
                        else "")
@@ -381,7 +436,10 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
                        f"{st.rates.worker_s_per_chunk * 1e3:.2f} ms (the worker's own time)"
                        if m.get("offloaded_chunks") else ""),
         "nvme": f"{m['nvme_read_bytes'] / GiB:,.1f} GiB read + {m['nvme_write_bytes'] / GiB:,.1f}"
-                f" GiB written",
+                f" GiB written" + (f" (of which the streamed weights "
+                                   f"{m['stream_nvme_read_bytes'] / GiB:,.1f} GiB read + "
+                                   f"{m['stream_nvme_write_bytes'] / GiB:,.1f} GiB written)"
+                                   if m.get("stream_nvme_read_bytes") else ""),
     }
     lines = [f"time per optimizer step, predicted from "
              f"{'the H200 machine' if default else 'the given'} rates (docs/sizing.md): "
@@ -404,6 +462,8 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
                  f"of one" if st.breadth_first_blocks else "one micro-batch")
         window += (f"; the next forward runs {st.forward_overlap_s:.3f} s beside it "
                    f"(param_sync='forward': {first})")
+    if st.stream_schedule:
+        lines.append("  " + stream_line(st))
     if st.optimizer_serial_s:
         lines.append(f"  optimizer phase after backward: {st.optimizer_overlapped_s:.3f} s (PCIe, "
                      f"CPU Adam, NVMe pipelined per chunk) to {st.optimizer_serial_s:.3f} s (one "
@@ -416,8 +476,9 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
         floor = "floor"
     else:
         bound = RESOURCE_NAMES[st.bound]
-        fwd_bwd = "GPU fwd+bwd" if st.fwd_bwd_s == gpu else \
-            "fwd+bwd (the offloaded activations' traffic)"
+        traffic = "the streamed weights' and offloaded activations'" if st.stream_schedule \
+            else "the offloaded activations'"
+        fwd_bwd = "GPU fwd+bwd" if st.fwd_bwd_s == gpu else f"fwd+bwd ({traffic} traffic)"
         floor = (f"floor: {fwd_bwd} {st.fwd_bwd_s:.3f} s + optimizer tail "
                  f"{st.optimizer_tail_s:.3f} s")
     lines.append(f"  bound: {bound}; step {st.overlapped_s:.3f} s ({floor}) to "
@@ -430,7 +491,9 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
         lines.append(f"  the GPU's time exceeds every other resource's at any batch (no optimizer "
                      f"state is offloaded); {share}")
     elif st.gpu_bound_tokens is None:
-        lines.append(f"  the GPU's time exceeds the others' at no batch: offloaded activations "
+        what = "offloaded activations or depth-first streamed weights" if st.stream_schedule \
+            else "offloaded activations"
+        lines.append(f"  the GPU's time exceeds the others' at no batch: {what} "
                      f"cross PCIe (or NVMe) faster per token than the GPU computes; {share}")
     else:
         lines.append(f"  the GPU's time exceeds the optimizer's from {st.gpu_bound_tokens:,} "
@@ -438,3 +501,28 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
                      f"{st.gpu_bound_grad_accumulation_steps} at {st.micro_batch_tokens:,} "
                      f"tokens per micro-batch); {share}")
     return lines
+
+
+def stream_line(st: StepTime) -> str:
+    """What the weight stream moves per step and on which schedule (Note [streaming plan] in
+    ``tiermem/plan/streaming.py``), for :func:`step_time_lines`.
+
+    Raises:
+        nothing: formatting of a :class:`StepTime` with streamed weights.
+    """
+    m = st.moved
+    accum = st.tokens // st.micro_batch_tokens
+    s = m["stream_d2h_bytes"] / GiB
+    if st.stream_schedule == "block-major":
+        how = (f"block-major (the default when streaming): each streamed block's weights cross "
+               f"once per pass over the {accum} micro-batch{'es' if accum > 1 else ''}, 2 x "
+               f"{s:,.1f} GiB H2D + {s:,.1f} GiB of gradients D2H per step; depth-first moves "
+               f"that once per micro-batch")
+    else:
+        per = "" if accum == 1 else f" over {accum} micro-batches"
+        how = (f"depth-first: 2 x {s:,.1f} GiB H2D + {s:,.1f} GiB of gradients D2H per "
+               f"step{per} (each micro-batch fetches every streamed block twice)")
+    home = " from NVMe (read at every fetch)" if st.stream_tier == "nvme" else ""
+    return (f"weights streamed{home}, {how}; during forward + backward, so fwd+bwd is the "
+            f"longer of the GPU's time and this traffic's (a prediction: no streaming run "
+            f"measured yet)")
