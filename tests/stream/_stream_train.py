@@ -1,18 +1,24 @@
-"""The training loop the weight-streaming tests compare: a small GPT, AdamW (weights change
-every step), a different batch every micro-batch, depth-first micro-batches."""
+"""The training loop the weight-streaming tests compare: a small GPT (or MoE), AdamW (weights
+change every step), a different batch every micro-batch, depth-first micro-batches (or the
+schedule given as ``fb``)."""
 
 from __future__ import annotations
 
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.models.moe import MoE, MoEConfig
 from tiermem.schedule.micro_batches import forward_backward
 
 CFG = GPTConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab=64)
+MOE_CFG = MoEConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab=64, n_experts=4,
+                    top_k=2, d_expert=48)
 
 
-def make_model(dtype=torch.float32, checkpoint=False, seed=0) -> GPT:
+def make_model(dtype=torch.float32, checkpoint=False, seed=0, kind="gpt") -> GPT:
     torch.manual_seed(seed)
+    if kind == "moe":
+        return MoE(MOE_CFG, checkpoint=checkpoint).to(dtype)
     return GPT(CFG, checkpoint=checkpoint).to(dtype)
 
 
@@ -26,16 +32,17 @@ def batches(step: int, n_micro: int, batch: int = 2) -> list:
 
 
 def train(model, *, steps=8, n_micro=1, clip=None, stream=None, before_step=None,
-          between_steps=None):
+          between_steps=None, fb=forward_backward):
     """Train ``model``; ``stream(model)`` (if given) starts weight streaming after the
-    optimizer is made. Returns the per-step micro-batch losses and the final weights."""
+    optimizer is made; ``fb(model, batches)`` runs each step's forward and backward. Returns
+    the per-step micro-batch losses and the final weights."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     handle = stream(model) if stream is not None else None
     losses = []
     for step in range(steps):
         if between_steps is not None:
             between_steps(model, step)
-        losses.append(torch.stack(forward_backward(model, batches(step, n_micro))))
+        losses.append(torch.stack(fb(model, batches(step, n_micro))))
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if before_step is not None:

@@ -27,17 +27,22 @@ each of the other ``n - 1`` micro-batches (tiermem.plan counts it).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from tiermem.names import check_int
+from tiermem.names import check_bool, check_int
+from tiermem.schedule.block_major import block_major_forward_backward, check_saved
 
 
 def forward_backward(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                     *, breadth_first_blocks: int = 0) -> list[torch.Tensor]:
+                     *, breadth_first_blocks: int = 0, block_major: bool = False,
+                     saved_store: Any = None, saved_tier: str = "cpu") -> list[torch.Tensor]:
     """Forward and backward of one optimizer step's micro-batches, the first
-    ``breadth_first_blocks`` blocks breadth-first (Note [breadth-first blocks]).
+    ``breadth_first_blocks`` blocks breadth-first (Note [breadth-first blocks]), or every block
+    for every micro-batch in turn in the forward and in the backward (``block_major=True``,
+    Note [block-major schedule]: with weight streaming, each streamed block crosses PCIe once
+    per pass whatever the number of micro-batches).
 
     Each micro-batch's loss is divided by ``len(batches)`` before its backward, so the
     accumulated gradients are those of the mean loss over the micro-batches.
@@ -50,15 +55,24 @@ def forward_backward(model: torch.nn.Module, batches: Sequence[tuple[torch.Tenso
         breadth_first_blocks: blocks run for every micro-batch before the rest of the first
             one, 0 to ``len(model.blocks)`` (0: depth-first, as ``model(idx, targets)`` in a
             loop).
+        block_major: run the block-major schedule
+            (:func:`tiermem.schedule.block_major.block_major_forward_backward`).
+        saved_store: with ``block_major``: None (each block's inputs stay on the device) or a
+            :class:`tiermem.TierStore` that keeps them in ``saved_tier`` until the backward.
+        saved_tier: ``"gpu"``, ``"cpu"`` or ``"nvme"``: the store tier of the saved inputs.
 
     Returns:
         The loss of each micro-batch (detached, not divided).
 
     Raises:
-        ValueError: no micro-batches, or ``breadth_first_blocks`` outside 0 to the number of
-            blocks; the model's own errors (a too-long sequence).
-        TypeError: ``breadth_first_blocks`` not an int, or a model without ``embed``,
+        ValueError: no micro-batches, ``breadth_first_blocks`` outside 0 to the number of
+            blocks, ``block_major`` not a bool or given with ``breadth_first_blocks``,
+            ``saved_store`` without ``block_major``, a bad ``saved_tier``; the model's own
+            errors (a too-long sequence).
+        TypeError: ``breadth_first_blocks`` not an int, a
+            ``saved_store`` that is not a TierStore, or a model without ``embed``,
             ``run_block`` and ``output``.
+        RuntimeError: (block-major) the weight stream's or the store's errors.
     """
     who = "forward_backward: "
     missing = [name for name in ("embed", "blocks", "run_block", "output")
@@ -75,6 +89,17 @@ def forward_backward(model: torch.nn.Module, batches: Sequence[tuple[torch.Tenso
                          f"model's {n_blocks} blocks; {fix}")
     if not batches:
         raise ValueError(f"{who}batches is empty; give one (idx, targets) per micro-batch")
+    check_bool(who, "block_major", block_major)
+    if block_major:
+        if breadth_first_blocks:
+            raise ValueError(f"{who}block_major=True runs every block breadth-first already; "
+                             f"give breadth_first_blocks=0 (got {breadth_first_blocks})")
+        check_saved(saved_store, saved_tier)
+        return block_major_forward_backward(model, batches, saved_store=saved_store,
+                                            saved_tier=saved_tier)
+    if saved_store is not None:
+        raise ValueError(f"{who}saved_store keeps the block-major schedule's saved inputs; "
+                         f"give block_major=True, or saved_store=None")
     k, n = breadth_first_blocks, len(batches)
     hidden: list[torch.Tensor | None] = [None] * n
     if k:  # every micro-batch through the first k blocks, block by block

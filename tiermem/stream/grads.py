@@ -11,8 +11,9 @@ without streaming (``grad = new`` then ``grad += new``: the same elementwise IEE
 same dtype and order), so accumulation over micro-batches is bit-identical. On CUDA the copy
 runs on the D2H stream into pinned memory (the first one straight into the host gradient,
 later ones into a per-parameter pinned staging tensor), and the adds run on the host when the
-pass ends, in the order the copies were issued. On the CPU the gradient autograd made is kept
-as the host gradient (no copy) and later ones are added at once.
+pass ends, in the order the copies were issued (or, when a pass takes one parameter's gradient
+again before it ends, before its staging tensor is reused). On the CPU the gradient autograd
+made is kept as the host gradient (no copy) and later ones are added at once.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class HostGrads:
         self.copies = copies
         self.pin = pin
         self._pending: list[_Pending] = []
+        self._staged: set[int] = set()  # id(entry) whose staging tensor a pending copy fills
 
     def take(self, entry: Any, grad: torch.Tensor) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
@@ -64,8 +66,25 @@ class HostGrads:
             return
         if entry.staging is None:
             entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+        elif id(entry) in self._staged:
+            self._land(entry)  # the staging tensor is reused: add what it holds first
         self._pending.append(_Pending(entry, entry.staging,
                                       self.copies.grad_out(entry.staging, grad)))
+        self._staged.add(id(entry))
+
+    def _land(self, entry: Any) -> None:
+        """Wait for ``entry``'s gradient copies in flight and add them, in issue order (a
+        second take of one parameter in a pass: block-major, Note [block-major passes])."""
+        keep = []
+        for item in self._pending:
+            if item.entry is not entry:
+                keep.append(item)
+                continue
+            self.copies.landed(item.event)  # the host adds (or reuses) the copied bytes next
+            if item.staging is not None:
+                item.entry.acc.add_(item.staging)
+        self._pending = keep
+        self._staged.discard(id(entry))
 
     def flush(self) -> None:
         """Wait for the gradient copies in flight and add them, in the order they were issued.
@@ -74,6 +93,7 @@ class HostGrads:
             RuntimeError: torch's add errors.
         """
         pending, self._pending = self._pending, []
+        self._staged.clear()
         for item in pending:
             self.copies.landed(item.event)
             if item.staging is not None:

@@ -61,6 +61,7 @@ from tiermem.stream.blocks import Block, Fetcher, Param
 from tiermem.stream.checks import STREAMED_BLOCKS, block_params, check_options, placeholder
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
+from tiermem.stream.major import BlockMajorPass
 from tiermem.stream.residency import ResidencyPlan, buffer_blocks_for, plan_residency
 
 logger = logging.getLogger("tiermem")
@@ -164,6 +165,7 @@ class WeightStream:
         self._fetcher = Fetcher(store, tier, self._copies)
         self._grads = HostGrads(self._copies, pin=self._copies.cuda)
         self._pass: _Pass | None = None
+        self._major: BlockMajorPass | None = None  # the open block-major pass, if any
         self._stepped = False
         self._closed = False
         self._blocks = [Block(i, i in self.plan.streamed) for i in range(n)]
@@ -185,9 +187,27 @@ class WeightStream:
         return self._closed
 
     @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The blocks this stream streams (resident ones included), in execution order."""
+        return tuple(self._modules)
+
+    @property
     def in_pass(self) -> bool:
         """Whether a forward/backward pass is open (``param.data`` is not the host copy)."""
         return self._pass is not None
+
+    def block_major(self, n_micro: int) -> BlockMajorPass:
+        """A block-major pass over ``n_micro`` micro-batches, to enter with ``with``: inside
+        it each block runs for every micro-batch while its weights are on the device, the
+        forward under ``torch.no_grad()`` and the backward as a recomputation per micro-batch
+        (Note [block-major passes]). Used by
+        :func:`tiermem.schedule.block_major.block_major_forward_backward`.
+
+        Raises:
+            TypeError, ValueError: ``n_micro`` not an int >= 1.
+            RuntimeError (on entering): the stream is closed, or a pass is open.
+        """
+        return BlockMajorPass(self, n_micro)
 
     def stats(self) -> dict:
         """Counts since the stream began: ``fills`` (blocks copied to the device),
@@ -376,11 +396,14 @@ class WeightStream:
                 p.param.grad = p.acc
                 p.acc = None
         self._pass = None
+        self._major = None
 
     def _settle_idle_pass(self) -> None:
         """End an open pass that nothing can continue: no block running and no graph of it
         alive (a forward whose outputs were dropped, an evaluation that stopped early)."""
         p = self._pass
+        if self._major is not None:
+            return  # a block-major pass ends when its context is left
         if p is not None and p.current is None and not p.backward_started \
                 and not p.graph_alive():
             self._end_pass()
@@ -388,6 +411,9 @@ class WeightStream:
     # ------------------------------------------------------------------ hooks
 
     def _pre_forward(self, i: int) -> None:
+        if self._major is not None:
+            self._major.pre_forward(i)
+            return
         block = self._blocks[i]
         if _in_backward():  # a checkpointed block's recomputation (Note [weight streaming])
             if block.streamed:
@@ -402,8 +428,8 @@ class WeightStream:
                     + ("graph is alive and its backward has not run" if done else
                        f"pass is open (it reached blocks[{self._pass.next}])")
                     + "; one forward/backward at a time: run backward() first, drop the "
-                      "previous outputs, or evaluate under torch.no_grad() (breadth-first "
-                      "micro-batches are not supported yet)")
+                      "previous outputs, or evaluate under torch.no_grad() (micro-batches "
+                      "block by block: forward_backward(..., block_major=True))")
         if self._pass is None:
             if i != 0:
                 raise RuntimeError(f"weight streaming: blocks[{i}] called first in a forward "
@@ -421,6 +447,9 @@ class WeightStream:
         self._prefetch([j for j in range(i + 1, len(self._blocks)) if self._blocks[j].streamed])
 
     def _post_forward(self, i: int, out: Any) -> None:
+        if self._major is not None:
+            self._major.post_forward(i, out)
+            return
         if _in_backward() or self._closed:
             return
         ps = self._pass
@@ -470,6 +499,9 @@ class WeightStream:
             raise
 
     def _after_accumulate(self, p: Param) -> None:
+        if self._major is not None:
+            self._major.after_accumulate(p)
+            return
         ps = self._pass
         if ps is None or not ps.backward_started:
             return  # a backward outside a pass: the gradient stays where autograd put it
