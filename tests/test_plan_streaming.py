@@ -1,0 +1,275 @@
+"""``tiermem plan`` with weight streaming (issue 29 item 6; Note [streaming plan] in
+tiermem/plan/streaming.py): which blocks stay resident, the buffers, the GPU total under the
+cap, the host side, the PCIe / NVMe terms of each schedule, the refusal, the command, and the
+issue's 13B example. The references are written from the shapes here, not read from the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tiermem import StoreConfig, TierStore
+from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.plan import GiB, MachineRates, PRESETS, main, plan, step_time
+from tiermem.plan.streaming import non_block_params
+from tiermem.stream import stream_weights
+
+ISSUE_13B = ["--model-size", "13b", "--gpu", "24GiB", "--host", "125GiB", "--nvme", "60GiB",
+             "--moments-dtype", "bf16", "--checkpoint"]
+
+
+def preset(size, **kw):
+    s = PRESETS[size]
+    kw.setdefault("batch", s.micro_batch)
+    return plan(s.num_params(), n_layers=s.n_layers, d_model=s.d_model, n_heads=s.n_heads,
+                vocab=s.vocab, seq=s.seq_len, **kw)
+
+
+def issue_13b(**kw):
+    kw = {"gpu_bytes": "24GiB", "host_bytes": "125GiB", "nvme_bytes": "60GiB",
+          "moments_dtype": "bf16", "checkpoint": True, "stream_weights": "auto", **kw}
+    return preset("13b", **kw)
+
+
+def block_weight_bytes(d: int) -> int:
+    """A pre-LN GPT block's bf16 weights: LN1, QKV (+bias), proj, LN2, fc, out = 12d^2 + 13d."""
+    return 2 * (12 * d * d + 13 * d)
+
+
+def test_block_params_are_the_real_blocks():
+    """The plan's split of a GPT into blocks and the rest is the model's own."""
+    cfg = GPTConfig(n_layers=3, d_model=64, n_heads=4, vocab=100, seq_len=32)
+    model = GPT(cfg)
+    outside = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert outside == non_block_params(vocab=100, seq=32, d_model=64)
+    assert sum(p.numel() for p in model.blocks[0].parameters()) * 2 == block_weight_bytes(64)
+
+
+def test_issue_13b_example_fits_with_the_last_blocks_resident():
+    """The GPU holds everything that is not a block, then the longest suffix of blocks
+    (weights + gradients each) next to 3 buffers of weights + gradients (prefetch 1 + 2)."""
+    s, cap = PRESETS["13b"], 24 * GiB
+    p = issue_13b()
+    assert p.fits and p.stream is not None and p.offload_fraction == 1.0
+    b, seq, d, L, V = 1, s.seq_len, s.d_model, s.n_layers, s.vocab
+    w = block_weight_bytes(d)
+    outside = 2 * 2 * (2 * V * d + seq * d + 2 * d)            # weights + gradients, bf16
+    activations = L * b * seq * d * 2 + 34 * b * seq * d        # checkpointed + 1 recomputed
+    head = b * seq * (2 * d * 2 + V * (2 * 2 + 8))
+    reserve = GiB + cap // 20
+    room = cap - outside - activations - head - reserve
+    resident = max(r for r in range(L + 1) if (r + min(3, L - r)) * 2 * w <= room)
+    assert resident == 12
+    assert p.stream.resident == tuple(range(L - resident, L))
+    assert p.stream.streamed == tuple(range(L - resident))
+    assert p.stream.buffer_blocks == 3
+    assert p.used["gpu"] == cap - room + (resident + 3) * 2 * w <= cap
+    assert p.used["gpu"] + 2 * w > cap  # one more resident block would not fit
+    rows = {i.name: i for i in p.items}
+    assert rows["streaming buffers"].gpu == 3 * 2 * w
+    streamed = (L - resident) * w
+    assert rows["parameters"].host == streamed and rows["gradients"].host == streamed
+    assert rows["parameters"].gpu == rows["gradients"].gpu == s.num_params() * 2 - streamed
+    state = rows["optimizer state, offloaded"]
+    assert state.host + state.nvme == s.num_params() * 8   # fp32 master + bf16 moments
+    assert p.used["host"] <= 125 * GiB and p.used["nvme"] <= 60 * GiB
+    assert p.stream.tier == "cpu" and p.state_tier == "split"
+
+
+def test_the_stream_takes_the_planned_resident_blocks():
+    """``stream_weights(gpu_bytes=plan.stream.stream_gpu_bytes)`` (weights only) keeps exactly
+    the blocks the plan (weights + gradients) made resident, on a real model."""
+    cfg = GPTConfig(n_layers=6, d_model=32, n_heads=2, vocab=50, seq_len=16)
+    model = GPT(cfg).to(torch.bfloat16)
+    n = cfg.num_params()
+    w = block_weight_bytes(32)
+    for keep in (0, 1, 2):  # more than 3 streamed: 3 buffers (prefetch 1 + 2) cost less
+        others = plan(n, n_layers=6, d_model=32, vocab=50, seq=16, gpu_bytes=1 << 30,
+                      stream_weights=True, gpu_reserve_bytes=0).used["gpu"]  # all resident
+        cap = others - (6 - keep) * 2 * w + min(3, 6 - keep) * 2 * w
+        p = plan(n, n_layers=6, d_model=32, vocab=50, seq=16, gpu_bytes=cap,
+                 stream_weights=True, gpu_reserve_bytes=0)
+        assert p.fits and p.stream.resident == tuple(range(6 - keep, 6)), keep
+        store = TierStore(StoreConfig(cpu_bytes="16MiB"))
+        with stream_weights(model.blocks, store=store, gpu_bytes=p.stream.stream_gpu_bytes,
+                            prefetch_blocks=1) as stream:
+            assert stream.plan.resident == p.stream.resident
+        store.close()
+
+
+@pytest.mark.parametrize("prefetch, buffers", [(0, 2), (1, 3), (2, 4)])
+def test_buffers_are_prefetch_plus_two_blocks_of_weights_and_gradients(prefetch, buffers):
+    p = issue_13b(prefetch_blocks=prefetch)
+    w = block_weight_bytes(PRESETS["13b"].d_model)
+    assert p.stream.buffer_blocks == buffers
+    assert {i.name: i for i in p.items}["streaming buffers"].gpu == buffers * 2 * w
+    assert p.stream.stream_gpu_bytes == (len(p.stream.resident) + buffers) * w
+    assert p.used["gpu"] <= 24 * GiB
+
+
+def test_auto_streams_only_when_the_gpu_cannot_hold_every_weight():
+    assert preset("7b", stream_weights="auto").stream is None            # fits resident
+    assert not issue_13b(stream_weights=False).fits                      # 51.5 GiB of GPU
+    assert issue_13b(stream_weights=False).used["gpu"] / GiB == pytest.approx(51.5, abs=0.05)
+    assert issue_13b().stream is not None
+    # on: streams even where every block fits (then every block stays resident)
+    on = preset("7b", stream_weights=True)
+    assert on.fits and on.stream.streamed == () and len(on.stream.resident) == 32
+
+
+def _split(p):
+    """(streamed bytes, the rest's bytes) of a plan's bf16 params."""
+    s = p.stream.streamed_bytes
+    return s, p.num_params * 2 - s
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_block_major_moves_each_streamed_block_once_per_pass(accum):
+    """Block-major: 2·S H2D + S D2H per step whatever the micro-batches; depth-first M times
+    that; the optimizer phase ships only the resident params (a streamed weight's update is
+    not sent back). PCIe: the largest of D2H, H2D and both at once (Note [streaming plan])."""
+    r = MachineRates()
+    bm = issue_13b(grad_accumulation_steps=accum, stream_schedule="block-major")
+    df = issue_13b(grad_accumulation_steps=accum, stream_schedule="depth-first")
+    for p, passes in ((bm, 1), (df, accum)):
+        S, rest = _split(p)
+        m = p.step_time.moved
+        assert m["stream_h2d_bytes"] == 2 * passes * S and m["stream_d2h_bytes"] == passes * S
+        d2h, h2d = rest + passes * S, rest + 2 * passes * S
+        assert m["pcie_d2h_bytes"] == d2h and m["pcie_h2d_bytes"] == h2d
+        assert p.step_time.seconds["pcie"] == pytest.approx(max(
+            d2h / r.pcie_d2h_bytes_per_s, h2d / r.pcie_h2d_bytes_per_s,
+            (d2h + h2d) / r.pcie_both_bytes_per_s))
+        traffic = max(passes * S / r.pcie_d2h_bytes_per_s, 2 * passes * S /
+                      r.pcie_h2d_bytes_per_s, 3 * passes * S / r.pcie_both_bytes_per_s)
+        assert p.step_time.fwd_bwd_s == pytest.approx(max(p.step_time.seconds["gpu"], traffic))
+    assert bm.step_time.stream_schedule == "block-major"
+    if accum > 1:  # block-major keeps every micro-batch's block inputs: fewer stay resident
+        assert len(bm.stream.resident) < len(df.stream.resident)
+
+
+def test_block_major_activations_grow_with_the_micro_batches():
+    s = PRESETS["13b"]
+    one = {i.name: i for i in issue_13b(stream_schedule="depth-first",
+                                         grad_accumulation_steps=4).items}["activations"]
+    four = {i.name: i for i in issue_13b(grad_accumulation_steps=4).items}["activations"]
+    block_input = s.seq_len * s.d_model * 2
+    assert four.gpu - one.gpu == 3 * s.n_layers * block_input + 4 * block_input
+
+
+def test_nvme_home_reads_the_weights_at_every_fetch_and_writes_them_once():
+    """RAM too small for the streamed weights: the plan puts them on NVMe (and says so), with
+    RAM staging for prefetch + 3 blocks; NVMe time: 2·S read per pass + S written per step."""
+    r = MachineRates()
+    p = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", state_tier="cpu")
+    assert p.fits and p.stream.tier == "nvme"
+    rows = {i.name: i for i in p.items}
+    S = p.stream.streamed_bytes
+    assert rows["parameters"].nvme == S and rows["parameters"].host == 0
+    assert rows["streaming RAM staging"].host == 4 * block_weight_bytes(5120)
+    assert p.step_time.seconds["nvme"] == pytest.approx(2 * S / r.nvme_read_bytes_per_s
+                                                        + S / r.nvme_write_bytes_per_s)
+    assert "streamed from NVMe" in p.table()
+    pinned = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", stream_tier="cpu",
+                       state_tier="cpu")
+    assert not pinned.fits and any(r.startswith("host needs") for r in pinned.reasons)
+
+
+def test_step_time_streaming_terms_by_closed_form():
+    """step_time alone: block-major traffic is fixed per step, depth-first per micro-batch."""
+    r = MachineRates()
+    kw = dict(active_params=10**9, offloaded_params=10**9, param_bytes=2,
+              micro_batch_tokens=2048, streamed_bytes=10**9)
+    for accum in (1, 3):
+        bm = step_time(**kw, grad_accumulation_steps=accum, stream_schedule="block-major")
+        df = step_time(**kw, grad_accumulation_steps=accum, stream_schedule="depth-first")
+        rest = (10**9 - 5 * 10**8) * 2  # the params not streamed: their bytes, shipped in the
+        # optimizer phase
+        assert bm.moved["pcie_h2d_bytes"] == rest + 2 * 10**9
+        assert df.moved["pcie_h2d_bytes"] == rest + 2 * accum * 10**9
+        assert df.moved["stream_d2h_bytes"] == accum * bm.moved["stream_d2h_bytes"]
+    nvme = step_time(**kw, stream_tier="nvme")
+    assert nvme.seconds["nvme"] == pytest.approx(2e9 / r.nvme_read_bytes_per_s
+                                                 + 1e9 / r.nvme_write_bytes_per_s)
+    with pytest.raises(ValueError, match="streamed_bytes=3 must be whole params"):
+        step_time(**{**kw, "streamed_bytes": 3})
+    with pytest.raises(ValueError, match="among the offloaded_params=0"):
+        step_time(**{**kw, "offloaded_params": 0})
+
+
+def test_a_gpu_too_small_is_refused_naming_every_gpu_row():
+    p = preset("13b", gpu_bytes="6GiB", stream_weights=True, checkpoint=True, batch=4)
+    assert not p.fits
+    gpu = p.reasons[0]
+    w = block_weight_bytes(5120)
+    assert gpu.startswith("gpu needs ") and "has 6.0 GiB" in gpu
+    assert f"streaming buffers {3 * 2 * w / GiB:.1f} GiB" in gpu
+    assert "head + loss" in gpu and "reserve" in gpu
+    assert "fix: " in gpu and "--prefetch-blocks 0" in gpu and "--checkpoint" not in gpu
+    assert p.stream.resident == ()
+
+
+def test_gpu_side_state_needs_resident_params():
+    p = issue_13b(offload_fraction=0.5)
+    assert not p.fits and p.step_time is None
+    assert any("stay resident" in r and "raise offload_fraction to at least" in r
+               for r in p.reasons)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stream_weights": "yes"}, "stream_weights='yes' is not one of False, True, 'auto'"),
+    ({"stream_tier": "disk"}, "stream_tier='disk'"),
+    ({"stream_schedule": "breadth"}, "stream_schedule='breadth'"),
+    ({"prefetch_blocks": -1}, "prefetch_blocks=-1"),
+    ({"stream_weights": True, "gpu_step_fraction": 0.5}, "the GPU lane is not planned"),
+    ({"stream_weights": True, "grad_accumulation_steps": 2, "breadth_first_blocks": 3},
+     "streaming plans the block-major schedule instead"),
+])
+def test_bad_streaming_input_is_a_one_line_error(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        preset("13b", **kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_command_plans_the_issue_example(capsys):
+    assert main(ISSUE_13B) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("12.92B params: FITS")
+    assert "weights of 28 of 40 blocks streamed from pinned RAM (12 resident, 3 GPU buffers" in out
+    assert "a prediction: no weight-streaming run has been measured on a GPU yet" in out
+    assert "weights streamed, block-major" in out and "stream_weights(model.blocks" in out
+    assert main(ISSUE_13B + ["--stream-weights", "off"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: gpu needs 51.5 GiB, has 24.0 GiB" in out
+
+
+def test_command_refuses_in_one_line_and_rejects_bad_flags(capsys):
+    assert main(ISSUE_13B + ["--gpu", "6GiB", "--batch", "4", "--stream-weights", "on"]) == 1
+    out = capsys.readouterr().out
+    refusal = [line for line in out.splitlines() if line.startswith("does not fit: gpu")]
+    assert len(refusal) == 1 and "streaming buffers" in refusal[0] and "fix:" in refusal[0]
+    assert main(ISSUE_13B + ["--stream-weights", "maybe"]) == 2
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+    assert main(ISSUE_13B + ["--prefetch-blocks", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "prefetch_blocks=-1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_json_carries_the_stream(capsys):
+    import json
+    assert main(ISSUE_13B + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["stream"]["resident"] == list(range(28, 40))
+    assert data["stream"]["schedule"] == "block-major"
+    assert data["inputs"]["stream_weights"] == "auto"
+
+
+def test_default_plan_call_does_not_stream():
+    """``plan()``'s default stays off (examples/train_large.py runs what it plans, without a
+    stream), the command's is auto."""
+    p = issue_13b(stream_weights=False)
+    assert p.stream is None and not p.fits
+    assert dataclasses.fields(type(p))  # a dataclass: to_dict works with stream None
+    assert p.to_dict()["stream"] is None
