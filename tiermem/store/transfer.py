@@ -28,11 +28,34 @@ and were marked, so they trained right. Tested by
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 import time
 from typing import Callable
 
 import torch
+
+
+def _raise_stored(error: BaseException) -> None:
+    """Raise a copy of a failed move's stored error, ``from`` it (Note [stored errors]).
+
+    Note [stored errors]: raising an exception appends every frame it unwinds through to its
+    traceback, and a frame that outlives its call keeps its locals and its caller's frame.
+    A future's stored error is reachable from those locals (the future, the store's move), so
+    raising the stored object itself made a reference cycle that kept every caller's locals
+    alive until the garbage collector ran: after a failed spill, the saved activations of the
+    step being offloaded (device memory on CUDA; tests/offload/test_spill_failure.py). A copy
+    is raised instead, and the stored error is never raised here: nothing stored refers to the
+    copy, so it and its frames are freed as soon as the caller drops it.
+    """
+    try:
+        fresh = copy.copy(error)  # same type and fields (SpillError rebuilds through __reduce__)
+    except Exception:  # a type copy cannot rebuild: the stored error (as before)
+        raise error from None
+    try:
+        raise fresh from error
+    finally:
+        del fresh  # this frame is in the copy's traceback: it must not hold the copy
 
 
 class TransferFuture:
@@ -88,14 +111,15 @@ class TransferFuture:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._stages_left.wait(timeout):
             raise TimeoutError(f"transfer not issued within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        if self._future is not None:
+        error = self._error
+        if error is None and self._future is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._future.result(left)
+                error = self._future.exception(left)  # not raised: Note [stored errors]
             except concurrent.futures.TimeoutError as exc:
                 raise TimeoutError(f"transfer not done within {timeout} s") from exc
+        if error is not None:
+            _raise_stored(error)
         if self._cuda_event is not None:
             self._cuda_event.synchronize()  # host needs the bytes (a host reader or a caller of wait)
 
@@ -107,10 +131,11 @@ class TransferFuture:
         """
         if not self._stages_left.is_set():
             self._stages_left.wait()
-        if self._error is not None:
-            raise self._error
-        if self._future is not None:
-            self._future.result()
+        error = self._error
+        if error is None and self._future is not None:
+            error = self._future.exception()  # not raised: Note [stored errors]
+        if error is not None:
+            _raise_stored(error)
         if self._cuda_event is not None and stream is not None:
             stream.wait_event(self._cuda_event)  # consumer reads the copy's destination
         elif self._cuda_event is not None:
