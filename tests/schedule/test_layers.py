@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
-                                     simulate)
+                                     kept_budget_bytes, simulate)
 
 import torch
 
@@ -135,6 +135,36 @@ def test_host_work_of_an_offload_can_stall_the_forward():
         BlockCosts((1.0,), (1.0,), (1,), host_s=(0.1, 0.2))
     with pytest.raises(ValueError, match=r"BlockCosts.offload_host_s\[0\]=-1.0 must be"):
         BlockCosts((1.0,), (1.0,), (1,), offload_host_s=(-1.0,))
+
+
+def test_auto_default_budget_counts_only_the_kept_blocks():
+    """layers="auto" on CUDA (no max_kept_bytes): the timed forward offloaded blocks 0-6 of 8
+    (100 MB each) and peaked at 900 MB of 1000 MB; the budget is what stayed (block 7) plus 80%
+    of the 100 MB left: 180 MB, so with copies that never hide 7 blocks must go (kept 100 MB).
+    Counting the offloaded blocks' 700 MB as well (room the device does not have) would keep
+    every block."""
+    mb = 10 ** 6
+    nbytes = (100 * mb,) * 8
+    budget = kept_budget_bytes(nbytes, frozenset(range(7)), 1000 * mb, 900 * mb, 0.8)
+    assert budget == 180 * mb
+    costs = BlockCosts((1e-3,) * 8, (2e-3,) * 8, nbytes)
+    layers = choose_layers(costs, 1.0, 1.0, 1, budget)  # 1 byte/s: nothing hides
+    assert len(layers) == 7 and simulate(costs, layers, 1.0, 1.0).kept_bytes == 100 * mb
+    assert choose_layers(costs, 1.0, 1.0, 1, 880 * mb) == frozenset()  # what the slip chose
+    # a peak over the total leaves no room; the fraction scales the room only
+    assert kept_budget_bytes(nbytes, {0}, 500 * mb, 900 * mb) == 700 * mb
+    assert kept_budget_bytes(nbytes, set(), 1000 * mb, 0, 0.5) == 1300 * mb
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(room_fraction=1.5), r"room_fraction=1.5 must be in \[0, 1\]"),
+    (dict(peak_bytes=-1), r"byte counts must be >= 0"),
+    (dict(offloaded={3}), r"offloaded=\[3\] must be block indices in \[0, 2\)"),
+])
+def test_kept_budget_bad_input(kwargs, match):
+    args = dict(nbytes=(1, 2), offloaded={0}, total_bytes=10, peak_bytes=5) | kwargs
+    with pytest.raises(ValueError, match=match):
+        kept_budget_bytes(**args)
 
 
 def test_bad_input_names_the_field():

@@ -110,7 +110,7 @@ from tiermem._graphs import refuse_capture
 from tiermem.config import StoreConfig
 from tiermem.names import OFFLOAD_TIERS, check_bool, check_choice, check_int
 from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths, disk_bandwidths,
-                                     simulate)
+                                     kept_budget_bytes, simulate)
 from tiermem.offload.double_buffer import DoubleBuffer
 from tiermem.offload.versions import BACKWARD, Kept, check_version, version_tracker
 from tiermem.store import TierFullError, TierStore
@@ -721,11 +721,10 @@ class ActivationOffloader:
                            offload_host_s=tuple(cal.offload_host_s) if cuda else ())
         d2h, h2d = cal.bandwidths
         limit = self.max_kept_bytes
-        if limit is None and cuda:
-            room = torch.cuda.get_device_properties(device).total_memory \
-                - torch.cuda.max_memory_allocated(device)
-            kept_now = sum(n for i, n in enumerate(cal.nbytes) if i not in self.policy.layers)
-            limit = kept_now + int(_ROOM_FRACTION * max(0, room))
+        if limit is None and cuda:  # the timed forward's peak holds only the kept blocks
+            limit = kept_budget_bytes(cal.nbytes, self.policy.layers,
+                                      torch.cuda.get_device_properties(device).total_memory,
+                                      torch.cuda.max_memory_allocated(device), _ROOM_FRACTION)
         layers = choose_layers(costs, d2h, h2d, self.policy.prefetch_depth, limit)
         timeline = simulate(costs, layers, d2h, h2d, self.policy.prefetch_depth)
         self.policy = dataclasses.replace(self.policy, layers=layers)

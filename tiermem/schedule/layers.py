@@ -209,6 +209,33 @@ def choose_layers(costs: BlockCosts, d2h_bytes_per_s: float, h2d_bytes_per_s: fl
     return frozenset(chosen)
 
 
+def kept_budget_bytes(nbytes: Sequence[int], offloaded: Sequence[int] | frozenset[int],
+                      total_bytes: int, peak_bytes: int, room_fraction: float = 0.8) -> int:
+    """The activation bytes ``layers="auto"`` lets stay on the device by default (CUDA).
+
+    The timed forward's peak (``peak_bytes``, e.g. ``torch.cuda.max_memory_allocated``)
+    already holds the blocks it kept, not the ones it ``offloaded``: the budget is those
+    kept blocks' ``nbytes`` plus ``room_fraction`` of the memory still unused
+    (``total_bytes - peak_bytes``, none if negative). Counting the offloaded blocks' bytes too
+    would grant room the device does not have.
+
+    Raises:
+        ValueError: a negative byte count, ``room_fraction`` outside ``[0, 1]``, an
+            ``offloaded`` index outside ``nbytes``.
+    """
+    if not 0.0 <= room_fraction <= 1.0:
+        raise ValueError(f"kept_budget_bytes: room_fraction={room_fraction!r} must be in [0, 1]")
+    if min(total_bytes, peak_bytes, *nbytes, 0) < 0:
+        raise ValueError(f"kept_budget_bytes: byte counts must be >= 0 (total_bytes="
+                         f"{total_bytes}, peak_bytes={peak_bytes}, nbytes={list(nbytes)})")
+    gone = set(offloaded)
+    if gone and not (min(gone) >= 0 and max(gone) < len(nbytes)):
+        raise ValueError(f"kept_budget_bytes: offloaded={sorted(gone)} must be block indices in "
+                         f"[0, {len(nbytes)})")
+    kept = sum(n for i, n in enumerate(nbytes) if i not in gone)
+    return kept + int(room_fraction * max(0, total_bytes - peak_bytes))
+
+
 def best_time_s(fn: Callable[[], object], repeat: int) -> float:
     """The shortest of ``repeat`` timed calls of ``fn`` after one untimed warm-up, in seconds
     (at least 1 ns)."""
