@@ -6,6 +6,7 @@ issue's 13B example. The references are written from the shapes here, not read f
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 import torch
@@ -137,6 +138,8 @@ def test_block_major_moves_each_streamed_block_once_per_pass(accum):
         S, rest = _split(p)
         m = p.step_time.moved
         assert m["stream_h2d_bytes"] == 2 * passes * S and m["stream_d2h_bytes"] == passes * S
+        assert (p.stream.passes, p.stream.h2d_bytes, p.stream.d2h_bytes) == \
+            (passes, 2 * passes * S, passes * S)
         d2h, h2d = rest + passes * S, rest + 2 * passes * S
         assert m["pcie_d2h_bytes"] == d2h and m["pcie_h2d_bytes"] == h2d
         assert p.step_time.seconds["pcie"] == pytest.approx(max(
@@ -273,3 +276,69 @@ def test_default_plan_call_does_not_stream():
     assert p.stream is None and not p.fits
     assert dataclasses.fields(type(p))  # a dataclass: to_dict works with stream None
     assert p.to_dict()["stream"] is None
+
+
+# ---------------------------------------------------------------- docs/sizing.md, section 6
+
+def _sizing_rows() -> list[list[str]]:
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text()
+    lines = text.split("## 6. Weight streaming")[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| `--gpu` |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _doc_preset(size, gpu, host, nvme, stream):
+    return preset(size, gpu_bytes=gpu, host_bytes=host, nvme_bytes=nvme, moments_dtype="bf16",
+                  checkpoint=True, stream_weights=stream)
+
+
+def test_sizing_table_is_what_the_planner_says():
+    """Every row of docs/sizing.md's streaming table, recomputed with plan(): the largest
+    preset that fits with every weight on the GPU and with streaming (every larger one does
+    not), the streamed plan's resident blocks, weights' home and state in RAM, and its
+    predicted floor and bound."""
+    rows = _sizing_rows()
+    assert len(rows) == 12
+    sizes = list(PRESETS)
+    seen = set()
+    for gpu, machine, resident_size, streamed_size, how, step in rows:
+        host, nvme = (part.strip() for part in machine.split("+"))
+        seen.add((gpu, host, nvme))
+        for stream, want in ((False, resident_size), ("auto", streamed_size)):
+            fits = [size for size in sizes if _doc_preset(size, gpu, host, nvme, stream).fits]
+            assert (fits[-1] if fits else "-") == want, (gpu, machine, stream)
+        p = _doc_preset(streamed_size, gpu, host, nvme, "auto")
+        st = p.stream
+        if st is None:
+            assert how == "- (every weight on the GPU)"
+        else:
+            state = next(i for i in p.items if i.name == "optimizer state, offloaded")
+            ram = 100 * state.host / (state.host + state.nvme)
+            home = {"cpu": "RAM", "nvme": "NVMe"}[st.tier]
+            assert how == f"{len(st.resident)} of {st.n_blocks}, {home}, {ram:.0f} %"
+        t = p.step_time
+        bound = {"gpu": "GPU fwd+bwd", "pcie": "PCIe", "cpu_adam": "CPU Adam",
+                 "nvme": "NVMe"}[t.bound]
+        assert step == f"{t.overlapped_s:.1f} s ({bound})"
+    assert {g for g, _, _ in seen} == {"24GiB", "48GiB", "80GiB", "141GB"}
+    assert len({(h, n) for _, h, n in seen}) == 3
+
+
+def test_sizing_prose_quotes_the_70b_plans():
+    """The figures the text beside the table quotes: CPU Adam's seconds and the state on NVMe
+    of the 70b rows at their two ends."""
+    text = " ".join((pathlib.Path(__file__).resolve().parents[1] / "docs" / "sizing.md")
+                    .read_text().split("## 6. Weight streaming")[1].split())
+    low = _doc_preset("70b", "141GB", "512GiB", "2TB", "auto")
+    high = _doc_preset("70b", "24GiB", "256GiB", "1TB", "auto")
+    nvme = [next(i for i in p.items if i.name == "optimizer state, offloaded").nvme / GiB
+            for p in (low, high)]
+    assert (f"CPU Adam ({high.step_time.seconds['cpu_adam']:.0f} s a step at 70b)") in text
+    assert (f"the 70b rows put {nvme[0]:.0f} GiB (512 GiB of RAM, 141 GB card) to "
+            f"{nvme[1]:.0f} GiB (256 GiB, 24 GiB card) of it on NVMe") in text
+    assert f"{PRESETS['30b'].num_params() * 8 / GiB:.0f} GiB of optimizer state" in text
