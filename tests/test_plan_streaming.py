@@ -162,6 +162,26 @@ def test_block_major_activations_grow_with_the_micro_batches():
     assert four.gpu - one.gpu == 3 * s.n_layers * block_input + 4 * block_input
 
 
+def test_block_major_recomputes_so_it_counts_as_checkpointing():
+    """tiermem/schedule/block_major.py saves each block's input per micro-batch and recomputes
+    the block in the backward: without --checkpoint a block-major plan over 4 micro-batches
+    keeps 4 inputs per block (not 4 blocks' activations) plus one recomputed block, and its GPU
+    time is the checkpointed 8·N·T; depth-first keeps what each block saves."""
+    s = PRESETS["13b"]
+    r = MachineRates()
+    kw = dict(checkpoint=False, grad_accumulation_steps=4, gpu_bytes="48GiB")
+    bm, df = issue_13b(**kw), issue_13b(**kw, stream_schedule="depth-first")
+    block_input = s.seq_len * s.d_model * 2
+    act = {i.name: i for i in bm.items}["activations"]
+    assert act.gpu == (4 * s.n_layers + 4 + 17) * block_input  # 17 inputs: 34·b·s·d bytes
+    assert bm.checkpoint and not df.checkpoint
+    tokens = 4 * s.seq_len
+    assert bm.step_time.seconds["gpu"] == pytest.approx(
+        8 * s.num_params() * tokens / r.gpu_flops_checkpointed)
+    assert df.step_time.seconds["gpu"] == pytest.approx(6 * s.num_params() * tokens / r.gpu_flops)
+    assert {i.name: i for i in df.items}["activations"].gpu == 40 * 17 * block_input
+
+
 def test_nvme_home_reads_the_weights_at_every_fetch_and_writes_them_once():
     """RAM too small for the streamed weights: the plan puts them on NVMe (and says so), with
     RAM staging for prefetch + 3 blocks; NVMe time: 2·S read per pass + S written per step."""

@@ -146,9 +146,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             first: a byte of state on NVMe costs one read and one write per step, a weight
             two reads and a write), else NVMe.
         prefetch_blocks: the stream's blocks fetched ahead (GPU buffers: this + 2).
-        stream_schedule: ``"block-major"``, ``"depth-first"`` or ``"auto"`` (block-major with
-            ``grad_accumulation_steps`` > 1): the PCIe traffic per step and, block-major, the
-            activations of every micro-batch at once.
+        stream_schedule: ``"block-major"``, ``"depth-first"`` or ``"auto"`` (block-major; with
+            one micro-batch the same as depth-first): the PCIe traffic per step and,
+            block-major over several micro-batches, every micro-batch's block inputs at once
+            and the recomputation (counted as checkpointing: ``plan.checkpoint`` is True).
         rates: :class:`MachineRates` the time per step is predicted from; None: the H200
             machine's.
 
@@ -283,7 +284,6 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         per_block = activation_bytes_per_block(**shape, n_heads=n_heads, mlp_ratio=mlp_ratio,
                                                eager_attention=eager_attention)
     block_input = batch * seq * d_model * p
-    kept_per_block = block_input if checkpoint else per_block
     head = head_bytes(**shape, vocab=vocab)
     gpu_state_per_param = gpu_side_state_bytes(1, param_dt, moments_dt)  # 12 or 8 (bf16 params)
     off_state_per_param = 4 * state_numel(1, moments_dt)  # fp32 master + moments: 12 or 8
@@ -302,8 +302,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
 
     def build(f: float, tier: str, k: int, bf: int = breadth_first_blocks,
               home: str | None = None) -> Plan:
-        # Note [streaming plan]: block-major keeps every micro-batch's activations at once
+        # Note [streaming plan]: block-major keeps every micro-batch's block inputs at once and
+        # recomputes each block in the backward (as checkpointing does)
         mb = grad_accumulation_steps if home and schedule == "block-major" else 1
+        ck = checkpoint or mb > 1
+        kept_per_block = block_input if ck else per_block
         off_n = round(f * n)
         gpu_n = n - off_n
         items = [Item("parameters", gpu=n * p, note=short_dtype(dtype)),
@@ -336,10 +339,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         act = Item("activations",
                    gpu=on_gpu_blocks * kept_per_block * mb + window * kept_per_block,
                    note=f"{kept_per_block / GiB:.2f} GiB/block"
-                        f"{' (checkpointed)' if checkpoint else ''} x {on_gpu_blocks} blocks"
+                        f"{' (checkpointed)' if checkpoint else ''}"
+                        f"{' (inputs: block-major recomputes)' if ck and not checkpoint else ''}"
+                        f" x {on_gpu_blocks} blocks"
                         + (f" x {mb} micro-batches (block-major)" if mb > 1 else "")
                         + (f" + {window} reloading" if k else ""))
-        if checkpoint:
+        if ck:
             act.gpu += per_block  # the block being recomputed in backward
             act.note += " + 1 recomputed"
         if mb > 1:  # the gradients flowing down between blocks, one per micro-batch
@@ -382,7 +387,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                            + ", ".join(fix for fix, useful in fixes if useful))
         if problem:
             reasons.append(problem)
-        return Plan(n, active, not reasons, f, tier, k, checkpoint, items, dict(cap), used,
+        return Plan(n, active, not reasons, f, tier, k, ck, items, dict(cap), used,
                     reasons, inputs=inputs, breadth_first_blocks=bf, stream=stream)
 
     def gpu_fixed(k: int) -> int:
@@ -429,9 +434,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         return best
     best.step_time = step_time(
         active_params=active, offloaded_params=off_n, param_bytes=p,
-        moments_dtype=moments_dtype, checkpoint=checkpoint, micro_batch_tokens=batch * seq,
+        moments_dtype=moments_dtype, checkpoint=best.checkpoint, micro_batch_tokens=batch * seq,
         grad_accumulation_steps=grad_accumulation_steps, nvme_state_bytes=state_item.nvme,
-        activation_offload_bytes=best.offload_layers * kept_per_block,
+        activation_offload_bytes=best.offload_layers * (block_input if best.checkpoint
+                                                        else per_block),
         activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
         max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
         param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,

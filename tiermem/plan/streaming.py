@@ -41,9 +41,12 @@ forward + backward, beside the GPU's work (Note [optimizer tail]: the floor's fi
 larger of the GPU's time and this traffic's). A streamed weight's update is not copied back
 (HybridAdam writes the host copy the next forward streams), so the optimizer phase's PCIe
 counts only the resident parameters. With the weights on NVMe each fetch reads them (``2·S``
-per pass) and the update writes them once per step (in the optimizer phase). Block-major keeps
-every micro-batch's saved block inputs (activations) at once: the activations the GPU keeps, or
-offloads, grow M-fold, plus the M micro-batches' gradients flowing down between blocks.
+per pass) and the update writes them once per step (in the optimizer phase). Block-major over
+M > 1 micro-batches (Note [block-major schedule] in ``tiermem/schedule/block_major.py``) saves
+only each block's input per micro-batch, all M at once, and recomputes every block in the
+backward: its activations are those of checkpointing times M (the inputs the GPU keeps, or
+offloads), plus one block's recomputed activations and the M micro-batches' output gradients,
+and its GPU time is the checkpointed one (8·N·T), with or without ``checkpoint``.
 """
 
 from __future__ import annotations
