@@ -22,7 +22,9 @@ run-to-run noise). On the H200 the 20B RAM preset's step went from 13.40 s to 11
 (docs/benchmarks.md). The price is memory: until its own backward, each
 micro-batch keeps what its first ``K`` blocks saved for backward, plus its hidden state: with
 every block checkpointed, ``(K + 1)`` block inputs of ``batch x seq x d_model`` elements for
-each of the other ``n - 1`` micro-batches (tiermem.plan counts it).
+each of the other ``n - 1`` micro-batches (tiermem.plan counts it). ``block_major=True`` runs
+every block breadth-first, and the backward block by block too (Note [block-major schedule] in
+tiermem/schedule/block_major.py): what a weight stream needs to fetch each block once per pass.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ A pass is one forward of the blocks in order, then (when autograd recorded it) i
 a block called twice or out of order in a forward, a second forward while the previous one's
 graph is alive and not yet back-propagated, an optimizer step over streamed parameters during a
 pass, and a backward through a graph whose pass has ended are refused with a RuntimeError.
+Several micro-batches block by block (each block for every micro-batch while its weights are on
+the device) run in a block-major pass instead, with its own call sequence and checks (Note
+[block-major passes] in tiermem/stream/major.py).
 """
 
 from __future__ import annotations
@@ -238,8 +241,10 @@ class WeightStream:
         if self._pass is not None and force:
             self._end_pass()
         if self._pass is not None:
-            raise RuntimeError("WeightStream.close(): a forward pass is open and its graph is "
-                               "alive; run its backward (or drop its outputs) first")
+            what = "a block-major pass is open; leave its context" if self._major is not None \
+                else "a forward pass is open and its graph is alive; run its backward (or drop " \
+                     "its outputs)"
+            raise RuntimeError(f"WeightStream.close(): {what} first")
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
