@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 
 import pytest
 import torch
@@ -362,3 +363,26 @@ def test_sizing_prose_quotes_the_70b_plans():
     assert (f"the 70b rows put {nvme[0]:.0f} GiB (512 GiB of RAM, 141 GB card) to "
             f"{nvme[1]:.0f} GiB (256 GiB, 24 GiB card) of it on NVMe") in text
     assert f"{PRESETS['30b'].num_params() * 8 / GiB:.0f} GiB of optimizer state" in text
+
+
+def test_streaming_doc_example_is_what_the_command_prints(capsys):
+    """docs/streaming.md, "The plan", pastes the issue's example: the command, run now, prints
+    exactly that, and the prose quotes its figures."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "streaming.md").read_text()
+    section = text.split("## The plan (`tiermem plan`)")[1]
+    block = re.search(r"```text\n\$ tiermem plan (.*?)\n(.*?)```", section, re.S)
+    assert block, "docs/streaming.md lost its `tiermem plan` example"
+    argv = block.group(1).split()
+    assert argv == ISSUE_13B
+    assert main(argv) == 0
+    assert capsys.readouterr().out == block.group(2)
+    p = issue_13b()
+    state = {i.name: i for i in p.items}["optimizer state, offloaded"]
+    prose = " ".join(section[block.end():].split())
+    off = issue_13b(stream_weights=False).used["gpu"] / GiB
+    assert f"needs {off:.1f} GiB of GPU" in prose
+    assert (f"{len(p.stream.streamed)} of the {p.stream.n_blocks} blocks stream from pinned RAM "
+            f"and the last {len(p.stream.resident)} stay resident") in prose
+    assert f"the {(state.host + state.nvme) / GiB:.1f} GiB of optimizer state" in prose
+    assert f"{state.nvme / GiB:.1f} GiB of it goes to NVMe, which bounds the step" in prose
+    assert p.step_time.bound == "nvme"
