@@ -23,6 +23,8 @@ What is where (each module's docstring has the details; every name below is impo
 - :mod:`~tiermem.plan.result`: :class:`Plan` and its table, the notes a plan carries;
 - :mod:`~tiermem.plan.placement`: :func:`plan` (the placement and the verdict) and
   :func:`breadth_first_note`;
+- :mod:`~tiermem.plan.streaming`: weight streaming in a placement (:class:`StreamPlan`: the
+  resident blocks, the buffers, the weights' home and what they move; Note [streaming plan]);
 - :mod:`~tiermem.plan.cli`: the ``tiermem plan`` command (:func:`main`).
 """
 
@@ -35,12 +37,13 @@ from tiermem.plan.rates import (H200_GPU_BYTES, H200_GPU_FLOPS, H200_GPU_FLOPS_C
                                 REFERENCE_FWD_BWD_S, REFERENCE_TOKENS, MachineRates)
 from tiermem.plan.result import Item, Plan
 from tiermem.plan.shapes import GB, PRESETS, GiB, ModelShape
+from tiermem.plan.streaming import StreamPlan
 from tiermem.plan.timing import RESOURCE_NAMES, RESOURCES, StepTime, step_time, step_time_lines
 
 __all__ = ["GB", "GiB", "H200_GPU_BYTES", "H200_GPU_FLOPS", "H200_GPU_FLOPS_CHECKPOINTED",
            "H200_HOST_BYTES", "H200_NVME_BYTES", "Item", "MachineRates", "ModelShape",
            "PARAM_DTYPES", "PRESETS", "Plan", "REFERENCE_CHECKPOINTED_S", "REFERENCE_FWD_BWD_S",
-           "REFERENCE_TOKENS", "RESOURCES", "RESOURCE_NAMES", "StepTime",
+           "REFERENCE_TOKENS", "RESOURCES", "RESOURCE_NAMES", "StepTime", "StreamPlan",
            "activation_bytes_per_block", "blocks_or_auto", "breadth_first_note", "build_parser",
            "head_bytes", "host_buffer_bytes", "main", "moe_activation_bytes_per_block", "plan",
            "step_time", "step_time_lines"]

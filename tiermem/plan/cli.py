@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Say what must go where (GPU / pinned host RAM / NVMe) to train a GPT-style "
                     "model (dense, or mixture of experts with --experts, --top-k and --d-expert), "
                     "and whether it fits. Exit code 0: fits; 1: does not fit; 2: bad "
-                    "usage. The memory model is documented in tiermem/plan.py and "
-                    "docs/design.md.")
+                    "usage. The memory model is documented in tiermem/plan/memory.py "
+                    "(weight streaming: tiermem/plan/streaming.py) and docs/sizing.md.")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--model-size", choices=sorted(PRESETS, key=lambda s: float(s[:-1])),
                       help="a GPT preset (vocab 32000, seq 2048; 1b: 24x2048 micro-batch 8, "

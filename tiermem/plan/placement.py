@@ -137,10 +137,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         stream_weights: stream the blocks' weights (issue 29; Note [streaming plan] in
             ``tiermem/plan/streaming.py``): True, False, or ``"auto"``: only when the plan with
             every weight on the GPU overflows the GPU (and neither ``gpu_step_fraction`` nor
-            ``breadth_first_blocks`` is given: they are not planned with streamed weights). Streaming keeps the last blocks resident
-            as far as the GPU holds them (``plan.stream``), the optimizer state of all params
-            off the GPU unless ``offload_fraction`` is given, and the activations on the GPU
-            unless they do not fit (``offload_layers``).
+            ``breadth_first_blocks`` is given: they are not planned with streamed weights).
+            Streaming keeps the last blocks resident as far as the GPU holds them
+            (``plan.stream``), the optimizer state of all params off the GPU unless
+            ``offload_fraction`` is given, and the activations on the GPU unless they do not
+            fit (``offload_layers``).
         stream_tier: the streamed weights' home: ``"cpu"`` (pinned RAM), ``"nvme"``, or
             ``"auto"``: RAM if the run fits so (the optimizer state may split RAM + NVMe
             first: a byte of state on NVMe costs one read and one write per step, a weight
