@@ -238,10 +238,14 @@ def block_major_forward_backward(model: torch.nn.Module,
     Raises:
         TypeError, ValueError: bad ``saved_store``/``saved_tier``; blocks streamed by two
             streams; the model's own errors.
-        RuntimeError: a block whose output does not depend on its input; the stream's errors
-            (Note [block-major passes]); the store's errors (TierFullError) for saved inputs.
+        RuntimeError: called under ``torch.no_grad()``; a block whose output does not depend
+            on its input; the stream's errors (Note [block-major passes]); the store's errors
+            (TierFullError) for saved inputs.
     """
     check_saved(saved_store, saved_tier)
+    if not torch.is_grad_enabled():
+        raise RuntimeError("block_major_forward_backward: called under torch.no_grad(); it "
+                           "back-propagates every micro-batch: call it with autograd on")
     stream = _stream_of(model)
     n_micro, n_blocks = len(batches), len(model.blocks)
     saved = SavedInputs(saved_store, saved_tier)

@@ -74,7 +74,8 @@ def forward_backward(model: torch.nn.Module, batches: Sequence[tuple[torch.Tenso
         TypeError: ``breadth_first_blocks`` not an int, a
             ``saved_store`` that is not a TierStore, or a model without ``embed``,
             ``run_block`` and ``output``.
-        RuntimeError: (block-major) the weight stream's or the store's errors.
+        RuntimeError: (block-major) called under ``torch.no_grad()``; the weight stream's or
+            the store's errors.
     """
     who = "forward_backward: "
     missing = [name for name in ("embed", "blocks", "run_block", "output")
