@@ -21,10 +21,10 @@ file, so a directory holding anything else stays.
 
 Note [spill space after fork]: only the process that made a space removes its directory or
 shuts its backend down. A child forked while a space is alive inherits the object (and a copy
-of its descriptors) but not the backend's threads: in the child, :meth:`SpillSpace.close` and
-the finalizer only close the child's copies of the descriptors, so a child that exits, closes
-or drops it leaves the parent's files alone; ``write``/``read`` in the child raise
-``ValueError``.
+of its descriptors) but not the backend's threads, and maybe its locks held (Note [inherited],
+``fork.py``): in the child, :meth:`SpillSpace.close` and the finalizer take no lock, wait for
+nothing and only close the child's copies of the descriptors, so a child that exits, closes or
+drops it leaves the parent's files alone; ``write``/``read`` in the child raise ``ValueError``.
 
 Note [spill buffer lifetime]: ``write``/``read`` return futures; the caller's buffer must stay
 alive and must not be modified (write) or used (read) until the future is done. Buffers that are
@@ -63,6 +63,7 @@ from .extents import ExtentAllocator, round_up
 from .io.base import IOBackend
 from .io.posix import ShortReadError, host_view
 from .io.reaper import run_or_defer, start as start_reaper
+from .fork import track as track_forks
 from .spill_dir import PrivateDir
 
 ALIGN_BYTES = 4096
@@ -222,8 +223,10 @@ def _teardown_spill(backend: IOBackend, handle: object, fd: int, private: Privat
             logger.warning("tiermem: shutting down the %s I/O backend failed: %s",
                            getattr(backend, "name", "?"), exc)
     try:
-        if handle is not None:
+        if handle is not None and mine:
             backend.close_file(handle)
+        elif isinstance(getattr(handle, "fd", None), int) and handle.fd >= 0:
+            os.close(handle.fd)  # the child's copy; the backend (its threads) is the parent's
     except Exception:  # noqa: BLE001  (see above)
         pass
     try:
@@ -367,11 +370,19 @@ class SpillSpace:
             raise
         self._handle = handle
         self._pid = os.getpid()  # Note [spill space after fork]
+        self._inherited = False  # set in a forked child (Note [inherited])
+        track_forks(self)
         start_reaper()  # where the finalizer may queue the teardown (Note [finalizer teardown])
         # shuts an owned backend down too: a space dropped without close() leaks no threads
         self._finalizer = weakref.finalize(self, _remove_spill, backend, handle, self._fd,
                                            self._private, self._pid, owns_backend)
         self._finalizer.atexit = True  # also at interpreter exit (the default; stated on purpose)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child (Note [inherited]): refuse I/O from now on; the locks copied from
+        the parent, maybe held, are replaced and never taken."""
+        self._inherited = True
+        self._lock, self._grow_lock = threading.Lock(), threading.Lock()
 
     # -- construction helpers ---------------------------------------------------------------
     @staticmethod
@@ -527,6 +538,7 @@ class SpillSpace:
         if nbytes == 0:
             return _done(Extent(0, 0, 0, ()))
         alloc_bytes = round_up(nbytes, ALIGN_BYTES)
+        self._check_open()  # a forked child refuses before any lock (Note [inherited])
         with self._lock:  # see __init__
             self._check_open()
             offset = self._alloc.alloc(alloc_bytes)
@@ -574,6 +586,7 @@ class SpillSpace:
         if self._checksum and len(extent.checksums) != nchunks:
             raise ValueError(f"SpillSpace.read: {extent} has {len(extent.checksums)} "
                              f"checksums, expected {nchunks} (key={key!r})")
+        self._check_open()  # a forked child refuses before any lock (Note [inherited])
         with self._lock:  # see __init__
             self._check_open()
             if not self._alloc.is_allocated(extent.offset, extent.alloc_bytes):
@@ -596,7 +609,7 @@ class SpillSpace:
         Raises:
             ValueError: ``extent`` is not allocated here (double free, or another space's).
         """
-        if extent.nbytes == 0:
+        if extent.nbytes == 0 or self._inherited:
             return
         with self._lock:  # see __init__
             if self._closed:
@@ -618,9 +631,13 @@ class SpillSpace:
         an owned backend down).
 
         Idempotent. Extents and futures of this space are invalid afterwards. In a child forked
-        from the process that made the space it only closes the child's descriptors (Note
-        [fork]).
+        from the process that made the space it only closes the child's descriptors, taking no
+        lock and waiting for nothing (Note [spill space after fork]).
         """
+        if self._inherited or os.getpid() != self._pid:
+            self._closed = True
+            self._finalizer()
+            return
         with self._lock:  # see __init__
             if self._closed:
                 return
@@ -643,12 +660,12 @@ class SpillSpace:
 
     # -- internals --------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"SpillSpace {self._dir_path} is closed; create a new one")
-        if os.getpid() != self._pid:
+        if self._inherited or os.getpid() != self._pid:
             raise ValueError(f"SpillSpace {self._dir_path} belongs to process {self._pid}; this "
                              f"is a child forked from it (pid {os.getpid()}), where it cannot do "
                              f"I/O; create a new space in the child")
+        if self._closed:
+            raise ValueError(f"SpillSpace {self._dir_path} is closed; create a new one")
 
     def _new_op(self, kind: str, key: Hashable, offset: int, nbytes: int, alloc_bytes: int,
                 buf: torch.Tensor, buf_nbytes: int) -> _Op:

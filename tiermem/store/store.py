@@ -26,9 +26,11 @@ Nothing is refused while the tiers below can still take the victims; a refusal s
 it (bytes held by callers, moves in flight, the refusal of the tier below, fragmentation).
 
 Note [fork]: a store belongs to the process that made it. A child forked while it is alive
-inherits the object but not its I/O threads or device memory: every operation there raises
-:class:`StoreClosedError` saying so, and ``close()`` (or dropping the store, or the child's
-exit) only forgets the child's copy: the parent's spill files stay (see ``nvme.py``).
+inherits the object but not its I/O threads or device memory, and maybe its lock in the held
+state (Note [inherited], ``fork.py``): every operation there raises :class:`StoreClosedError`
+saying so before it takes any lock, and ``close()`` (or dropping the store, or the child's exit)
+only forgets the child's copy, waiting for nothing: the parent's spill files stay (see
+``nvme.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 
 from tiermem.config import TIERS, StoreConfig
 from tiermem.names import resolve_device
+from tiermem.store.fork import track as track_forks
 from tiermem.store.io import make_backend
 from tiermem.store.nvme import Extent, SpillFull, SpillSpace
 from tiermem.store.policies import make_policy
@@ -149,6 +152,7 @@ class TierStore:
                              "here; use pin_memory='auto' or False")
         self._lock = threading.RLock()  # guards entries, budgets, the pool and the policy
         self._pid = os.getpid()  # Note [fork]
+        self._inherited = False  # set in a forked child (Note [inherited])
         self._refusal: str | None = None  # why the tier below could not take a victim
         self._entries: dict[Hashable, _Entry] = {}
         self._moves: list[_Move] = []
@@ -175,6 +179,13 @@ class TierStore:
         self._prefetcher = None
         if config.prefetch_lookahead:
             self._prefetcher = Prefetcher(self, self._policy, config.prefetch_lookahead)
+        track_forks(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child (Note [inherited]): refuse everything from now on; the lock copied
+        from the parent, maybe held, is replaced and never taken."""
+        self._inherited = True
+        self._lock = threading.RLock()
 
     @property
     def recorder(self) -> Any:
@@ -230,6 +241,7 @@ class TierStore:
             src = src.contiguous()
         nbytes = src.numel() * src.element_size()
         flat = src.reshape(-1).view(torch.uint8) if nbytes else src.new_empty(0, dtype=torch.uint8)
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             self._reap()
@@ -287,6 +299,7 @@ class TierStore:
             raise ValueError("get(tier='nvme'): data is returned from 'gpu' or 'cpu'; to move a "
                              "key to disk use evict(key, 'nvme')")
         t0 = time.perf_counter()
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             self._reap()
@@ -344,6 +357,7 @@ class TierStore:
         self._check_tier(tier)
         if tier == "nvme":
             raise ValueError("prefetch(tier='nvme') is not a prefetch; use evict(key, 'nvme')")
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             self._reap()
@@ -382,6 +396,7 @@ class TierStore:
         self._check_tier(tier)
         if tier == "nvme":
             raise ValueError("try_prefetch(tier='nvme') is not a prefetch; use evict(key, 'nvme')")
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             self._reap()
@@ -416,6 +431,7 @@ class TierStore:
             StoreClosedError: the store is closed.
         """
         self._check_tier(tier)
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             self._reap()
@@ -446,6 +462,7 @@ class TierStore:
             ValueError: the key is held by a caller.
             StoreClosedError: the store is closed.
         """
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             entry = self._lookup(key)
@@ -463,6 +480,7 @@ class TierStore:
             ValueError: the key is not held.
             StoreClosedError: the store is closed.
         """
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             entry = self._lookup(key)
@@ -485,7 +503,11 @@ class TierStore:
         The trace policy ends its recorded step here (and starts following it), and a recorder
         marks the step on its timeline. Call it once per training step, e.g. after
         ``optimizer.step()``; other policies ignore it.
+
+        Raises:
+            StoreClosedError: the store was made by the parent of this forked process.
         """
+        self._check_inherited()
         with self._lock:
             self._policy.mark_step()
             if self._recorder is not None:
@@ -498,6 +520,7 @@ class TierStore:
             KeyError: unknown key.
             StoreClosedError: the store is closed.
         """
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             return self._lookup(key).tier
@@ -509,12 +532,18 @@ class TierStore:
             KeyError: unknown key.
             StoreClosedError: the store is closed.
         """
+        self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
             return self._lookup(key).nbytes
 
     def keys(self) -> list[Hashable]:
-        """Return the stored keys."""
+        """Return the stored keys.
+
+        Raises:
+            StoreClosedError: the store was made by the parent of this forked process.
+        """
+        self._check_inherited()
         with self._lock:
             return list(self._entries)
 
@@ -531,7 +560,7 @@ class TierStore:
             ValueError: unknown tier.
         """
         self._check_tier(tier)
-        if self._closed:
+        if self._closed or self._inherited:
             return 0
         if tier == "gpu":
             return self._gpu_used
@@ -546,7 +575,11 @@ class TierStore:
         {"cpu->gpu": n, "gpu->cpu": n, "cpu->nvme": n, "nvme->cpu": n, ...},
         "pinned_bytes": n}``; ``stall_s`` is the time :meth:`get` blocked for keys that were in
         that tier.
+
+        Raises:
+            StoreClosedError: the store was made by the parent of this forked process.
         """
+        self._check_inherited()
         with self._lock:
             self._reap()
             out: dict = {t: {"budget_bytes": self._budget[t], "used_bytes": self.used_bytes(t),
@@ -562,6 +595,7 @@ class TierStore:
         Raises:
             StoreClosedError: the store was made by the parent of this forked process.
         """
+        self._check_inherited()
         with self._lock:
             if self._closed:
                 return
@@ -573,17 +607,17 @@ class TierStore:
         """Wait for in-flight moves, free every tier and remove the spill files. Idempotent.
 
         In a child forked from the process that made the store it only forgets the child's
-        copy (Note [fork]): nothing is waited for and the parent's spill files stay.
+        copy (Note [fork]): no lock is taken, nothing is waited for and the parent's spill files
+        stay.
         """
+        if self._inherited or os.getpid() != self._pid:
+            self._closed = True
+            self._entries, self._moves = {}, []  # the parent's: forgotten, not freed
+            if self._spill is not None:
+                self._spill.close()  # inherited too: closes the child's descriptors only
+            return
         with self._lock:
             if self._closed:
-                return
-            if os.getpid() != self._pid:
-                self._closed = True
-                self._entries.clear()
-                self._moves.clear()
-                if self._spill is not None:
-                    self._spill.close()  # closes the child's descriptors only
                 return
             for move in list(self._moves):
                 try:
@@ -1069,9 +1103,13 @@ class TierStore:
             raise KeyError(f"key {key!r} is not in this TierStore") from None
 
     def _check_open(self) -> None:
+        self._check_inherited()
         if self._closed:
             raise StoreClosedError("this TierStore is closed; create a new one")
-        if os.getpid() != self._pid:
+
+    def _check_inherited(self) -> None:
+        """Raise in a forked child (Note [fork]); takes no lock."""
+        if self._inherited or os.getpid() != self._pid:
             raise StoreClosedError(
                 f"this TierStore was made by process {self._pid}; this is a child forked from "
                 f"it (pid {os.getpid()}), which shares none of its I/O threads or device "
