@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from tiermem.names import format_bytes
 
-if TYPE_CHECKING:
-    from tiermem.demo import RunConfig
+RunConfig = Any
+"""A :class:`tiermem.demo.RunConfig` (not imported: demo imports this module)."""
 
 SIZE_FIELDS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab")
 """The ``model`` fields that size the model; those a config leaves out are named in the cost
@@ -50,7 +50,7 @@ class RunCost:
     allocator overhead come on top. On a CPU all of it is host memory."""
 
 
-def estimate(cfg: "RunConfig") -> RunCost:
+def estimate(cfg: RunConfig) -> RunCost:
     """The :class:`RunCost` of ``cfg`` (arithmetic only: nothing is built).
 
     Raises:
@@ -102,7 +102,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
-def describe(cfg: "RunConfig", cost: RunCost, device_type: str,
+def describe(cfg: RunConfig, cost: RunCost, device_type: str,
              flop_per_s: float | None) -> str:
     """The cost line: params, tokens and FLOPs per step, and on a CPU (``flop_per_s`` given)
     the time per step and for the run; names the ``model`` fields ``cfg`` left out."""
@@ -123,7 +123,7 @@ def describe(cfg: "RunConfig", cost: RunCost, device_type: str,
     return line
 
 
-def check(cfg: "RunConfig", cost: RunCost, device_type: str,
+def check(cfg: RunConfig, cost: RunCost, device_type: str,
           host_available: int | None) -> None:
     """Refuse a budget that cannot hold a lower bound of the run (Note [run cost before
     building]).

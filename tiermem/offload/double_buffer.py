@@ -10,14 +10,14 @@ the load's event before it reads a set (:meth:`DoubleBuffer.view`). Units: bytes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import Any, Hashable
 
 import torch
 
 from tiermem.store import TierStore
 
-if TYPE_CHECKING:
-    from tiermem.offload.activations import _Record
+_Record = Any  # the offloader's record of one saved tensor (tiermem/offload/activations.py,
+# which imports this module)
 
 ALIGN_BYTES = 512  # offsets of records inside a set (any dtype view is aligned)
 
@@ -45,7 +45,7 @@ class DoubleBuffer:
     def capacity_bytes(self) -> int:
         return sum(s.buf.numel() for s in self.sets if s.buf is not None)
 
-    def load(self, records: "list[_Record]", store: TierStore) -> list:
+    def load(self, records: list[_Record], store: TierStore) -> list:
         """Copy ``records`` (their keys held in the store's host tier) into the next set.
 
         Returns the keys held for the copy; release them with :meth:`release_done`.
@@ -83,7 +83,7 @@ class DoubleBuffer:
         self.loads += 1
         return bset.holds
 
-    def view(self, rec: "_Record") -> torch.Tensor | None:
+    def view(self, rec: _Record) -> torch.Tensor | None:
         """The record's bytes in its set, or None if the set was reused since its load."""
         if rec.slot is None:
             return None
