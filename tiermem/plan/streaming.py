@@ -34,9 +34,9 @@ state of as many parameters as stay resident.
 
 Per optimizer step of M micro-batches the streamed bytes S (the streamed blocks' weights) cross
 PCIe: **block-major** (issue 29 item 4: each block runs for every micro-batch while its weights
-are on the GPU; the default with M > 1) ``2·S`` host to device (forward, and backward with the
+are on the GPU; the default, and with M = 1 the same as depth-first) ``2·S`` host to device (forward, and backward with the
 checkpoint recomputation in the same fetch) and ``S`` of gradients device to host, once per
-step, whatever M; **depth-first** (what phase 1 runs) ``2·M·S`` and ``M·S``. Both happen during
+step, whatever M; **depth-first** (the stream's plain loop) ``2·M·S`` and ``M·S``. Both happen during
 forward + backward, beside the GPU's work (Note [optimizer tail]: the floor's first term is the
 larger of the GPU's time and this traffic's). A streamed weight's update is not copied back
 (HybridAdam writes the host copy the next forward streams), so the optimizer phase's PCIe
