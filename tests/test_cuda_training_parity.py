@@ -35,10 +35,12 @@ Note [training parity]: what a user would trust, on the device users run it on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
+from _parity_harness import (GRAD_NOISE_RUNS, LOSS_FLOOR, NOISE_MULTIPLE,  # noqa: F401
+                             REFERENCE_RUNS, Reference, Run, assert_parity, first_step_noise,
+                             summarise)
 
 from tiermem import StoreConfig, TierStore
 from tiermem.models.gpt import GPT, GPTConfig
@@ -52,10 +54,6 @@ CFG = GPTConfig(n_layers=6, d_model=2048, n_heads=16, seq_len=2048, vocab=32000)
 BATCH = 2
 STEPS = 8
 HP = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-NOISE_MULTIPLE = 4.0
-REFERENCE_RUNS = 3
-GRAD_NOISE_RUNS = 12
-LOSS_FLOOR = 1e-6
 
 # activation modes: (offload_activations kwargs, checkpointing); "store" picks the store
 ACT = {
@@ -100,14 +98,6 @@ ROWS = ([(act, opt, "bf16") for act in ACT if act not in ("checkpoint_nvme", "re
            ("regions", "adamw", "bf16"), ("regions", "hybrid_f0.5", "bf16")])
 ROWS.sort(key=lambda r: (r[1], r[2], ACT[r[0]][1]))  # grouped by reference (host memory)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclasses.dataclass
-class Run:
-    losses: torch.Tensor  # (STEPS + 1,) float64: each step's, then one after the last
-    params: torch.Tensor  # all parameters, flat, float32, on the CPU
-    grads0: torch.Tensor  # all gradients of the first step, flat, float32, on the CPU
-    offloaded: int = 0
 
 
 @pytest.fixture(scope="module")
@@ -224,15 +214,6 @@ def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="",
     return run
 
 
-@dataclasses.dataclass
-class Reference:
-    run: Run  # the first no-offload run: rows are compared with it
-    loss_noise: float  # the largest loss difference between its runs, at any step
-    param_noise: float  # the largest final-params difference (L2) between its runs
-    grad_noise: float  # the first step's gradient noise (L2): see grad_noise()
-    final_losses: list[float]
-
-
 _REFERENCE: dict[tuple, Reference] = {}  # one configuration at a time (host memory)
 _GRAD_NOISE: dict[tuple, float] = {}
 
@@ -263,17 +244,6 @@ def grad_noise(dtype: str, ckpt: bool, compile_: str, bf: int | None = None) -> 
     return _GRAD_NOISE[key]
 
 
-def first_step_noise(step_grads) -> float:
-    """The largest L2 distance between the distinct results of ``step_grads()`` (flat first-step
-    gradients on the GPU) over ``GRAD_NOISE_RUNS`` calls: the kernels' discrete noise."""
-    seen: list[torch.Tensor] = []
-    for _ in range(GRAD_NOISE_RUNS):
-        g = step_grads()
-        if not any(torch.equal(g, s) for s in seen):
-            seen.append(g)
-    return max([(a - b).norm().item() for a in seen for b in seen] + [0.0])
-
-
 def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", bf: int | None = None,
               **fixtures) -> Reference:
     """The no-offload run of this configuration, run ``REFERENCE_RUNS`` times (cached)."""
@@ -284,49 +254,6 @@ def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", bf: int | No
                        fixtures["opt_store"], compile_, bf) for _ in range(REFERENCE_RUNS)]
         _REFERENCE[key] = summarise(runs, grad_noise(dtype, ckpt, compile_, bf))
     return _REFERENCE[key]
-
-
-def summarise(runs: list[Run], first_step_noise: float = 0.0) -> Reference:
-    """A :class:`Reference` of no-offload ``runs`` (the first kept, the rest reduced to their
-    differences from it); ``first_step_noise``: a separately sampled first-step gradient noise."""
-    a, others = runs[0], runs[1:]
-    return Reference(
-        a,
-        loss_noise=max((a.losses - b.losses).abs().max().item() for b in others),
-        param_noise=max((a.params - b.params).norm().item() for b in others),
-        grad_noise=max([first_step_noise] + [(a.grads0 - b.grads0).norm().item()
-                                             for b in others]),
-        final_losses=[round(r.losses[-1].item(), 5) for r in runs])
-
-
-def assert_parity(got: Run, ref: Reference, label: str) -> None:
-    """Loss at every step, first-step gradients and final parameters within NOISE_MULTIPLE x
-    the reference's noise, measured from its first run.
-
-    The loss bound is the largest difference between reference runs at *any* step, not per
-    step: on the H200 bf16 runs' noise is discrete (Note [training parity]) and Adam's first
-    update (lr x sign of the gradient) amplifies it, so three runs agreeing exactly at step 1
-    said nothing about a fourth; a per-step envelope then failed correct rows at 4-9e-5 while
-    the bugs of Note [reaped reload] showed 5e-4 to 1e-2."""
-    a = ref.run
-    tol = NOISE_MULTIPLE * ref.loss_noise + LOSS_FLOOR * a.losses.abs()
-    diff = (got.losses - a.losses).abs()
-    param_diff = (got.params - a.params).norm().item()
-    grad_diff = (got.grads0 - a.grads0).norm().item()
-    print(f"{label}: loss diff per step {[f'{d:.2e}' for d in diff.tolist()]}, tol "
-          f"{[f'{t:.2e}' for t in tol.tolist()]}; params |diff| {param_diff:.3e} vs noise "
-          f"{ref.param_noise:.3e}; first grads |diff| {grad_diff:.3e} vs noise "
-          f"{ref.grad_noise:.3e}; final loss {got.losses[-1]:.5f} (references "
-          f"{ref.final_losses}); offloaded {got.offloaded}")
-    assert torch.isfinite(got.losses).all(), f"{label}: non-finite loss {got.losses.tolist()}"
-    bad = [s for s in range(len(diff)) if diff[s] > tol[s]]
-    assert not bad, (f"{label}: loss differs from the run without offload at steps {bad}: "
-                     f"{got.losses.tolist()} vs {a.losses.tolist()} (noise {ref.loss_noise:.3e})")
-    assert grad_diff <= NOISE_MULTIPLE * ref.grad_noise, (
-        f"{label}: first-step gradients differ by {grad_diff:.3e} (L2), noise "
-        f"{ref.grad_noise:.3e}")
-    assert param_diff <= NOISE_MULTIPLE * ref.param_noise + 1e-30, (
-        f"{label}: final params differ by {param_diff:.3e} (L2), noise {ref.param_noise:.3e}")
 
 
 @pytest.mark.parametrize("act,opt,dtype", ROWS, ids=["-".join(r) for r in ROWS])
