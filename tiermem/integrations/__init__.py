@@ -1,0 +1,10 @@
+"""Integrations with training frameworks.
+
+:mod:`tiermem.integrations.hf`: HybridAdam and activation offload through
+``transformers.Trainer`` and TRL's trainers (imports transformers and accelerate, so it is not
+imported here). :mod:`tiermem.integrations.layers`: a transformers model's decoder layers.
+"""
+
+from tiermem.integrations.layers import find_decoder_layers
+
+__all__ = ["find_decoder_layers"]
