@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# Numbers that change from run to run: tokens/s, RSS, wall time, the library's path.
+# Numbers that change from run to run: tokens/s, RSS, wall time, the library's path, and the
+# Adam kernel the native core picks for the CPU it runs on (avx512 where the log was made).
 VOLATILE = [
     (re.compile(r"[\d,]+ tok/s"), "N tok/s"),
     (re.compile(r"(tokens/s\s+)[\d,]+(\s+)[\d,]+"), r"\1N\2N"),
@@ -27,6 +28,7 @@ VOLATILE = [
      r"\1N MiB\2N MiB"),
     (re.compile(r"^total [\d.]+ s$"), "total N s"),
     (re.compile(r"native core loaded: \S+ "), "native core loaded: PATH "),
+    (re.compile(r"\(Adam kernel \w+\)"), "(Adam kernel ISA)"),
 ]
 
 
