@@ -12,15 +12,12 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from hf_tiny import ClipInGroupOrder, max_diff, run, tiny_llama
+from transformers import Trainer
 
-from hf_tiny import ClipInGroupOrder, max_diff, run, tiny_llama  # noqa: E402
-from transformers import Trainer  # noqa: E402
-
-from tiermem.integrations import find_decoder_layers  # noqa: E402
-from tiermem.integrations.hf import TiermemTrainer  # noqa: E402
-from tiermem.integrations.trainer_setup import check_options, refusal  # noqa: E402
+from tiermem.integrations import find_decoder_layers
+from tiermem.integrations.hf import TiermemTrainer
+from tiermem.integrations.trainer_setup import check_options, refusal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,7 +52,7 @@ def test_finder_takes_the_decoder_layers_of_llama_and_of_peft():
     model = tiny_llama()
     assert find_decoder_layers(model) is model.model.layers
     assert find_decoder_layers(model, "model.layers") is model.model.layers
-    peft = pytest.importorskip("peft")
+    import peft
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert find_decoder_layers(wrapped) is model.model.layers
 

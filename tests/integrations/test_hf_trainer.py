@@ -14,15 +14,12 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-
-from hf_tiny import (ClipInGroupOrder, dataset, max_diff, run, tiny_llama,  # noqa: E402
+from hf_tiny import (ClipInGroupOrder, dataset, max_diff, run, tiny_llama,
                      training_args)
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer
 
-from tiermem.integrations.hf import TiermemTrainer, with_tiermem  # noqa: E402
-from tiermem.optim import HybridAdam  # noqa: E402
+from tiermem.integrations.hf import TiermemTrainer, with_tiermem
+from tiermem.optim import HybridAdam
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
