@@ -1,5 +1,6 @@
 """CUDA training parity: every activation-offload mode, with torch AdamW and with HybridAdam,
-trains as the same run without activation offload (Note [training parity]).
+trains as the same run without activation offload, and weight streaming as the same run without
+streaming (Note [training parity]).
 
 Note [training parity]: what a user would trust, on the device users run it on.
 - Model: the reference GPT's shape (d_model 2048, 16 heads, sequence 2048, vocab 32000; bf16,
@@ -30,27 +31,43 @@ Note [training parity]: what a user would trust, on the device users run it on.
   next configuration starts.
 - HybridAdam itself is checked against an independent reference (fp32 masters + torch fused
   AdamW) in tests/optim/test_hybrid_adam_cuda.py.
+- Weight streaming (issue 29, docs/streaming.md; ``STREAM`` rows): the blocks' bf16 weights
+  streamed through a store (cpu or nvme tier, prefetch 1), stepped on their host copies by torch
+  fused AdamW, as phase 1 of streaming has it. The reference is the same loop without a stream
+  and with the same layout: resident weights, a host master of each streamed block's weight
+  stepped by the same AdamW on the CPU, its gradient copied there after the backward, the new
+  values copied back (the CPU and the GPU fused AdamW need not round alike, so a reference
+  stepping every weight on the GPU would differ by more than the noise). Depth-first rows run
+  one micro-batch of ``BATCH`` rows as ``model(idx, targets)``; block-major rows
+  ``forward_backward(..., block_major=True)`` over ``STREAM_MICRO`` micro-batches of one row,
+  against the same schedule without a stream (on CUDA its ``no_grad`` forward may take another
+  attention backend than a depth-first forward: Note [block-major schedule]). The tolerance must
+  fail: the ``stale_block1`` row fills blocks[1] with the weights of the step before and must go
+  red. Counts are exact: 2 fills per streamed block per step, 1 for the last forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import pytest
 import torch
 from _parity_harness import (GRAD_NOISE_RUNS, LOSS_FLOOR, NOISE_MULTIPLE,  # noqa: F401
                              REFERENCE_RUNS, Reference, Run, assert_parity, first_step_noise,
-                             summarise)
+                             flat, summarise)
 
 from tiermem import StoreConfig, TierStore
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.offload import offload_activations, offload_tensors
 from tiermem.optim import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
+from tiermem.stream import stream_weights
 
 pytestmark = pytest.mark.cuda
 
 CFG = GPTConfig(n_layers=6, d_model=2048, n_heads=16, seq_len=2048, vocab=32000)
+DEVICE = "cuda"  # the streaming rows' CPU smoke test (tests/stream/test_stream_cuda.py) sets "cpu"
 BATCH = 2
 STEPS = 8
 HP = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -100,10 +117,39 @@ ROWS.sort(key=lambda r: (r[1], r[2], ACT[r[0]][1]))  # grouped by reference (hos
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+class StreamRow(NamedTuple):
+    """A weight-streaming row (Note [training parity]): bf16, torch fused AdamW, prefetch 1."""
+
+    tier: str = "cpu"  # the streamed weights' home: "cpu" (pinned pool) or "nvme"
+    micro: int = 1  # micro-batches per step: 1 depth-first, more block-major (one row each)
+    ckpt: bool = False
+    clip: float | None = None  # clip_grad_norm_ max norm
+    resident: tuple[int, ...] = ()  # blocks kept on the GPU (the rest streamed)
+    stale: bool = False  # blocks[1] filled with the weights of the step before: must go red
+
+    @property
+    def reference_key(self) -> tuple:
+        """What the reference depends on (not the tier, not the fault)."""
+        return ("stream", self.micro, self.ckpt, self.clip, self.resident)
+
+
+STREAM_MICRO = 4
+STREAM = {
+    "cpu": StreamRow(),
+    "nvme": StreamRow(tier="nvme"),
+    "stale_block1": StreamRow(stale=True),
+    "checkpoint_clip": StreamRow(ckpt=True, clip=1.0),
+    "resident_4_5": StreamRow(resident=(4, 5)),
+    "block_major": StreamRow(micro=STREAM_MICRO),
+    "block_major_clip": StreamRow(micro=STREAM_MICRO, clip=1.0),
+}
+STREAM_ROWS = sorted(STREAM, key=lambda n: str(STREAM[n].reference_key))  # grouped (host memory)
+
+
 @pytest.fixture(scope="module")
 def spill_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("parity_spill")
-    for sub in ("act", "opt", "nvme_state"):
+    for sub in ("act", "opt", "nvme_state", "stream"):
         (path / sub).mkdir()
     return path
 
@@ -128,22 +174,22 @@ def opt_store(spill_dir):
     store.close()
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens; the target of each is a fixed function of it (learnable: the loss falls)."""
     g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g)
-    return idx.cuda(), ((idx * 7 + 3) % CFG.vocab).cuda()
+    idx = torch.randint(0, CFG.vocab, (rows, CFG.seq_len), generator=g)
+    return idx.to(DEVICE), ((idx * 7 + 3) % CFG.vocab).to(DEVICE)
 
 
-def _micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The step's batch as ``BATCH`` micro-batches of one row each."""
-    idx, tgt = _batch(step)
-    return [(idx[i:i + 1], tgt[i:i + 1]) for i in range(BATCH)]
+def _micro_batches(step: int, n: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's batch as ``n`` micro-batches of one row each."""
+    idx, tgt = _batch(step, n)
+    return [(idx[i:i + 1], tgt[i:i + 1]) for i in range(n)]
 
 
 def _model(dtype: torch.dtype, checkpoint: bool) -> GPT:
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         return GPT(CFG, checkpoint=checkpoint).to(dtype)
 
 
@@ -218,11 +264,13 @@ _REFERENCE: dict[tuple, Reference] = {}  # one configuration at a time (host mem
 _GRAD_NOISE: dict[tuple, float] = {}
 
 
-def grad_noise(dtype: str, ckpt: bool, compile_: str, bf: int | None = None) -> float:
+def grad_noise(dtype: str, ckpt: bool, compile_: str, bf: int | None = None,
+               block_major: int = 0) -> float:
     """The first-step gradient noise (:func:`first_step_noise`) of the no-offload model on the
-    first batch (as ``bf`` of :func:`_train` schedules it): the step before any optimizer, the
+    first batch (as ``bf`` of :func:`_train` schedules it, or block-major over ``block_major``
+    micro-batches of one row as :func:`_train_streamed`): the step before any optimizer, the
     kernels' noise alone."""
-    key = (dtype, ckpt, compile_, bf)
+    key = (dtype, ckpt, compile_, bf, block_major)
     if key not in _GRAD_NOISE:
         model = _model(DTYPES[dtype], ckpt)
         if compile_ == "blocks":
@@ -230,7 +278,9 @@ def grad_noise(dtype: str, ckpt: bool, compile_: str, bf: int | None = None) -> 
                 block.compile()
         run_model = torch.compile(model) if compile_ == "whole" else model
         def step_grads() -> torch.Tensor:
-            if bf is None:
+            if block_major:
+                forward_backward(model, _micro_batches(0, block_major), block_major=True)
+            elif bf is None:
                 run_model(*_batch(0))[1].backward()
             else:
                 forward_backward(model, _micro_batches(0), breadth_first_blocks=bf)
@@ -320,3 +370,101 @@ def test_whole_model_compile_offloads_and_differs_only_by_fusion(spill_dir, act_
     rel = ((got.losses - a.losses).abs() / a.losses.abs()).max().item()
     print(f"whole-model compile: max relative loss difference {rel:.2e}")
     assert rel < 1e-2, (got.losses.tolist(), a.losses.tolist())
+
+
+def _train_streamed(row: StreamRow, spill_dir, stream: bool) -> tuple[Run, dict]:
+    """Train ``STEPS`` steps as ``row`` says (Note [training parity]); ``stream`` False is its
+    reference: no stream, host masters of the weights the row streams. Returns the run and the
+    stream's counts (``stats()``, plus ``streamed_params`` and the store's ``nvme->cpu`` bytes)."""
+    model = _model(torch.bfloat16, row.ckpt)
+    on_host = {id(p) for i, block in enumerate(model.blocks) if i not in row.resident
+               for p in block.parameters()}
+    masters = {} if stream else {id(p): p.detach().to("cpu", copy=True)
+                                 for p in model.parameters() if id(p) in on_host}
+    params = [masters.get(id(p), p) for p in model.parameters()]
+    optimizer = torch.optim.AdamW(params, **HP, fused=True)  # fused on the CPU and the GPU
+    store = handle = None
+    snapshot: dict = {}
+    if stream:
+        store = _store(spill_dir / "stream", gpu_bytes="256MiB", cpu_bytes="2GiB",
+                       nvme_bytes="2GiB")
+        handle = stream_weights(model.blocks, store=store, tier=row.tier, prefetch_blocks=1,
+                                resident=row.resident or None)
+        if row.stale:  # blocks[1] gets last step's weights from step 1 on
+            handle._fetcher.fault = lambda block, p, src: (snapshot.get(p.name, src)
+                                                           if block.index == 1 else src)
+    losses = []
+    for step in range(STEPS):
+        if row.micro == 1:
+            _, loss = model(*_batch(step))
+            loss.backward()
+        else:
+            loss = torch.stack(forward_backward(model, _micro_batches(step, row.micro),
+                                                block_major=True)).mean()
+        for p in model.parameters():  # the reference's gradients go to the host masters
+            if id(p) in masters:
+                masters[id(p)].grad = p.grad.to("cpu")
+                p.grad = None
+        if step == 0:  # before any chaos: differences here are the kernels' noise alone
+            grads0 = flat(q.grad for q in params)
+        if row.clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, row.clip)
+        if row.stale:
+            snapshot = {name: q.detach().clone() for name, q in model.blocks[1].named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                if id(p) in masters:
+                    p.copy_(masters[id(p)])
+        losses.append(loss.detach())
+    with torch.no_grad():  # the final params, seen through the loss of one more batch
+        losses.append(model(*_batch(STEPS))[1])
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # test only: read the results
+    run = Run(torch.stack(losses).double().cpu(), flat(params), grads0)
+    stats: dict = {}
+    if stream:
+        stats = dict(handle.stats(), streamed_params=sum(
+            1 for i in handle.plan.streamed for _ in model.blocks[i].parameters()),
+            nvme_read_bytes=store.stats()["moved_bytes"].get("nvme->cpu", 0),
+            streamed=handle.plan.streamed, buffer_blocks=handle.plan.buffer_blocks)
+        handle.close()
+        store.close()
+    del model, optimizer, params, masters
+    torch.cuda.empty_cache()
+    return run, stats
+
+
+def stream_reference(row: StreamRow, spill_dir) -> Reference:
+    """The reference of ``row`` (no stream, the same layout), run ``REFERENCE_RUNS`` times
+    (cached, one configuration at a time)."""
+    key = row.reference_key
+    if key not in _REFERENCE:
+        _REFERENCE.clear()
+        runs = [_train_streamed(row, spill_dir, stream=False)[0] for _ in range(REFERENCE_RUNS)]
+        noise = grad_noise("bf16", row.ckpt, "", block_major=row.micro if row.micro > 1 else 0)
+        _REFERENCE[key] = summarise(runs, noise)
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("name", STREAM_ROWS)
+def test_streamed_training_parity(name, spill_dir):
+    """Weight streaming (issue 29) trains as the same loop without a stream, within the
+    reference's own noise; ``stale_block1`` must fail that tolerance."""
+    row = STREAM[name]
+    ref = stream_reference(row, spill_dir)
+    got, stats = _train_streamed(row, spill_dir, stream=True)
+    label = f"stream {name}"
+    if row.stale:
+        with pytest.raises(AssertionError, match="loss differs|final params differ"):
+            assert_parity(got, ref, label)
+    else:
+        assert_parity(got, ref, label)
+    n = len(stats["streamed"])
+    assert n == CFG.n_layers - len(row.resident)
+    assert stats["fills"] == (2 * STEPS + 1) * n  # forward + backward each step, the last forward
+    assert stats["peak_blocks"] <= stats["buffer_blocks"]
+    if row.tier == "nvme":  # each step's new weights written once, before the next pass
+        assert stats["nvme_writes"] == STEPS * stats["streamed_params"]
+        assert stats["nvme_read_bytes"] > 0  # the weights came off the disk

@@ -150,3 +150,25 @@ def test_the_cuda_reference_loop_runs_on_the_cpu(tmp_path, one_thread):
 
 def test_the_stale_check_runs_on_the_cpu(tmp_path, one_thread):
     _run("cpu", tmp_path, "cpu", 1, torch.float32, 2, False, None, sleep_cycles=0, stale=True)
+
+
+def test_the_streamed_parity_rows_run_on_the_cpu(tmp_path, monkeypatch, one_thread):
+    """The weight-streaming rows of the CUDA parity matrix (tests/test_cuda_training_parity.py:
+    their reference with host masters, the block-major rows, the stale row going red, the
+    counts), smoke-run on the CPU with a small model of the matrix's depth, where the noise is
+    0: every row but the stale one equals its reference."""
+    from tiermem.models.gpt import GPTConfig
+
+    import test_cuda_training_parity as parity
+
+    monkeypatch.setattr(parity, "DEVICE", "cpu")
+    monkeypatch.setattr(parity, "CFG", GPTConfig(n_layers=6, d_model=32, n_heads=2, seq_len=16,
+                                                 vocab=64))
+    monkeypatch.setattr(parity, "_store", lambda spill, **budgets: TierStore(StoreConfig(
+        device="cpu", gpu_bytes=1 << 20, cpu_bytes=8 << 20, pool_slab_bytes=1 << 20,
+        nvme_bytes=16 << 20, nvme_dir=str(spill), io_backend="posix")))
+    monkeypatch.setattr(parity, "_REFERENCE", {})
+    monkeypatch.setattr(parity, "_GRAD_NOISE", {})
+    (tmp_path / "stream").mkdir()
+    for name in parity.STREAM_ROWS:
+        parity.test_streamed_training_parity(name, tmp_path)
