@@ -217,7 +217,9 @@ class ChunkWorker:
                 pairs.append((local_view(group, pc.param)[pc.start:pc.start + pc.numel],
                               out[rel:rel + pc.numel]))
                 h2d += pc.numel * out.element_size()
-            last = self._copier.h2d_many(pairs)
+            with layout.watch.writing((g, pc.param) for pc in chunk.pieces
+                                      if has_grad[pc.param]):  # Note [param changes]
+                last = self._copier.h2d_many(pairs)
             self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1)
             group.out_events[slot] = last
         finally:

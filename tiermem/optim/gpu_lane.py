@@ -192,11 +192,13 @@ class GpuLane:
                 chunk_runs = runs(group, chunk, has_grad)
                 if chunk_runs:
                     self._fused_runs(master, grads, exp_avg, exp_avg_sq, chunk_runs, hp)
-                for pc in chunk.pieces:
-                    if has_grad[pc.param]:
-                        rel = pc.flat_offset - lo
-                        local_view(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
-                            master[rel:rel + pc.numel])
+                with layout.watch.writing((g, pc.param) for pc in chunk.pieces
+                                          if has_grad[pc.param]):  # Note [param changes]
+                    for pc in chunk.pieces:
+                        if has_grad[pc.param]:
+                            rel = pc.flat_offset - lo
+                            local_view(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
+                                master[rel:rel + pc.numel])
                 stepped = None
                 if cuda:
                     stepped = torch.cuda.Event()

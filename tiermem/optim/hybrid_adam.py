@@ -129,6 +129,7 @@ from tiermem.optim import distributed as _dist
 from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
 from tiermem.optim.gpu_lane import GpuLane, fused_adam_, fused_adam_moments_
 from tiermem.optim.hyperparams import check_dense_grad, check_group, check_groups
+from tiermem.optim.param_watch import ParamWatch
 from tiermem.optim.layout import (WIDE_BATCH_NUMEL, Group, StateLayout, free_owner_keys,
                                   local_view, private_store, wide_batches)
 from tiermem.optim.partition import auto_chunk_numel, plan_group
@@ -371,6 +372,9 @@ class HybridAdam(torch.optim.Optimizer):
                                    offload_fraction=self.offload_fraction, chunk_numel=chunk_numel)
         if not self._owns_store:
             self._layout.check_room()
+        # Note [param changes]: parameters changed by the user are taken into the masters
+        self._watch = ParamWatch(self._layout, self._who, active=self._mode == "local")
+        self._layout.watch = self._watch
         self._copier = Copier(self.device)
         self._step = StepState()  # cross-thread step state: hooks, worker and caller share it
         self._last_stats = new_stats()
@@ -471,6 +475,7 @@ class HybridAdam(torch.optim.Optimizer):
         try:
             self._layout.alloc()
             self._lane.init()
+            self._watch.record_all()  # the masters were copied from the params as they are
         except BaseException:
             self._layout.undo()
             self._lane.clear()
@@ -548,6 +553,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Hand local tensor ``i``'s gradient to the CPU side: keep a reference and an event
         marking it complete on the current stream (its D2H is issued by the chunk worker), and
         queue the chunks it completes."""
+        self._watch.sync(g, i)  # Note [param changes]: before any chunk of it can be stepped
         group = self._groups[g]
         grad = self._grad_of(group, i)
         ref = None
@@ -573,6 +579,7 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _begin_step(self) -> None:
         self._step.reset(self._layout.params_per_chunk())
+        self._watch.begin_step()
         self._worker.begin_step()
         if self._zero is not None:
             self._zero.begin_step()
@@ -659,6 +666,7 @@ class HybridAdam(torch.optim.Optimizer):
                 f"{self.grad_accumulation_steps}; set grad_accumulation_steps to the number of "
                 f"backward passes per step")
         self._check_grads_untouched()
+        self._check_params_before_step()
         if self._mode == "fsdp":
             self._layout.refresh_views()
         if self._zero is not None:  # buckets not reduced in backward, then the has-grad flags
@@ -677,8 +685,10 @@ class HybridAdam(torch.optim.Optimizer):
                 clip_event.record(self._copier.consumer_stream())  # D2H copies clipped grads
                 self._step.clip_event = clip_event
         self._step.compute_allowed.set()
-        for g in self._groups:
-            self._step_gpu_side(g)
+        with self._watch.writing((g.index, pc.param) for g in self._groups  # Note [param changes]
+                                 for pc in g.plan.gpu_pieces):
+            for g in self._groups:
+                self._step_gpu_side(g)
         self._t_step = t_step
         self._stepped = [(g, i) for g in self._groups for i in range(g.n_local)  # before zero_grad
                          if self._has_grad(g, i)]
@@ -687,6 +697,32 @@ class HybridAdam(torch.optim.Optimizer):
             return loss
         self._finish_step()
         return loss
+
+    def _check_params_before_step(self) -> None:
+        """Note [param changes]: take the changes of parameters not yet handed over this step
+        into their masters; refuse a parameter changed after its gradient hook handed it over
+        (the CPU side may have stepped it from the old value).
+
+        Raises:
+            RuntimeError: a parameter changed between its gradient hook and ``step()``.
+            ValueError: a parameter changed its shape, dtype or device.
+        """
+        try:
+            for g in self._groups:
+                for i in range(g.n_local):
+                    if not self._watch.checked(g.index, i):
+                        self._watch.sync(g.index, i)
+                    elif self._watch.changed(g.index, i):
+                        raise RuntimeError(
+                            f"{self._who}: param {i} of param group {g.index} was changed after "
+                            f"backward had handed it to the CPU step (overlap=True), which may "
+                            f"have stepped it from the old value; change parameters before the "
+                            f"forward or after step(), or build HybridAdam with overlap=False. "
+                            f"This step was not applied")
+        except (RuntimeError, ValueError):
+            self._step.abandon()  # chunks not yet stepped are not
+            self._begin_step()
+            raise
 
     def _check_process(self) -> None:
         """Refuse work in a forked child (Note [lifetime]).
@@ -784,6 +820,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._zero.gather(lambda g: ([local_view(self._groups[g], i)
                                           for i in range(self._groups[g].n_local)],
                                          self._groups[g].params))
+        raced = [(g.index, i) for g, i in self._stepped  # Note [param changes]
+                 if i in g.plan.chunks_of_param and self._watch.changed(g.index, i)]
         for g, i in self._stepped:
             g.steps[i] += 1  # after the worker: it steps chunks with steps[i] + 1
         moved = self._store.stats()["moved_bytes"]
@@ -793,6 +831,11 @@ class HybridAdam(torch.optim.Optimizer):
             done["nvme_write_bytes"] = moved.get("cpu->nvme", 0) - self._moved0.get("cpu->nvme", 0)
             self._last_stats = done
         self._begin_step()
+        if raced:  # the step is complete; the changed values are taken at the next one
+            raise RuntimeError(
+                f"{self._who}: param {raced[0][1]} of param group {raced[0][0]} was changed while "
+                f"the step was still updating it (param_sync='forward'), racing with its copy "
+                f"back: call opt.synchronize() before changing parameters after step()")
 
     def _check_grads_untouched(self) -> None:
         """Refuse a step whose gradients changed after backward copied them off the GPU.
@@ -913,6 +956,9 @@ class HybridAdam(torch.optim.Optimizer):
         self.synchronize()
         self._ensure_state()
         self._step.drain()
+        for g in self._groups:  # Note [param changes]: the masters of changed params
+            for i in range(g.n_local):
+                self._watch.sync(g.index, i, mark=False)
         states = param_states(self._layout, self._mode, self._zero, self.device)
         flat_state, index, groups = {}, 0, []
         for g, hp in zip(states, self.param_groups):
@@ -972,6 +1018,7 @@ class HybridAdam(torch.optim.Optimizer):
             if self._mode == "fsdp":
                 self._layout.refresh_views()
             scatter(self._layout, g, sts, self._mode, self._who)
+        self._watch.record_all()  # Note [param changes]: the masters are the loaded ones
 
     # ------------------------------------------------------------------ misc
 

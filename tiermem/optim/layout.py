@@ -337,6 +337,7 @@ class StateLayout:
         self.chunk_numel = chunk_numel
         self.nvme_chunks: set[tuple[int, int]] = set()
         self.ram_held: list = []
+        self.watch: Any = None  # HybridAdam's ParamWatch: every write to a param goes through it
 
     # ------------------------------------------------------------------ sizing
 
