@@ -8,22 +8,10 @@ chosen. Budgets are hard limits: a move reserves its destination bytes before it
 releases its source bytes only when the copy has finished, so no tier ever holds more than its
 budget, even for an instant.
 
-Moves are asynchronous. Each in-flight move is a ``_Move`` whose completion functions run under
-the store lock, either when somebody needs the key (``_settle``) or when the store reaps finished
-moves at the start of an operation. A move's completion never needs the lock, so waiting on one
-while holding the lock cannot deadlock. A failed write (disk full, I/O error) reverts the key to
-the tier it came from, which still holds its bytes: nothing is lost.
-
-Note [cascade]: making room in a tier demotes its victims one tier down, and that demotion makes
-room below the same way, so a gpu victim goes to the cpu tier while cpu victims go on to nvme.
-An nvme -> gpu promotion reserves its gpu bytes (demoting gpu victims into the cpu tier) before
-it takes its cpu staging block, so the victims never compete with the staging block for cpu
-room, and once they have landed they are cpu victims for the staging block like any other key.
-A cpu -> gpu promotion whose gpu victims find no run of cpu room because the promoted key's own
-block splits it (a swap in a fragmented pool) spills that key to nvme first and reloads it from
-there (one extra write and read, only then).
-Nothing is refused while the tiers below can still take the victims; a refusal says what blocked
-it (bytes held by callers, moves in flight, the refusal of the tier below, fragmentation).
+Its parts, each owned by the store and used under its lock: the in-flight move table
+(``moves.py``: ``MoveTable``, how a move completes or reverts), the budgets and the eviction
+engine (``budgets.py``: ``Budgets``, ``TierFullError``, Note [cascade]) and the placement that
+starts each copy between tiers (``placement.py``: ``Placement``).
 
 Note [fork]: a store belongs to the process that made it. A child forked while it is alive
 inherits the object but not its I/O threads or device memory, and maybe its lock in the held
@@ -40,9 +28,7 @@ import contextlib
 import os
 import threading
 import time
-import warnings
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
 
 import torch
@@ -50,18 +36,17 @@ import torch
 from tiermem.config import TIERS, StoreConfig
 from tiermem.names import resolve_device
 from tiermem.store.fork import track as track_forks
+from tiermem.store.budgets import Budgets, TierFullError
 from tiermem.store.io import make_backend
-from tiermem.store.nvme import Extent, SpillFull, SpillSpace
+from tiermem.store.moves import MoveTable, _Move
+from tiermem.store.nvme import Extent, SpillSpace
+from tiermem.store.placement import Placement
 from tiermem.store.policies import make_policy
-from tiermem.store.pool import HostBlock, HostPool, block_bytes
+from tiermem.store.pool import HostBlock, HostPool
 from tiermem.store.prefetch import Prefetcher
 from tiermem.store.transfer import Copier, TransferFuture
 
 _RANK = {t: i for i, t in enumerate(TIERS)}
-
-
-class TierFullError(MemoryError):
-    """A tensor fits in no allowed tier, even after evicting everything evictable."""
 
 
 class StoreClosedError(RuntimeError):
@@ -100,18 +85,6 @@ class _Entry:
     extent: Extent | None = None            # "nvme": spill extent
     move: "_Move | None" = None             # in-flight move into ``tier``
     holds: int = 0
-
-
-@dataclass(eq=False)
-class _Move:
-    entry: _Entry
-    src: str | None
-    dst: str
-    future: TransferFuture
-    on_done: Callable[[], None]
-    on_fail: Callable[[BaseException], None]
-    keep: list = field(default_factory=list)  # buffers that must outlive the copy
-    started_s: float = 0.0  # perf_counter() at the start (set only with a recorder)
 
 
 class TierStore:
@@ -153,11 +126,9 @@ class TierStore:
         self._lock = threading.RLock()  # guards entries, budgets, the pool and the policy
         self._pid = os.getpid()  # Note [fork]
         self._inherited = False  # set in a forked child (Note [inherited])
-        self._refusal: str | None = None  # why the tier below could not take a victim
         self._entries: dict[Hashable, _Entry] = {}
-        self._moves: list[_Move] = []
-        self._budget = {t: config.budget(t) for t in TIERS}
-        self._gpu_used = 0
+        self._inflight = MoveTable(self)  # moves in flight (moves.py)
+        self._budgets = Budgets(self, self._inflight)  # budgets and eviction (budgets.py)
         self._pool = HostPool(config.cpu_bytes, config.pool_slab_bytes, pin)
         self._spill: SpillSpace | None = None
         if config.nvme_bytes > 0:
@@ -168,11 +139,9 @@ class TierStore:
                 chunk_bytes=config.io_chunk_bytes, owns_backend=True)  # close() stops its threads
         self._copier = Copier(self.device)
         self._policy = make_policy(config.policy)
-        self._peak = dict.fromkeys(TIERS, 0)
-        self._moved: dict[str, int] = {}
+        self._placer = Placement(self, self._inflight, self._budgets, self._copier, self._pool)
         self._stall_s = dict.fromkeys(TIERS, 0.0)
         self._closed = False
-        self._evict_only: Callable[[Hashable], bool] | None = None  # set by try_prefetch
         self._recorder = None
         self.recorder = recorder
         self._policy.bind(self)  # the trace policy reads key sizes
@@ -244,17 +213,19 @@ class TierStore:
         self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
-            self._reap()
+            self._inflight.reap()
             old = self._entries.get(key)
             if old is not None and old.holds:
                 raise ValueError(f"put({key!r}): the key is held by a caller; release it first")
-            too_big = {t: self._too_big(t, nbytes, key) for t in TIERS} if tier is None else {}
+            too_big = ({t: self._budgets.too_big(t, nbytes, key) for t in TIERS}
+                       if tier is None else {})
             errors = [reason for reason in too_big.values() if reason]  # each tier says why
             candidates = [tier] if tier is not None else [t for t, r in too_big.items() if r is None]
             entry = _Entry(key, nbytes, src.dtype, tuple(src.shape), tier or "gpu")
             for t in candidates:
                 try:
-                    self._place(entry, t, flat, owns=src.untyped_storage().nbytes() == nbytes)
+                    self._placer.place(entry, t, flat,
+                                       owns=src.untyped_storage().nbytes() == nbytes)
                     break
                 except TierFullError as exc:
                     errors.append(str(exc))
@@ -302,13 +273,13 @@ class TierStore:
         self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
-            self._reap()
+            self._inflight.reap()
             entry = self._lookup(key)
             from_tier = entry.tier
             if _RANK[entry.tier] > _RANK[tier] and not entry.holds:  # a held key stays put
-                self._settle(entry)
+                self._inflight.settle(entry)
                 old_tier = entry.tier
-                self._promote(entry, tier)
+                self._placer.promote(entry, tier)
                 self._policy.on_move(key, old_tier, entry.tier)
             move = entry.move
             if hold:
@@ -323,7 +294,8 @@ class TierStore:
                 with self._lock:
                     if hold:
                         entry.holds -= 1
-                    self._settle(entry)  # reverts or keeps the key; re-raises read failures
+                    # reverts or keeps the key; re-raises read failures
+                    self._inflight.settle(entry)
                 raise
         if consumer is not None and out.device.type == "cuda":
             # every time, also when the move was already reaped: the buffer was allocated on
@@ -360,12 +332,12 @@ class TierStore:
         self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
-            self._reap()
+            self._inflight.reap()
             entry = self._lookup(key)
             if _RANK[entry.tier] > _RANK[tier] and not entry.holds:  # a held key stays put
-                self._settle(entry)
+                self._inflight.settle(entry)
                 old_tier = entry.tier
-                self._promote(entry, tier)
+                self._placer.promote(entry, tier)
                 self._policy.on_move(key, old_tier, entry.tier)
             self._policy.on_access(key, entry.tier)
             future = entry.move.future if entry.move is not None else TransferFuture.completed()
@@ -399,7 +371,7 @@ class TierStore:
         self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
-            self._reap()
+            self._inflight.reap()
             entry = self._entries.get(key)
             if entry is None:
                 return None
@@ -410,13 +382,13 @@ class TierStore:
             if entry.holds:
                 return None
             old_tier = entry.tier
-            self._evict_only = evictable if evictable is not None else (lambda k: False)
+            self._budgets.evict_only = evictable if evictable is not None else (lambda k: False)
             try:
-                self._promote(entry, tier)
+                self._placer.promote(entry, tier)
             except TierFullError:
                 return None
             finally:
-                self._evict_only = None
+                self._budgets.evict_only = None
             self._policy.on_move(key, old_tier, entry.tier)
             return entry.move.future if entry.move is not None else TransferFuture.completed()
 
@@ -434,7 +406,7 @@ class TierStore:
         self._check_open()  # Note [fork]: before the lock
         with self._lock:
             self._check_open()
-            self._reap()
+            self._inflight.reap()
             entry = self._lookup(key)
             if tier == "nvme" and self._spill is None:
                 raise ValueError(f"evict({key!r}, 'nvme'): this store has no nvme tier "
@@ -445,12 +417,12 @@ class TierStore:
                                  f"moves down only (gpu -> cpu -> nvme); use prefetch to move up")
             if entry.holds:
                 raise ValueError(f"evict({key!r}): the key is held by a caller; release it first")
-            self._settle(entry)
+            self._inflight.settle(entry)
             old_tier = entry.tier
             while entry.tier != tier:
-                self._demote(entry, TIERS[_RANK[entry.tier] + 1])
+                self._placer.demote(entry, TIERS[_RANK[entry.tier] + 1])
                 if entry.tier != tier:
-                    self._settle(entry)  # the staging hop must land before the next hop
+                    self._inflight.settle(entry)  # the staging hop must land before the next hop
             self._policy.on_move(key, old_tier, entry.tier)
             return entry.move.future if entry.move is not None else TransferFuture.completed()
 
@@ -470,7 +442,7 @@ class TierStore:
                 raise ValueError(f"delete({key!r}): the key is held by a caller; release it first")
             self._drop(entry)
             del self._entries[key]
-            self._reap()
+            self._inflight.reap()
 
     def release(self, key: Hashable) -> None:
         """Undo one ``get(key, hold=True)``.
@@ -563,7 +535,7 @@ class TierStore:
         if self._closed or self._inherited:
             return 0
         if tier == "gpu":
-            return self._gpu_used
+            return self._budgets.gpu_used
         if tier == "cpu":
             return self._pool.used_bytes
         return self._spill.used_bytes if self._spill else 0
@@ -581,11 +553,12 @@ class TierStore:
         """
         self._check_inherited()
         with self._lock:
-            self._reap()
-            out: dict = {t: {"budget_bytes": self._budget[t], "used_bytes": self.used_bytes(t),
-                             "peak_bytes": self._peak[t], "stall_s": self._stall_s[t]}
+            self._inflight.reap()
+            out: dict = {t: {"budget_bytes": self._budgets.budget[t],
+                             "used_bytes": self.used_bytes(t),
+                             "peak_bytes": self._budgets.peak[t], "stall_s": self._stall_s[t]}
                          for t in TIERS}
-            out["moved_bytes"] = dict(self._moved)
+            out["moved_bytes"] = dict(self._inflight.moved)
             out["pinned_bytes"] = self._pool.reserved_bytes if self._pool.pin else 0
             return out
 
@@ -600,8 +573,8 @@ class TierStore:
             if self._closed:
                 return
             self._check_open()
-            for move in list(self._moves):
-                self._finish(move, wait=True)
+            for move in list(self._inflight.moves):
+                self._inflight.finish(move, wait=True)
 
     def close(self) -> None:
         """Wait for in-flight moves, free every tier and remove the spill files. Idempotent.
@@ -612,20 +585,20 @@ class TierStore:
         """
         if self._inherited or os.getpid() != self._pid:
             self._closed = True
-            self._entries, self._moves = {}, []  # the parent's: forgotten, not freed
+            self._entries, self._inflight.moves = {}, []  # the parent's: forgotten, not freed
             if self._spill is not None:
                 self._spill.close()  # inherited too: closes the child's descriptors only
             return
         with self._lock:
             if self._closed:
                 return
-            for move in list(self._moves):
+            for move in list(self._inflight.moves):
                 try:
-                    self._finish(move, wait=True)
+                    self._inflight.finish(move, wait=True)
                 except Exception:  # closing: failed moves have nothing left to keep
                     pass
             self._entries.clear()
-            self._gpu_used = 0
+            self._budgets.gpu_used = 0
             self._pool.close()
             if self._spill is not None:
                 self._spill.close()
@@ -664,420 +637,17 @@ class TierStore:
         """Asyncio twin of :meth:`put`."""
         await asyncio.to_thread(self.put, key, tensor, tier)
 
-    # ------------------------------------------------------------------ placement
-
-    def _place(self, entry: _Entry, tier: str, flat: torch.Tensor, owns: bool) -> None:
-        """Put the bytes ``flat`` (on the CPU or the device) into ``tier`` for a new entry."""
-        n = entry.nbytes
-        entry.tier = tier
-        if n == 0:
-            return
-        too_big = self._too_big(tier, n, entry.key)
-        if too_big is not None:
-            raise TierFullError(too_big)
-        if tier == "gpu":
-            self._reserve_gpu(n, entry.key)
-            if flat.device == self.device:
-                entry.device_buf = flat if owns else flat.clone()
-                return
-            self._count("cpu", "gpu", n)
-            buf = self._copier.alloc_device(n)
-            event = self._copier.h2d(buf, flat)
-            entry.device_buf = buf
-            self._start(entry, None, "gpu", self._event_future(event), keep=[flat])
-            return
-        try:
-            block = self._alloc_block(n, entry.key)
-        except TierFullError as exc:
-            if tier == "cpu":
-                raise
-            raise TierFullError(f"nvme tier: no cpu staging block for the spill: {exc}") from None
-        event = self._copy_to_block(block, flat)
-        if flat.device.type != "cpu":
-            self._count("gpu", "cpu", n)
-        if tier == "cpu":
-            entry.block = block
-            # no reference to a device source is kept: d2h() marked it used by the D2H stream,
-            # so its memory is reused only after the copy, whenever the caller drops it
-            self._start(entry, None, "cpu", self._event_future(event))
-            return
-        if event is not None:
-            event.synchronize()  # the staging block must hold the bytes before the disk write
-        entry.block = block
-        entry.tier = "cpu"
-        try:
-            self._demote(entry, "nvme")
-        except TierFullError:
-            self._pool.free(block)
-            entry.block = None
-            raise
-
-    def _too_big(self, tier: str, nbytes: int, key: Hashable) -> str | None:
-        """Why ``tier`` can never take ``nbytes`` for ``key`` whatever it evicts (naming the
-        budget to raise), or None when it can."""
-        if tier == "nvme" and self._spill is None:
-            return (f"nvme tier: off (StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir to "
-                    f"spill {key!r}")
-        staged = block_bytes(nbytes)  # pool blocks and spill extents are whole 4096-byte pages
-        need = nbytes if tier == "gpu" else staged
-        if need > self._budget[tier]:
-            return (f"{tier} tier: {nbytes} bytes for {key!r} exceed its budget "
-                    f"StoreConfig.{tier}_bytes={self._budget[tier]}"
-                    + (f" (in whole 4096-byte pages: {need})" if need != nbytes else ""))
-        if tier == "nvme" and staged > self._budget["cpu"]:
-            return (f"nvme tier: {nbytes} bytes for {key!r} cannot be spilled or read back: "
-                    f"spills and reloads are staged whole through the cpu tier's pool, whose "
-                    f"budget StoreConfig.cpu_bytes={self._budget['cpu']} is smaller; raise "
-                    f"cpu_bytes to at least {staged}, or split the tensor")
-        return None
-
-    def _promote(self, entry: _Entry, tier: str) -> None:
-        """Start moving a settled entry up into ``tier``."""
-        entry.holds += 1  # making room below must not pick this entry as a victim
-        try:
-            self._start_promote(entry, tier)
-        finally:
-            entry.holds -= 1
-
-    def _start_promote(self, entry: _Entry, tier: str) -> None:
-        key, n = entry.key, entry.nbytes
-        if n == 0:
-            entry.tier = tier
-            return
-        if entry.tier == "nvme":
-            device_buf = None
-            if tier == "gpu":  # gpu room first: its victims must not compete with the staging
-                self._reserve_gpu(n, key)  # block for cpu room (Note [cascade])
-            try:
-                block = self._alloc_block(n, key)
-            except TierFullError:
-                if tier == "gpu":
-                    self._release_gpu(n)
-                raise
-            if tier == "gpu":
-                device_buf = self._copier.alloc_device(n)
-            extent, spill = entry.extent, self._spill
-            future = TransferFuture()
-            read = spill.read(key, extent, block.tensor)
-
-            def after_read(f, fref=weakref.ref(future), copier=self._copier,
-                           device_buf=device_buf, block=block):
-                # runs on an I/O thread; needs no store lock (see module docstring). It refers
-                # to neither the store nor (strongly) the future that holds ``f``: no reference
-                # cycle keeps a dropped store alive until the next garbage collection
-                future = fref()
-                if future is None:  # the move was dropped with its store
-                    return
-                if f.exception() is not None:
-                    future._set_error(f.exception())
-                elif device_buf is None:
-                    future._set_future(f)
-                else:
-                    future._set_event(copier.h2d(device_buf, block.tensor[:n]))
-
-            read.add_done_callback(after_read)
-            entry.tier, entry.extent = tier, None
-            if device_buf is None:
-                entry.block = block
-            else:
-                entry.device_buf = device_buf
-
-            def done(extent=extent, block=block, device_buf=device_buf):
-                spill.free(extent)
-                if device_buf is not None:
-                    self._pool.free(block)
-
-            def fail(exc, extent=extent, block=block, device_buf=device_buf):
-                self._pool.free(block)
-                if device_buf is not None:
-                    self._release_gpu(n)
-                entry.tier, entry.extent, entry.block, entry.device_buf = "nvme", extent, None, None
-
-            self._moves.append(_Move(entry, "nvme", tier, future, done, fail))
-            entry.move = self._moves[-1]
-            if self._recorder is not None:
-                entry.move.started_s = time.perf_counter()
-            self._count("nvme", tier, n)
-            return
-        # cpu -> gpu
-        try:
-            self._reserve_gpu(n, key)
-        except TierFullError:
-            if not self._detour_via_nvme(entry):
-                raise
-            try:
-                self._start_promote(entry, tier)  # now from nvme (Note [cascade])
-            except TierFullError:
-                self._policy.on_move(key, "cpu", "nvme")  # it stays there
-                raise
-            return
-        buf = self._copier.alloc_device(n)
-        block = entry.block
-        event = self._copier.h2d(buf, block.tensor[:n])
-        entry.tier, entry.device_buf, entry.block = "gpu", buf, None
-
-        def done_h2d(block=block):
-            self._pool.free(block)
-
-        def fail_h2d(exc, block=block):
-            self._release_gpu(n)
-            entry.tier, entry.block, entry.device_buf = "cpu", block, None
-
-        self._add_move(entry, "cpu", "gpu", self._event_future(event), done_h2d, fail_h2d)
-
-    def _detour_via_nvme(self, entry: _Entry) -> bool:
-        """Spill a cpu entry whose own block keeps its gpu victims out of the cpu tier (the
-        free room around it is fragmented), so it can be reloaded from nvme (Note [cascade]).
-        False, changing nothing, where that cannot help or is not allowed (try_prefetch)."""
-        if self._evict_only is not None or self._spill is None \
-                or not self._spill.fits(entry.nbytes):
-            return False
-        try:
-            self._demote(entry, "nvme")
-            self._settle(entry)
-        except (TierFullError, OSError):
-            return False
-        return entry.tier == "nvme"  # a failed spill reverted it to cpu
-
-    def _demote(self, entry: _Entry, tier: str) -> None:
-        """Start moving a settled entry one tier down (gpu -> cpu or cpu -> nvme)."""
-        key, n = entry.key, entry.nbytes
-        if n == 0:
-            entry.tier = tier
-            return
-        if tier == "cpu":
-            block = self._alloc_block(n, key, exclude=key)
-            buf = entry.device_buf
-            event = self._copier.d2h(block.tensor[:n], buf)
-            entry.tier, entry.block, entry.device_buf = "cpu", block, None
-
-            def done_d2h():
-                self._release_gpu(n)
-
-            def fail_d2h(exc, buf=buf, block=block):
-                self._pool.free(block)
-                entry.tier, entry.block, entry.device_buf = "gpu", None, buf
-
-            self._add_move(entry, "gpu", "cpu", self._event_future(event), done_d2h, fail_d2h,
-                           keep=[buf])
-            return
-        if self._spill is None:
-            raise TierFullError(f"cannot spill {key!r}: the nvme tier has no budget "
-                                f"(set StoreConfig.nvme_bytes and nvme_dir)")
-        block = entry.block
-        try:
-            write = self._spill.write(key, block.tensor, n)
-        except SpillFull as exc:  # Note [spill errors]: at once, so put() can pick another tier
-            raise TierFullError(f"nvme tier full: {exc}") from exc
-        future = TransferFuture()
-        future._set_future(write)
-        entry.tier, entry.block = "nvme", None
-
-        def done_write(block=block, write=write):
-            entry.extent = write.result()
-            self._pool.free(block)
-
-        def fail_write(exc, block=block):
-            warnings.warn(f"tiermem: spilling {key!r} failed ({exc}); it stays in the cpu tier",
-                          RuntimeWarning, stacklevel=3)
-            self._refusal = f"spilling {key!r} failed ({exc})"
-            entry.tier, entry.block, entry.extent = "cpu", block, None
-            self._policy.on_move(key, "nvme", "cpu")  # a victim candidate of the cpu tier again
-
-        self._add_move(entry, "cpu", "nvme", future, done_write, fail_write)
-
-    def _copy_to_block(self, block: HostBlock, flat: torch.Tensor) -> torch.cuda.Event | None:
-        dst = block.tensor[:flat.numel()]
-        if flat.device.type == "cuda":
-            return self._copier.d2h(dst, flat)
-        dst.copy_(flat)
-        return None
-
-    # ------------------------------------------------------------------ budgets and eviction
-
-    def _reserve_gpu(self, nbytes: int, key: Hashable) -> None:
-        self._make_room("gpu", nbytes, key)
-        self._gpu_used += nbytes
-        self._peak["gpu"] = max(self._peak["gpu"], self._gpu_used)
-
-    def _release_gpu(self, nbytes: int) -> None:
-        self._gpu_used -= nbytes
-
-    def _alloc_block(self, nbytes: int, key: Hashable, exclude: Hashable = None) -> HostBlock:
-        too_big = self._too_big("cpu", nbytes, key)
-        if too_big is not None:
-            raise TierFullError(too_big)
-        self._refusal = None
-        while True:
-            block = self._pool.alloc(nbytes)
-            if block is not None:
-                self._peak["cpu"] = max(self._peak["cpu"], self._pool.used_bytes)
-                return block
-            if not self._free_some("cpu", key, exclude):
-                raise self._no_room("cpu", nbytes, key)
-
-    def _make_room(self, tier: str, nbytes: int, key: Hashable) -> None:
-        too_big = self._too_big(tier, nbytes, key)
-        if too_big is not None:
-            raise TierFullError(too_big)
-        self._refusal = None
-        while self._budget[tier] - self.used_bytes(tier) < nbytes:
-            if not self._free_some(tier, key, key):
-                raise self._no_room(tier, nbytes, key)
-
-    def _no_room(self, tier: str, nbytes: int, key: Hashable) -> TierFullError:
-        """The error of a tier that has no room left for ``key`` after evicting what it could,
-        saying what blocked it (Note [cascade])."""
-        held = sum(e.nbytes for e in self._entries.values()
-                   if e.tier == tier and e.holds and e.key != key)
-        moving = sum(1 for m in self._moves if tier in (m.src, m.dst) and m.entry.key != key)
-        why = []
-        if held:
-            why.append(f"{held} bytes held by callers (release them)")
-        if moving:
-            why.append(f"{moving} moves in flight")
-        if self._refusal is not None:
-            why.append(f"its victims cannot move down: {self._refusal}")
-        free = self._budget[tier] - self.used_bytes(tier)
-        if tier == "cpu" and free >= block_bytes(nbytes):
-            why.append(f"{free} bytes are free but not in one run (fragmented)")
-        elif tier == "cpu":
-            why.append("the rest is staging of moves in progress")
-        elif not why:
-            why.append("nothing in it can be evicted")
-        self._refusal = None
-        return TierFullError(f"{tier} tier: no room for {nbytes} bytes of {key!r} (budget "
-                             f"{self._budget[tier]}, used {self.used_bytes(tier)}; "
-                             + "; ".join(why) + ")")
-
-    def _free_some(self, tier: str, key: Hashable, exclude: Hashable) -> bool:
-        """Free bytes in ``tier``: finish moves out of it, else evict one victim. False: stuck.
-
-        Inside :meth:`try_prefetch` (``_evict_only`` set) it never waits and evicts only
-        victims that ``_evict_only`` allows.
-        """
-        only = self._evict_only
-        # an nvme -> gpu move also holds a cpu staging block until it lands: waiting for it
-        # frees cpu bytes too (without this a reload stalls on a cpu tier full of staging)
-        leaving = [] if only is not None else [
-            m for m in self._moves if m.src == tier
-            or (tier == "cpu" and m.src == "nvme" and m.dst == "gpu")]
-        if leaving:
-            for move in leaving:
-                self._finish(move, wait=True)
-            return True
-        if tier == "nvme":
-            return False
-        lower = TIERS[_RANK[tier] + 1]
-        for victim_key in self._policy.victims(tier):
-            victim = self._entries.get(victim_key)
-            if victim is None or victim.tier != tier or victim.holds or victim_key == exclude \
-                    or victim.move is not None or victim.nbytes == 0:
-                continue
-            if only is not None and not only(victim_key):
-                continue
-            try:
-                self._demote(victim, lower)
-            except TierFullError as exc:
-                self._refusal = str(exc)  # the tier below is full of keys it cannot move
-                return False
-            self._policy.on_move(victim_key, tier, lower)
-            self._finish(victim.move, wait=True)  # its bytes leave this tier only once copied
-            return victim.tier != tier  # a failed spill reverted it: no room was made
-        if only is not None:
-            return False
-        arriving = [m for m in self._moves if m.dst == tier and m.entry.key != exclude]
-        for move in arriving:  # keys still in flight become victims once they land
-            try:
-                self._finish(move, wait=True)
-            except Exception:  # a failed read reverts its key to nvme: room for us either way
-                pass
-        return bool(arriving)
-
-    # ------------------------------------------------------------------ moves
-
-    def _event_future(self, event: torch.cuda.Event | None) -> TransferFuture:
-        future = TransferFuture()
-        future._set_event(event)
-        return future
-
-    def _start(self, entry, src, dst, future, keep=()):
-        """Track a move whose completion needs no bookkeeping (a put's initial copy)."""
-        self._add_move(entry, src, dst, future, lambda: None, lambda exc: None, keep=list(keep))
-
-    def _add_move(self, entry, src, dst, future, on_done, on_fail, keep=()):
-        move = _Move(entry, src, dst, future, on_done, on_fail, list(keep))
-        if self._recorder is not None:
-            move.started_s = time.perf_counter()
-        self._moves.append(move)
-        entry.move = move
-        if src is not None:
-            self._count(src, dst, entry.nbytes)
-
-    def _count(self, src: str, dst: str, nbytes: int) -> None:
-        name = f"{src}->{dst}"
-        self._moved[name] = self._moved.get(name, 0) + nbytes
-        self._peak[dst] = max(self._peak[dst], self.used_bytes(dst))
-        if self._recorder is not None:
-            self._sample()
-
     def _sample(self) -> None:
         """Report every tier's used bytes to the recorder (call only with one)."""
         self._recorder.memory({t: self.used_bytes(t) for t in TIERS})
 
-    def _finish(self, move: _Move, wait: bool) -> bool:
-        """Apply a finished move's completion (waiting if ``wait``). Return True if applied.
-
-        Raises:
-            Exception: a failed read (the data is not returned), after reverting the entry.
-        """
-        if not wait and not move.future.done():
-            return False
-        try:
-            move.future.wait()  # its completion frees the source only after the copy landed
-        except BaseException as exc:
-            self._detach(move)
-            move.on_fail(exc)
-            if self._recorder is not None:
-                self._record_move(move, ok=False)
-            if move.src == "nvme" or move.src is None:
-                raise
-            return True
-        self._detach(move)
-        move.on_done()
-        if self._recorder is not None:
-            self._record_move(move, ok=True)
-        return True
-
-    def _record_move(self, move: _Move, ok: bool) -> None:
-        """Report a finished (applied) move and the memory after it to the recorder."""
-        self._recorder.transfer(move.src or "put", move.dst, move.entry.key, move.entry.nbytes,
-                                move.started_s, time.perf_counter(), ok=ok)
-        self._sample()
-
-    def _detach(self, move: _Move) -> None:
-        self._moves.remove(move)
-        if move.entry.move is move:
-            move.entry.move = None
-
-    def _settle(self, entry: _Entry) -> None:
-        if entry.move is not None:
-            self._finish(entry.move, wait=True)
-
-    def _reap(self) -> None:
-        for move in list(self._moves):
-            try:
-                self._finish(move, wait=False)
-            except Exception:  # a failed read stays recorded on its entry's tier; get re-raises
-                pass
-
     def _drop(self, entry: _Entry) -> None:
         try:
-            self._settle(entry)
+            self._inflight.settle(entry)
         except Exception:  # dropping: a failed move has nothing left to keep
             pass
         if entry.tier == "gpu" and entry.device_buf is not None:
-            self._release_gpu(entry.nbytes)
+            self._budgets.release_gpu(entry.nbytes)
         elif entry.tier == "cpu" and entry.block is not None:
             self._pool.free(entry.block)
         elif entry.tier == "nvme" and entry.extent is not None:
@@ -1124,5 +694,5 @@ class TierStore:
             raise ValueError(f"tier={tier!r} is unknown; use one of {', '.join(map(repr, TIERS))}")
 
     def _usage_hint(self) -> str:
-        used = ", ".join(f"{t} {self.used_bytes(t)}/{self._budget[t]}" for t in TIERS)
+        used = ", ".join(f"{t} {self.used_bytes(t)}/{self._budgets.budget[t]}" for t in TIERS)
         return f" (used/budget bytes: {used}; raise a budget in StoreConfig or delete keys)"
