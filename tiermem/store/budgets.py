@@ -60,14 +60,25 @@ class Budgets:
         self.evict_only: Callable[[Hashable], bool] | None = None
 
     def reserve_gpu(self, nbytes: int, key: Hashable) -> None:
+        """Reserve ``nbytes`` of the gpu budget for ``key``, evicting to make room.
+
+        Raises:
+            TierFullError: no room even after evicting (saying what blocked it).
+        """
         self.make_room("gpu", nbytes, key)
         self.gpu_used += nbytes
         self.peak["gpu"] = max(self.peak["gpu"], self.gpu_used)
 
     def release_gpu(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of the gpu budget."""
         self.gpu_used -= nbytes
 
     def alloc_block(self, nbytes: int, key: Hashable, exclude: Hashable = None) -> HostBlock:
+        """A cpu pool block of ``nbytes`` for ``key``, evicting (never ``exclude``) for room.
+
+        Raises:
+            TierFullError: no room even after evicting (saying what blocked it).
+        """
         too_big = self.too_big("cpu", nbytes, key)
         if too_big is not None:
             raise TierFullError(too_big)
@@ -81,6 +92,11 @@ class Budgets:
                 raise self.no_room("cpu", nbytes, key)
 
     def make_room(self, tier: str, nbytes: int, key: Hashable) -> None:
+        """Evict from ``tier`` until ``nbytes`` of its budget are free for ``key``.
+
+        Raises:
+            TierFullError: no room even after evicting (saying what blocked it).
+        """
         too_big = self.too_big(tier, nbytes, key)
         if too_big is not None:
             raise TierFullError(too_big)

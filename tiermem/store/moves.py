@@ -53,6 +53,7 @@ class MoveTable:
 
     @staticmethod
     def event_future(event: torch.cuda.Event | None) -> TransferFuture:
+        """A future done when ``event`` has completed (at once for None: a CPU copy)."""
         future = TransferFuture()
         future._set_event(event)
         return future
@@ -62,6 +63,8 @@ class MoveTable:
         self.add(entry, src, dst, future, lambda: None, lambda exc: None, keep=list(keep))
 
     def add(self, entry, src, dst, future, on_done, on_fail, keep=()):
+        """Track ``entry``'s move ``src`` -> ``dst`` (``src`` None: a put's first copy, not
+        counted as moved bytes); ``on_done``/``on_fail(exc)`` run when it is finished."""
         move = _Move(entry, src, dst, future, on_done, on_fail, list(keep))
         if self._store._recorder is not None:
             move.started_s = time.perf_counter()
@@ -71,6 +74,7 @@ class MoveTable:
             self.count(src, dst, entry.nbytes)
 
     def count(self, src: str, dst: str, nbytes: int) -> None:
+        """Count ``nbytes`` moved ``src`` -> ``dst`` and raise ``dst``'s peak usage."""
         name = f"{src}->{dst}"
         self.moved[name] = self.moved.get(name, 0) + nbytes
         peak = self._store._budgets.peak
@@ -110,15 +114,18 @@ class MoveTable:
         self._store._sample()
 
     def detach(self, move: _Move) -> None:
+        """Take ``move`` off the table and off its entry."""
         self.moves.remove(move)
         if move.entry.move is move:
             move.entry.move = None
 
     def settle(self, entry: Any) -> None:
+        """Wait for ``entry``'s move, if any, and apply it (re-raises a failed read)."""
         if entry.move is not None:
             self.finish(entry.move, wait=True)
 
     def reap(self) -> None:
+        """Apply every move that has finished, waiting for none."""
         for move in list(self.moves):
             try:
                 self.finish(move, wait=False)
