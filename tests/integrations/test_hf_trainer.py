@@ -31,20 +31,22 @@ def reference(tmp_path_factory):
     return logs, weights
 
 
-def options(fraction: float, tier: str, tmp_path) -> dict:
-    opts = {"offload_fraction": fraction, "state_tier": tier, "chunk_numel": 4096}
+def options(fraction: float, tier: str, tmp_path, param_sync: str = "step") -> dict:
+    opts = {"offload_fraction": fraction, "state_tier": tier, "chunk_numel": 4096,
+            "param_sync": param_sync}
     if tier == "nvme":
         opts["nvme_dir"] = str(tmp_path / "spill")
         os.makedirs(opts["nvme_dir"])
     return opts
 
 
-@pytest.mark.parametrize("fraction,tier", [(0.5, "cpu"), (1.0, "cpu"), (0.5, "nvme"),
-                                           (1.0, "nvme")])
-def test_trains_bit_identically_to_fused_adamw(reference, tmp_path, fraction, tier):
+@pytest.mark.parametrize("fraction,tier,sync", [(0.5, "cpu", "step"), (1.0, "cpu", "step"),
+                                                (0.5, "nvme", "step"), (1.0, "nvme", "step"),
+                                                (1.0, "cpu", "forward")])
+def test_trains_bit_identically_to_fused_adamw(reference, tmp_path, fraction, tier, sync):
     ref_logs, ref_weights = reference
     trainer, logs, weights = run(TiermemTrainer, str(tmp_path / "out"),
-                                 hybrid_adam=options(fraction, tier, tmp_path))
+                                 hybrid_adam=options(fraction, tier, tmp_path, sync))
     opt = trainer.hybrid_adam
     assert isinstance(opt, HybridAdam) and opt.max_grad_norm == 1.0
     assert opt.grad_accumulation_steps == 2 and opt.offload_fraction == fraction

@@ -192,6 +192,18 @@ class TiermemTrainerMixin:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return self._tiermem_grad_norm()
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train()``; afterwards every parameter holds its last update (with
+        ``param_sync="forward"`` the last step may still be writing offloaded ones).
+
+        Raises:
+            RuntimeError: HybridAdam's last CPU step failed; Trainer's own errors.
+        """
+        output = super().train(*args, **kwargs)
+        if self.hybrid_adam is not None:
+            self.hybrid_adam.synchronize()
+        return output
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save as Trainer does, after HybridAdam's last step has written every parameter
         (``param_sync="forward"`` may still be updating offloaded ones)."""
