@@ -72,7 +72,8 @@ class StopAt(TrainerCallback):
 def run(cls, out: str, model=None, resume: str | None = None, stop_at: int | None = None,
         **kw):
     """Train with ``cls`` and return ``(trainer, logs, weights)``: ``logs`` one ``(step, loss,
-    grad_norm)`` per optimizer step (a resumed run's include the checkpoint's), ``weights`` the final parameters by name."""
+    grad_norm)`` per optimizer step (a resumed run's include the checkpoint's), ``weights``
+    the final parameters by name."""
     trainer_kw = {k: kw.pop(k) for k in ("hybrid_adam", "activation_offload", "optimizers")
                   if k in kw}
     model = tiny_llama() if model is None else model
