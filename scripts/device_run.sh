@@ -10,7 +10,16 @@
 #   parity_adamw       nvidia-h200      the CUDA training-parity matrix: its torch AdamW rows (~5 min)
 #   parity_hybrid      nvidia-h200      its HybridAdam rows (~6 min: its own call)
 #   parity_more        nvidia-h200      its other tests (stale-buffer check, torch.compile, breadth-first
-#                                       micro-batches with offload; ~7 min, not yet timed)
+#                                       micro-batches with offload; ~7 min, not yet timed) but the
+#                                       weight-streaming rows
+#   parity_stream      nvidia-h200      its weight-streaming rows (test_streamed_training_parity:
+#                                       6 rows + 4 references x 3 = 18 eight-step runs of the
+#                                       matrix's model; ~5 min estimated, not yet timed: the AdamW
+#                                       rows take <= 12 s a run (parity_adamw: 25 runs in ~5 min),
+#                                       these add ~3 s of CPU AdamW on 302M bf16 host weights)
+#   stream_cuda        nvidia-h200      pytest -m cuda tests/stream (copy stream sleeping before
+#                                       each fill; ~1 min estimated), then the parity_stream rows
+#                                       (bounded 450 s here: 570 s in all, one device call)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs
@@ -39,6 +48,8 @@ SPILL=${SPILL:-$HOME/tiermem-spill}; mkdir -p "$SPILL"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 GPT=(--layers 24 --d-model 2048 --heads 16 --seq 2048 --vocab 32000)
 PYTEST=(python3 -m pytest -m cuda -q -p no:cacheprovider -rA)
+PARITY=tests/test_cuda_training_parity.py
+STREAM_ROWS=(-v -s "$PARITY" -k test_streamed_training_parity)  # parity_stream's rows, no other
 
 run() {  # run NAME SECONDS CMD...: one stage, its own log, bounded in time
   local name=$1 secs=$2; shift 2
@@ -59,7 +70,11 @@ for stage in "$@"; do
     parity_hybrid) run parity_hybrid 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
       -k "test_training_parity and not adamw" ;;
     parity_more) run parity_more 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
-      -k "not test_training_parity" ;;
+      -k "not test_training_parity and not test_streamed_training_parity" ;;
+    parity_stream) run parity_stream 570 "${PYTEST[@]}" "${STREAM_ROWS[@]}" ;;
+    stream_cuda)
+      run stream_cuda 120 "${PYTEST[@]}" -v -s tests/stream
+      run parity_stream 450 "${PYTEST[@]}" "${STREAM_ROWS[@]}" ;;
     bench_activations) run bench_activations 420 tiermem bench activations "${GPT[@]}" \
       --batch 8 --steps 3 --warmup 2 --repeats 3 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;

@@ -139,10 +139,9 @@ STREAM = {
     "nvme": StreamRow(tier="nvme"),
     "stale_block1": StreamRow(stale=True),
     "checkpoint_clip": StreamRow(ckpt=True, clip=1.0),
-    "resident_4_5": StreamRow(resident=(4, 5)),
-    "block_major": StreamRow(micro=STREAM_MICRO),
     "block_major_clip": StreamRow(micro=STREAM_MICRO, clip=1.0),
-}
+    "block_major_resident_4_5": StreamRow(micro=STREAM_MICRO, resident=(4, 5)),
+}  # 4 references (tier and fault share one): 18 eight-step runs (scripts/device_run.sh)
 STREAM_ROWS = sorted(STREAM, key=lambda n: str(STREAM[n].reference_key))  # grouped (host memory)
 
 
