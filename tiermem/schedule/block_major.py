@@ -22,7 +22,8 @@ needs each block twice per step, whatever M:
 Why it is the same bits as depth-first. Each micro-batch's computation is unchanged: the same
 block on the same input (the forward under ``no_grad`` uses the same kernels as with autograd on
 the CPU; on CUDA the attention backend may be chosen by whether its inputs require grad, so the
-CUDA test pins SDPA's math kernel), the recomputation reproduces exactly what the forward saved,
+CUDA tests compare a streamed run with this schedule unstreamed, within its run-to-run noise),
+the recomputation reproduces exactly what the forward saved,
 and a block's backward gets the same output gradient. Every weight gets its gradients in
 micro-batch order 0, 1, ..., M-1, each accumulated by autograd (``grad = g0``, ``grad += g1``,
 ...) as in the depth-first loop; no weight is used by two of the four stages, so the order in
