@@ -17,6 +17,10 @@
 #                                       matrix's model; ~5 min estimated, not yet timed: the AdamW
 #                                       rows take <= 12 s a run (parity_adamw: 25 runs in ~5 min),
 #                                       these add ~3 s of CPU AdamW on 302M bf16 host weights)
+#   cuda_round3        nvidia-h200      issue 27's new CUDA tests: race windows widened with
+#                                       torch.cuda._sleep (gradient D2H wait, double-buffer load
+#                                       wait, auto's kept budget), parameter changes, the HF Trainer
+#   pin_alloc          nvidia-h200      pinned allocation, s/GiB: 3 fresh processes, 4 GiB each
 #   stream_cuda        nvidia-h200      pytest -m cuda tests/stream (copy stream sleeping before
 #                                       each fill; ~1 min estimated), then the parity_stream rows
 #                                       (bounded 450 s here: 570 s in all, one device call)
@@ -71,6 +75,15 @@ for stage in "$@"; do
       -k "test_training_parity and not adamw" ;;
     parity_more) run parity_more 570 "${PYTEST[@]}" -v -s tests/test_cuda_training_parity.py \
       -k "not test_training_parity and not test_streamed_training_parity" ;;
+    cuda_round3) run cuda_round3 420 "${PYTEST[@]}" -v tests/optim/test_grad_copy_waits_cuda.py \
+      tests/optim/test_param_changes.py tests/offload/test_cuda_slips.py \
+      tests/schedule/test_layers.py tests/offload/test_versions.py \
+      tests/integrations/test_hf_trainer_cuda.py ;;
+    pin_alloc) for i in 1 2 3; do python3 -c "import time, torch; torch.cuda.init()
+t = time.perf_counter()
+k = [torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
+print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done \
+      | tee "$OUT/pin_alloc.log" ;;
     parity_stream) run parity_stream 570 "${PYTEST[@]}" "${STREAM_ROWS[@]}" ;;
     stream_cuda)
       run stream_cuda 120 "${PYTEST[@]}" -v -s tests/stream
