@@ -3,7 +3,7 @@
 CPU tests compare gradients with ``torch.equal`` against the same model run without offload
 (same seeds). CUDA tests (``-m cuda``) widen timing windows with ``torch.cuda._sleep`` on the
 copy streams and measure peak device memory. See Note [offload rules] in
-tiermem/offload/activations.py for the behaviour checked here.
+tiermem/offload/rules.py for the behaviour checked here.
 """
 
 from __future__ import annotations
@@ -714,8 +714,8 @@ def _three_steps(model):
 ])
 def test_auto_layers_follow_measured_compute_and_transfer(make_store, monkeypatch, bandwidth,
                                                           max_kept, expected):
-    import tiermem.offload.activations as act
-    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (bandwidth, bandwidth))
+    import tiermem.offload.calibration as cal
+    monkeypatch.setattr(cal, "copy_bandwidths", lambda device, nbytes: (bandwidth, bandwidth))
     ref, _ = _run(TinyGPT, _three_steps)
     store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
     puts = []
@@ -746,10 +746,10 @@ def test_auto_layers_follow_measured_compute_and_transfer(make_store, monkeypatc
 
 
 def test_auto_layers_on_nvme_count_the_disk(make_store, monkeypatch):
-    import tiermem.offload.activations as act
-    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
+    import tiermem.offload.calibration as cal
+    monkeypatch.setattr(cal, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
     disk = []
-    monkeypatch.setattr(act, "disk_bandwidths", lambda d: disk.append(d) or (1.0, 2.0))
+    monkeypatch.setattr(cal, "disk_bandwidths", lambda d: disk.append(d) or (1.0, 2.0))
     store = make_store(gpu_bytes=8 << 20, cpu_bytes=1 << 20, nvme_bytes=16 << 20)
     model, off = _run(TinyGPT, _three_steps, offload=lambda m: offload_activations(
         m.blocks, store=store, tier="nvme"))
@@ -762,12 +762,12 @@ def test_timed_forward_puts_each_block_after_its_end_mark(make_store, monkeypatc
     """Note [timed forward]: in the timed forward no put runs between a block's start and end
     marks (the host work of offloading is not timed as the block's compute); each offloaded
     block's puts follow its end mark, their host time is in the plan, and training is exact."""
-    import tiermem.offload.activations as act
-    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
+    import tiermem.offload.calibration as cal
+    monkeypatch.setattr(cal, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
     log = []
     for name in ("enter", "exit"):
-        real = getattr(act._Calibration, name)
-        monkeypatch.setattr(act._Calibration, name, lambda self, i, d, real=real, name=name: (
+        real = getattr(cal._Calibration, name)
+        monkeypatch.setattr(cal._Calibration, name, lambda self, i, d, real=real, name=name: (
             log.append((name, i)), real(self, i, d))[1])
     store = make_store(gpu_bytes=8 << 20, cpu_bytes=8 << 20)
     real_put = store.put

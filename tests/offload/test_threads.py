@@ -104,8 +104,8 @@ def test_another_threads_forward_of_the_same_blocks_is_not_this_contexts(make_st
                                                                          monkeypatch):
     """The block hooks are the modules', so they run for any thread's forward; only the
     entering thread's forwards count (here: towards layers="auto"'s timed forward)."""
-    import tiermem.offload.activations as act
-    monkeypatch.setattr(act, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
+    import tiermem.offload.calibration as cal
+    monkeypatch.setattr(cal, "copy_bandwidths", lambda device, nbytes: (1e15, 1e15))
     model = TinyGPT()
     off = offload_activations(model.blocks, store=make_store(gpu_bytes=8 << 20,
                                                              cpu_bytes=8 << 20))

@@ -1,5 +1,5 @@
 """Double buffering of activation reloads (Note [offload rules], rule 6, in
-tiermem/offload/activations.py): two persistent device buffer sets that the reloads of
+tiermem/offload/rules.py): two persistent device buffer sets that the reloads of
 consecutive groups alternate between, instead of fresh allocations.
 
 A set is loaded on its own H2D stream, which first waits for the compute stream (the set's
@@ -14,10 +14,9 @@ from typing import Any, Hashable
 
 import torch
 
+from tiermem.offload.records import _Record
 from tiermem.store import TierStore
 
-_Record = Any  # the offloader's record of one saved tensor (tiermem/offload/activations.py,
-# which imports this module)
 
 ALIGN_BYTES = 512  # offsets of records inside a set (any dtype view is aligned)
 

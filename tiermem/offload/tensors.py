@@ -2,7 +2,7 @@
 
 ``offload_tensors()`` is a context manager: every tensor autograd saves inside it goes through
 a TierStore and comes back, prefetched, in backward, exactly as the tensors of an offloaded
-block do (Note [offload rules] in tiermem/offload/activations.py, rule 10). Use it inside any
+block do (Note [offload rules] in tiermem/offload/rules.py, rule 10). Use it inside any
 module, e.g. the adapter path of a LoRA layer::
 
     regions = offload_tensors()               # make once, enter every forward
@@ -31,8 +31,9 @@ from typing import Iterable
 
 from torch import nn
 
-from tiermem.offload.activations import (MARK, ActivationOffloader, _in_backward,
-                                         active_offloader, mark_storage)
+from tiermem.offload.activations import ActivationOffloader
+from tiermem.offload.context import _in_backward, active_offloader
+from tiermem.offload.marks import MARK, mark_storage
 from tiermem.store import TierStore
 
 _NOOP = object()  # an entry with nothing to do (in backward, or under foreign hooks)

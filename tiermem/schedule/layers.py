@@ -4,7 +4,7 @@ Activation offload pays off only where its copies hide behind compute: in forwar
 saved tensors go D2H while the blocks after it run, and must be off the device by the end of
 forward (or the memory they hold is still there at the peak); in backward, block ``i``'s reload
 is issued when backward enters the offloaded block after it (or at the start of backward, for
-the last ``prefetch_depth`` offloaded blocks, as :class:`tiermem.offload.activations.LayerPolicy`
+the last ``prefetch_depth`` offloaded blocks, as :class:`tiermem.offload.rules.LayerPolicy`
 prefetches) and must have landed when backward reaches block ``i``, or backward stalls.
 
 :func:`simulate` replays one step of that pipeline from measured per-block times and bytes
