@@ -29,6 +29,10 @@ VOLATILE = [
     (re.compile(r"^total [\d.]+ s$"), "total N s"),
     (re.compile(r"native core loaded: \S+ "), "native core loaded: PATH "),
     (re.compile(r"\(Adam kernel \w+\)"), "(Adam kernel ISA)"),
+    # the sixth decimal of a loss: torch's and the native kernels' vector width follows the CPU
+    # (avx512 where the log was made, avx2 elsewhere: step 6 prints 4.260615 there, in the
+    # baseline too, before and after this round's changes)
+    (re.compile(r"(loss \d+\.\d{5})\d"), r"\1N"),
 ]
 
 
