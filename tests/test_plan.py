@@ -1404,3 +1404,56 @@ def test_plan_names_breadth_first_when_clipping_leaves_an_optimizer_tail(capsys)
         assert not any(n.startswith("faster:") for n in notes), (extra, notes)
     assert main([*argv[:-1], "--max-grad-norm", "1"]) == 0  # the table prints it too
     assert "note: faster: --param-sync forward" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ --hf-config (issue 31 item 5)
+
+def _llama_config_json(directory: pathlib.Path, **kw) -> pathlib.Path:
+    from transformers import LlamaConfig
+    base = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=4096)
+    LlamaConfig(**(base | kw)).save_pretrained(directory)
+    return directory / "config.json"
+
+
+def test_plan_hf_config_maps_a_llama_config(tmp_path, capsys):
+    """Note [hf config shape]: Llama-2-7B's config plans as the explicit shape: its exact
+    parameter count (6,738,415,616, the published one), 32 x 4096, 32 heads, vocab 32000,
+    seq 2048 (4096 capped), and the gated MLP's 4 x 11008 saved per token as mlp_ratio 6."""
+    path = _llama_config_json(tmp_path / "llama")
+    for spec in (path, path.parent):  # the file or its directory
+        assert main(["--hf-config", str(spec), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        want = plan(6_738_415_616, n_layers=32, d_model=4096, n_heads=32, vocab=32000,
+                    seq=2048, mlp_ratio=6, stream_weights="auto").to_dict()  # the CLI's
+        assert got["num_params"] == 6_738_415_616
+        assert got["notes"][-1].startswith("model from llama config")
+        got["notes"] = got["notes"][:-1]
+        assert got == want
+    assert main(["--hf-config", str(path), "--seq", "4096", "--batch", "2"]) in (0, 1)
+    assert "seq 4096" in capsys.readouterr().out
+
+
+def test_plan_hf_config_counts_tied_embeddings_once(tmp_path, capsys):
+    path = _llama_config_json(tmp_path / "tied", vocab_size=128, hidden_size=64,
+                              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                              tie_word_embeddings=True)
+    assert main(["--hf-config", str(path), "--json", "--seq", "16"]) == 0
+    # embedding 128x64 once, per layer 4 x 64x64 attention + 3 x 64x96 MLP + 2 norms, final norm
+    assert json.loads(capsys.readouterr().out)["num_params"] == (
+        128 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 96 + 2 * 64) + 64)
+
+
+def test_plan_hf_config_refuses_clearly(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--hf-config", "some-org/not-cached-model"]) == 2
+    err = capsys.readouterr().err
+    assert "not in the local Hugging Face cache (tiermem plan does not download" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["--hf-config", str(tmp_path / "empty")]) == 2
+    assert "the directory has no config.json" in capsys.readouterr().err
+    path = _llama_config_json(tmp_path / "llama")
+    assert main(["--hf-config", str(path), "--layers", "4"]) == 2
+    assert "--hf-config sets the shape; drop --layers" in capsys.readouterr().err
+    assert main(["--hf-config", str(path), "--model-size", "7b"]) == 2  # argparse: one model

@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--model-size", choices=sorted(PRESETS, key=lambda s: float(s[:-1])),
                       help="a GPT preset (vocab 32000, seq 2048; 1b: 24x2048 micro-batch 8, "
                            "7b: 32x4096, 13b: 40x5120, 30b: 60x6656, 70b: 80x8192, batch 1)")
+    size.add_argument("--hf-config", metavar="PATH|NAME",
+                      help="a transformers model's config: a config.json, a directory with "
+                           "one, or a hub name already in the local Hugging Face cache (no "
+                           "download); sets the parameter count (exact), layers, width, heads, "
+                           "vocabulary, MLP width and seq (max_position_embeddings, at most "
+                           "2048) (Note [hf config shape] in tiermem/integrations/hf_config.py)")
     size.add_argument("--params", type=_count, help="parameter count, e.g. 13e9 "
                       "(needs --layers and --d-model; for an MoE all parameters, and optional: "
                       "counted from the shape)")
@@ -217,11 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         moe = dict(n_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert)
         is_moe = any(v is not None for v in moe.values())
-        if args.model_size is None and args.params is None and not is_moe:
-            raise ValueError("give the model: --model-size 1b|7b|13b|30b|70b, --params N "
-                             "with --layers and --d-model, or an MoE: --layers, --d-model, "
-                             "--experts, --top-k and --d-expert")
+        if (args.model_size is None and args.params is None and args.hf_config is None
+                and not is_moe):
+            raise ValueError("give the model: --model-size 1b|7b|13b|30b|70b, --hf-config "
+                             "config.json, --params N with --layers and --d-model, or an MoE: "
+                             "--layers, --d-model, --experts, --top-k and --d-expert")
         shape = PRESETS.get(args.model_size)
+        hf = None
+        if args.hf_config is not None:
+            from tiermem.integrations.hf_config import hf_shape  # imports transformers
+            taken = [f for f, v in (("--layers", args.layers), ("--d-model", args.d_model),
+                                    ("--heads", args.heads), ("--vocab", args.vocab)) if v]
+            if taken:
+                raise ValueError(f"--hf-config sets the shape; drop {taken[0]} (or give "
+                                 f"--params with --layers and --d-model instead)")
+            hf = hf_shape(args.hf_config)
+            shape = hf.shape
         kw = dict(
             n_layers=args.layers or (shape.n_layers if shape else None),
             d_model=args.d_model or (shape.d_model if shape else None),
@@ -229,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab=args.vocab or (shape.vocab if shape else 32000),
             seq=args.seq or (shape.seq_len if shape else 2048),
             batch=args.batch or (shape.micro_batch if shape else 1),
+            mlp_ratio=shape.mlp_ratio if shape else 4,
             dtype=args.dtype, moments_dtype=args.moments_dtype, gpu_bytes=args.gpu,
             host_bytes=args.host, nvme_bytes=args.nvme, gpu_reserve_bytes=args.gpu_reserve,
             host_reserve_bytes=args.host_reserve, offload_fraction=args.offload_fraction,
@@ -244,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                                   for flag, fld, scale, _, _ in _RATE_FLAGS
                                   if getattr(args, flag[2:].replace("-", "_")) is not None}),
             **moe)
-        if shape is not None:
+        if hf is not None:
+            if is_moe:
+                raise ValueError("--hf-config reads a dense model; for an MoE give --layers, "
+                                 "--d-model, --experts, --top-k and --d-expert instead")
+            n = hf.num_params
+        elif shape is not None:
             if args.layers or args.d_model:
                 raise ValueError("--model-size sets the shape; use --params with --layers and "
                                  "--d-model for another shape")
@@ -261,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if hint:
         result.notes.append(hint)
+    if hf is not None:
+        s = hf.shape
+        result.notes.append(f"model from {hf.source}: {hf.num_params:,} parameters, "
+                            f"{s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, "
+                            f"vocab {s.vocab}, mlp_ratio {s.mlp_ratio}, seq {kw['seq']}")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
