@@ -1,5 +1,5 @@
-"""docs/huggingface.md's runnable snippet runs as written, and examples/hf_trainer.py trains the
-stock Trainer and TiermemTrainer side by side and agrees."""
+"""docs/huggingface.md's runnable snippets (Trainer, Accelerate) run as written, and
+examples/hf_trainer.py trains the stock Trainer and TiermemTrainer side by side and agrees."""
 
 from __future__ import annotations
 
@@ -14,14 +14,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_the_usage_snippet_runs(tmp_path, monkeypatch, capsys):
+def _blocks():
     text = (ROOT / "docs" / "huggingface.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 1, "docs/huggingface.md: exactly one runnable ```python block"
+    assert len(blocks) == 2, "docs/huggingface.md: the Trainer and the Accelerate ```python blocks"
+    return blocks
+
+
+def test_the_usage_snippet_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # its output_dir
-    exec(compile(blocks[0], "docs/huggingface.md", "exec"), {})
+    exec(compile(_blocks()[0], "docs/huggingface.md", "exec"), {})
     printed = capsys.readouterr().out
     assert re.search(r"\{'cpu': [1-9]\d*, 'nvme': 0\}", printed), printed
+
+
+def test_the_accelerate_snippet_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # its save_state directory
+    exec(compile(_blocks()[1], "docs/huggingface.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert re.search(r"grad norm \d+\.\d{3}, state \{'cpu': [1-9]\d*, 'nvme': 0\}", printed)
+    assert (tmp_path / "acc-ckpt" / "optimizer.bin").is_file()
 
 
 def _example():

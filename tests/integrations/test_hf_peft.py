@@ -1,7 +1,7 @@
 """PEFT LoRA through TiermemTrainer (issue 31 item 4): HybridAdam (optimizer state offloaded)
 and the activation offload switch on a LoRA-wrapped tiny Llama train bit-identically to
-Trainer + fused AdamW on the same PEFT model (Note [trainer reference]) over 9 steps, clipping at 0.5; HybridAdam
-holds state for the adapters only, and the frozen base does not move."""
+Trainer + fused AdamW on the same PEFT model (Note [trainer reference]) over 9 steps, clipping
+at 0.5; HybridAdam holds state for the adapters only, and the frozen base does not move."""
 
 from __future__ import annotations
 

@@ -186,8 +186,8 @@ class TiermemAccelerator(Accelerator):
                 raise ValueError(f"TiermemAccelerator.clip_grad_norm_(max_norm={max_norm}, "
                                  f"norm_type={norm_type}) but HybridAdam(max_grad_norm="
                                  f"{opt.max_grad_norm}) clips by the 2-norm inside step(): "
-                                 f"build it with max_grad_norm={want} (Note [accelerate "
-                                 f"clipping])")
+                                 f"build it with max_grad_norm={want} "
+                                 f"(Note [accelerate clipping])")
             if not self.sync_gradients:
                 raise ValueError("TiermemAccelerator.clip_grad_norm_ off the accumulation "
                                  "boundary (sync_gradients is False): HybridAdam clips the "
