@@ -30,7 +30,7 @@ _STOP = object()
 
 def stop_thread(work: queue.Queue, thread: threading.Thread) -> None:
     """Stop a :class:`ChunkWorker`'s thread (its ``queue`` and ``thread``) once it has finished
-    the chunk in hand; holds no reference to the worker (Note [lifetime] in hybrid_adam.py).
+    the chunk in hand; holds no reference to the worker (Note [lifetime] in lifetime.py).
 
     Raises:
         Nothing.
@@ -68,7 +68,7 @@ class ChunkWorker:
         self._cpu_threads = cpu_threads
         self._copies: dict[tuple[int, int], tuple] = {}  # chunks whose D2H is issued
         self.queue: queue.Queue = queue.Queue()
-        # Note [lifetime] (hybrid_adam.py): the thread refers to this worker weakly, never to the
+        # Note [lifetime] (lifetime.py): the thread refers to this worker weakly, never to the
         # optimizer
         self.thread = threading.Thread(target=self._run, args=(weakref.ref(self), self.queue),
                                        name="tiermem-hybrid-adam", daemon=True)
@@ -99,7 +99,7 @@ class ChunkWorker:
 
     @staticmethod
     def _run(ref: weakref.ref, work: queue.Queue) -> None:
-        """The worker thread (Note [lifetime] in hybrid_adam.py): holds the worker only while it handles an item,
+        """The worker thread (Note [lifetime] in lifetime.py): holds the worker only while it handles an item,
         and waits for the next one through a weak reference, so a dropped optimizer is
         collected and its finalizer's ``_STOP`` ends this thread."""
         nxt = None

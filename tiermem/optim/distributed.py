@@ -60,6 +60,8 @@ from typing import Iterator
 
 import torch
 
+from tiermem.optim.local_tensor import is_dtensor, local_of  # noqa: F401 (re-exported)
+
 try:
     import torch.distributed as dist
 except ImportError:  # pragma: no cover - torch without distributed support
@@ -97,23 +99,6 @@ def rank_dir(base: str) -> str:
 
 
 # ---------------------------------------------------------------------------- DTensor / FSDP2
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2 params and grads)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a detached view sharing its storage), or ``t`` detached."""
-    if is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local().detach()
-    return t.detach()
 
 
 def check_fsdp_params(params: list[torch.Tensor], who: str) -> tuple[object, tuple]:

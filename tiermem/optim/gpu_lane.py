@@ -1,6 +1,20 @@
-"""HybridAdam's GPU lane (Note [gpu lane] in hybrid_adam.py): offloaded chunks the GPU steps by
-streaming their state through ``LANE_SLOTS`` device slots, and torch's fused Adam on fp32 or
-bf16 moments (:func:`fused_adam_moments_`), which the lane and the GPU side both step with.
+"""HybridAdam's GPU lane (Note [gpu lane]): offloaded chunks the GPU steps by streaming their
+state through ``LANE_SLOTS`` device slots, and torch's fused Adam on fp32 or bf16 moments
+(:func:`fused_adam_moments_`), which the lane and the GPU side both step with.
+
+Note [gpu lane]: the CPU kernel is bound by host memory bandwidth (~28 bytes per param and step:
+fp32 master and moments read and written, bf16 gradient in, bf16 param out), while the GPU's
+copy engines reach host memory over PCIe on their own. With ``gpu_step_fraction > 0`` a share of
+the offloaded chunks (spread evenly over the order they are stepped in) is stepped by the GPU
+instead: the worker issues the chunk's state blob H2D into one of ``LANE_SLOTS`` device slots
+(after the slot's previous write-back), and on a lane stream that waits for the load and the
+gradients' events, widens the chunk's gradients to fp32 where backward left them, runs torch's
+fused Adam on the chunk's runs (the same kernel as the GPU side), casts the updated params into
+the model and records the event forward and ``step()`` wait on; the state then goes D2H back
+into its blob. The worker does not wait: it goes on to the next chunk, and releases a lane
+chunk's blob (counting it done for ``step()``) only when its write-back has finished. The state
+never lives on the GPU: it stays in the store's cpu tier (or streams through nvme) between
+steps. Gradients of lane chunks never leave the GPU and their params are not copied H2D.
 """
 
 from __future__ import annotations
@@ -151,7 +165,7 @@ class GpuLane:
         self._state, self._grad, self._free = [], [], []
 
     def step(self, g: int, c: int) -> None:
-        """Step chunk ``c`` on the GPU (Note [gpu lane] in hybrid_adam.py): its state H2D into a device slot, the
+        """Step chunk ``c`` on the GPU (Note [gpu lane]): its state H2D into a device slot, the
         fused Adam on the lane stream with the gradients where backward left them, the updated
         params cast into the model, the state D2H back into its blob. Issues and returns; the
         blob stays held until :meth:`reap` sees the write-back done.

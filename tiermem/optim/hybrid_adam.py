@@ -22,19 +22,18 @@ How one step overlaps (``overlap=True``), see Note [hybrid step]:
 3. ``step()`` steps the GPU side, waits for the worker, and makes the caller's stream wait on
    the H2D copies (no device-wide synchronisation). With ``param_sync="forward"`` it returns
    without waiting: the next forward waits, module by module, only for the chunks of the params
-   that module uses (see Note [forward sync]), so the CPU step of the last layers' chunks
-   overlaps the first layers' forward.
+   that module uses (Note [forward sync] in ``forward_sync.py``), so the CPU step of the last
+   layers' chunks overlaps the first layers' forward.
 
-Note [forward sync]: after such a ``step()``, a global forward pre-hook makes each module wait
-(host: until the worker has stepped the chunks holding its params and issued their H2D;
-stream: on those copies' events) before it runs. Everything else that reads the params or the
-state completes the step first: the next ``step()``, the next backward's first gradient hook,
-``state_dict``/``load_state_dict``, ``synchronize()``, ``close`` and ``zero_grad(set_to_none=
-False)`` (which overwrites gradients the CPU side may not have copied yet). Code that reads a
-param outside a module's forward (an EMA, logging a norm) or writes a gradient in place
-(``model.zero_grad(set_to_none=False)``) must call ``opt.synchronize()`` first.
-One process only (data parallel all-gathers the updated shards in ``step()``; FSDP2 gathers
-params in its own pre-forward hooks).
+One offloaded chunk passes through five files: this one (the gradient hook ``_on_grad`` and
+``_ship``, then ``step()``), ``chunk_worker.py`` (copy to host, step, copy back),
+``tiermem/store/transfer.py`` (the copies), ``cpu_adam.py`` (the CPU kernel) and ``layout.py``
+(where its state and ring slots live); ``step_state.py`` lists the fields they share. What
+differs between one process, data parallel and FSDP2 is a :class:`~tiermem.optim.modes.Mode`
+chosen once at construction (``modes.py``; the distributed ones in ``dist_modes.py``, never
+imported by a single-process run). The GPU lane is in ``gpu_lane.py`` (Note [gpu lane]);
+arguments are checked in ``arguments.py``, ``step()``'s refusals in ``step_checks.py``; the
+finalizer and weak hooks are in ``lifetime.py`` (Note [lifetime]).
 
 Note [hybrid step]: a parameter's post-accumulate-grad hook fires after every use of that
 parameter in the current backward has been enqueued; the event it records there is what the
@@ -67,76 +66,38 @@ overlapped. Anything that needs the state before the first ``step()`` (``state_d
 gradients seen so far or else the given order. ``placement="given"``: the given order, state
 allocated at construction.
 
-Note [gpu lane]: the CPU kernel is bound by host memory bandwidth (~28 bytes per param and step:
-fp32 master and moments read and written, bf16 gradient in, bf16 param out), while the GPU's
-copy engines reach host memory over PCIe on their own. With ``gpu_step_fraction > 0`` a share of
-the offloaded chunks (spread evenly over the order they are stepped in) is stepped by the GPU
-instead: the worker issues the chunk's state blob H2D into one of ``_LANE_SLOTS`` device slots
-(after the slot's previous write-back), and on a lane stream that waits for the load and the
-gradients' events, widens the chunk's gradients to fp32 where backward left them, runs torch's
-fused Adam on the chunk's runs (the same kernel as the GPU side), casts the updated params into
-the model and records the event forward and ``step()`` wait on; the state then goes D2H back
-into its blob. The worker does not wait: it goes on to the next chunk, and releases a lane
-chunk's blob (counting it done for ``step()``) only when its write-back has finished. The state
-never lives on the GPU: it stays in the store's cpu tier (or streams through nvme) between
-steps. Gradients of lane chunks never leave the GPU and their params are not copied H2D.
-
-Several ranks (torch.distributed), see ``tiermem/optim/distributed.py`` for the full design:
-- ``data_parallel=True`` (or ``process_group=pg``), plain replicated params, no DDP wrapper:
-  ZeRO-1/2. Each rank owns ``1/world`` of every param group's flattened elements and keeps
-  optimizer state only for them (split GPU / offloaded by ``offload_fraction`` within the
-  shard); gradients are reduced to their owner in buckets from the grad hooks (average, like
-  DDP), the owner steps its shard, and the updated shards are all-gathered in ``step()``.
-- FSDP2 (params are DTensors after ``fully_shard``): every rank steps its local shard, FSDP does
-  the communication; ``max_grad_norm`` all-reduces the squared norm; ``state_dict()`` returns
-  DTensors for ``torch.distributed.checkpoint``.
-Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
-
-Note [lifetime]: nothing long-lived refers to the optimizer strongly. The CPU worker thread
-waits for work through a weak reference to its chunk worker (which it holds only while it steps
-a chunk, and which holds no reference to the optimizer), and the gradient and forward hooks call
-it through weak references, so dropping the last
-reference collects it even while the model lives on. Its ``weakref.finalize`` (also run by
-``close()`` and at interpreter exit) stops the worker, removes the hooks, releases held RAM
-chunks and closes a private store, which removes its spill directory and I/O threads; on a
-caller's store it releases and deletes every key the optimizer made (``free_owner_keys``: its
-state goes with it, and the cpu budget it took is the caller's again). Keys carry an owner
-number drawn once per optimizer, never ``id()``: an ``id`` is reused once its object is
-collected, and a later optimizer then met a dead one's keys (found on the H200: a ring key still
-held, "the key is held by a caller" at the next optimizer's first step). In a
-child forked from the process that made it, ``step()``, ``state_dict()`` and
-``load_state_dict()`` refuse (the worker thread does not exist there).
+Several ranks (torch.distributed): ``data_parallel=True`` (ZeRO-1/2) and FSDP2 params, see
+``tiermem/optim/dist_modes.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import os
-import queue
-import threading
 import time
 import weakref
-from contextlib import nullcontext as _nullcontext
 from typing import Any, Iterable
 
 import torch
 
-from tiermem.names import (MOMENTS_DTYPES, PARAM_SYNCS, PLACEMENTS, STATE_TIERS, check_bool,
-                           check_choice, check_fraction, check_int, check_number, parse_dtype)
 from tiermem._graphs import refuse_capture
-from tiermem.optim import distributed as _dist
-from tiermem.optim.chunk_worker import ChunkWorker, stop_thread
+from tiermem.optim.arguments import check_arguments, check_store_device, params_device
+from tiermem.optim.chunk_worker import ChunkWorker
+from tiermem.optim.forward_sync import wait_for_module
 from tiermem.optim.gpu_lane import GpuLane, fused_adam_, fused_adam_moments_
-from tiermem.optim.hyperparams import check_dense_grad, check_group, check_groups
+from tiermem.optim.hyperparams import check_dense_grad, check_groups
+from tiermem.optim.local_tensor import is_dtensor
+from tiermem.optim.modes import GRAPH_FIX as _GRAPH_FIX, LocalMode, Mode
 from tiermem.optim.param_watch import ParamWatch
-from tiermem.optim.layout import (WIDE_BATCH_NUMEL, Group, StateLayout, free_owner_keys,
-                                  local_view, private_store, wide_batches)
+from tiermem.optim.layout import WIDE_BATCH_NUMEL, Group, StateLayout, private_store, wide_batches
+from tiermem.optim.lifetime import OWNERS, call_weak_forward, release
 from tiermem.optim.partition import auto_chunk_numel, plan_group
 from tiermem.optim.read_ahead import ReadAhead
-from tiermem.optim.state_dict import param_states, scatter
+from tiermem.optim.state_dict import check_loadable, scatter
+from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
+                                        check_params_before_step)
 from tiermem.optim.step_state import StepState, new_stats
-from tiermem.store.store import StoreClosedError, TierStore
+from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
 
 
@@ -228,89 +189,28 @@ class HybridAdam(torch.optim.Optimizer):
                  process_group: Any = None, bucket_numel: int = 1 << 23,
                  param_sync: str = "step", placement: str = "trace",
                  gpu_step_fraction: float = 0.0) -> None:
-        # The shared checks of tiermem.names, as OptimizerConfig makes them: one spelling and one
-        # message per value everywhere. The prefix is plain "HybridAdam: ": the rank prefix
-        # (self._who) needs the mode, known only once the params are read.
-        who = "HybridAdam: "
-        check_number(who, "lr", lr, low=0.0)
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
-            raise ValueError(f"HybridAdam: betas={betas!r} must be two numbers (the averaging "
-                             f"coefficients of the gradient and of its square), e.g. (0.9, 0.999)")
-        for i, beta in enumerate(betas):
-            check_number(who, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
-        check_number(who, "eps", eps, low=0.0)
-        check_number(who, "weight_decay", weight_decay, low=0.0)
-        check_bool(who, "adamw", adamw)
-        check_bool(who, "maximize", maximize)
-        offload_fraction = check_fraction(
-            who, "offload_fraction", offload_fraction, "it is the fraction of parameter bytes "
-            "whose optimizer state leaves the GPU (0.0 = none, 1.0 = all)")
-        check_choice(who, "state_tier", state_tier, STATE_TIERS,
-                     "cpu is pinned RAM, nvme spill files, split RAM up to the store's cpu budget "
-                     "and the rest on NVMe")
-        if state_tier == "split" and (store is None or store.config.nvme_bytes == 0):
-            raise ValueError("HybridAdam: state_tier='split' places chunks by the budgets of the "
-                             "store you pass: give store=TierStore(StoreConfig(cpu_bytes=..., "
-                             "nvme_bytes=..., nvme_dir=...)) with nvme_bytes > 0")
-        if state_tier == "nvme" and store is None and not nvme_dir:
-            raise ValueError("HybridAdam: state_tier='nvme' needs a spill directory: pass "
-                             "nvme_dir='/path/on/ssd' or a store with StoreConfig.nvme_bytes > 0")
-        if state_tier == "nvme" and store is not None and store.config.nvme_bytes == 0:
-            raise ValueError("HybridAdam: state_tier='nvme' but the store has no nvme tier "
-                             "(StoreConfig.nvme_bytes=0); give it nvme_bytes and nvme_dir")
-        check_bool(who, "overlap", overlap)
-        if chunk_numel is not None:
-            check_int(who, "chunk_numel", chunk_numel, low=1024, unit="elements",
-                      fix="or None to size it from the model")
-        if max_grad_norm is not None:
-            check_number(who, "max_grad_norm", max_grad_norm, low=0.0, low_open=True,
-                         fix="or None for no clipping")
-        check_int(who, "grad_accumulation_steps", grad_accumulation_steps, low=1,
-                  fix="the backward passes per step()")
-        moments_dtype = parse_dtype(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
-        if cpu_threads is not None:
-            check_int(who, "cpu_threads", cpu_threads, low=1, unit="threads",
-                      fix="or None for torch's thread count")
-        check_int(who, "nvme_lookahead_chunks", nvme_lookahead_chunks, low=0, unit="chunks")
-        if data_parallel is not None:
-            check_bool(who, "data_parallel", data_parallel)
-        check_int(who, "bucket_numel", bucket_numel, low=1, unit="elements",
-                  fix="the elements per gradient-reduce bucket")
-        check_choice(who, "param_sync", param_sync, PARAM_SYNCS,
-                     "step: the updated params are ready when step() returns, forward: the next "
-                     "forward waits per module")
-        check_choice(who, "placement", placement, PLACEMENTS,
-                     "trace: the split follows the gradient order of the first backward, given: "
-                     "the order the params were given in")
-        gpu_step_fraction = check_fraction(
-            who, "gpu_step_fraction", gpu_step_fraction, "it is the share of the offloaded chunks "
-            "the GPU steps by streaming their state through it (0.0: the CPU steps all)")
-        if process_group is not None and data_parallel is False:
-            raise ValueError("HybridAdam: process_group is given but data_parallel=False; drop "
-                             "process_group, or set data_parallel=True to shard the state over it")
+        offload_fraction, moments_dtype, gpu_step_fraction = check_arguments(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
+            maximize=maximize, offload_fraction=offload_fraction, state_tier=state_tier,
+            store=store, nvme_dir=nvme_dir, overlap=overlap, chunk_numel=chunk_numel,
+            max_grad_norm=max_grad_norm, grad_accumulation_steps=grad_accumulation_steps,
+            moments_dtype=moments_dtype, cpu_threads=cpu_threads,
+            nvme_lookahead_chunks=nvme_lookahead_chunks, data_parallel=data_parallel,
+            process_group=process_group, bucket_numel=bucket_numel, param_sync=param_sync,
+            placement=placement, gpu_step_fraction=gpu_step_fraction)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
         check_groups("HybridAdam", self.param_groups, max_grad_norm)  # inf, amsgrad
         all_params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in enumerate(all_params):
-            if not p.is_floating_point():
-                raise TypeError(f"HybridAdam: param {i} has dtype {p.dtype}; only floating-point "
-                                f"params can be optimized")
-        devices = {p.device for p in all_params}
-        if len(devices) != 1:
-            raise ValueError(f"HybridAdam: params are on several devices {sorted(map(str, devices))}; "
-                             f"put the model on one device (use one HybridAdam per device)")
-        self.device = devices.pop()
-        self._mode, self._who = self._choose_mode(all_params, data_parallel, process_group)
-        if param_sync == "forward" and self._mode != "local":
+        self.device = params_device(all_params)
+        self._mode: Mode = choose_mode(all_params, data_parallel, process_group, bucket_numel)
+        self._who = self._mode.who
+        if param_sync == "forward" and not self._mode.one_process:
             raise ValueError(f"{self._who}: param_sync='forward' works in one process only; "
                              f"with data_parallel or FSDP2 use param_sync='step'")
         self.param_sync = param_sync
-        if store is not None and store.device != self.device:
-            raise ValueError(f"HybridAdam: params are on {self.device} but the store's device is "
-                             f"{store.device}; make the store with StoreConfig.device="
-                             f"{str(self.device)!r}")
+        check_store_device(store, self.device)
         self.offload_fraction = float(offload_fraction)
         self.state_tier = state_tier
         self.overlap = overlap
@@ -322,65 +222,35 @@ class HybridAdam(torch.optim.Optimizer):
         self.cpu_threads = cpu_threads
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
         self.gpu_step_fraction = float(gpu_step_fraction)
-        self._zero = None
-        self._norm_groups: list = []
-        if self._mode == "zero":
-            self._zero = _dist.ZeroComm([list(g["params"]) for g in self.param_groups],
-                                        process_group, bucket_numel, self.device, self._who)
-            self._norm_groups = [self._zero.pg]
-        elif self._mode == "fsdp":
-            self._norm_groups = _dist.shard_groups(all_params[0].device_mesh,
-                                                   tuple(all_params[0].placements))
-        self._groups = []
-        if chunk_numel is None:
-            local = (sum(s.numel for zg in self._zero.groups for s in zg.segments)
-                     if self._mode == "zero" else
-                     sum(_dist.local_of(p).numel() for p in all_params))
-            chunk_numel = auto_chunk_numel(int(local * self.offload_fraction))
-        self.chunk_numel = chunk_numel
-        for gi, g in enumerate(self.param_groups):
-            params = list(g["params"])
-            segments = None
-            if self._mode == "zero":
-                segments = self._zero.groups[gi].segments
-                numels = [s.numel for s in segments]
-                sizes = [params[s.param].element_size() for s in segments]
-            else:
-                numels = [_dist.local_of(p).numel() for p in params]
-                sizes = [p.element_size() for p in params]
-            group = Group(gi, params, plan_group(numels, sizes, self.offload_fraction, chunk_numel),
-                          [0] * len(numels), len(numels), segments, numels=numels, sizes=sizes)
-            if segments is not None:
-                bucket_of = self._zero.groups[gi].bucket_of
-                for li, seg in enumerate(segments):
-                    group.locals_in_bucket.setdefault(bucket_of[seg.param], []).append(li)
-            self._groups.append(group)
+        self._mode.attach(self.param_groups, self.device)  # collective when distributed
+        self._groups, self.chunk_numel = self._make_groups(chunk_numel)
+        chunk_numel = self.chunk_numel
         self._owns_store = store is None
         if store is None:
-            if state_tier == "nvme" and self._mode != "local":
-                nvme_dir = _dist.rank_dir(nvme_dir)  # ranks on one host never share spill files
+            if state_tier == "nvme":
+                nvme_dir = self._mode.spill_dir(nvme_dir)
             store = private_store(self._groups, chunk_numel=chunk_numel,
                                   moments_dtype=moments_dtype,
                                   lookahead_chunks=nvme_lookahead_chunks, state_tier=state_tier,
                                   device=self.device, nvme_dir=nvme_dir)
         self._store = store
-        self._layout = StateLayout(self._groups, store, owner=next(_OWNERS), device=self.device,
+        self._layout = StateLayout(self._groups, store, owner=next(OWNERS), device=self.device,
                                    state_tier=state_tier, moments_dtype=moments_dtype,
                                    backward_order=overlap and not (
-                                       max_grad_norm is not None and self._mode == "local"),
+                                       max_grad_norm is not None and self._mode.one_process),
                                    nvme_lookahead_chunks=nvme_lookahead_chunks,
                                    offload_fraction=self.offload_fraction, chunk_numel=chunk_numel)
         if not self._owns_store:
             self._layout.check_room()
         # Note [param changes]: parameters changed by the user are taken into the masters
-        self._watch = ParamWatch(self._layout, self._who, active=self._mode == "local")
+        self._watch = ParamWatch(self._layout, self._who, active=self._mode.one_process)
         self._layout.watch = self._watch
         self._copier = Copier(self.device)
         self._step = StepState()  # cross-thread step state: hooks, worker and caller share it
         self._last_stats = new_stats()
         self._moved0: dict = {}
         # Note [trace placement]: record the first backward's gradient order, plan at step()
-        self._trace_placement = (placement == "trace" and self._mode == "local" and overlap
+        self._trace_placement = (placement == "trace" and self._mode.one_process and overlap
                                  and self.offload_fraction > 0.0)
         self._arrived: dict[tuple[int, int], int] = {}  # (g, i) -> arrival rank, under _step.lock
         self._state_ready = False
@@ -398,27 +268,15 @@ class HybridAdam(torch.optim.Optimizer):
         self._worker = ChunkWorker(self._layout, self._step, self._read_ahead, self._lane,
                                    self._copier, self.param_groups, cpu_threads)
         me = weakref.ref(self)
-        self._hooks: list = []  # removed by close() or the finalizer
-        if self._mode == "local":
-            self._hooks += [  # count backward passes always; ship early only with overlap
-                g.params[i].register_post_accumulate_grad_hook(
-                    functools.partial(_grad_hook, me, "_on_grad", g.index, i))
-                for g in self._groups
-                for i in (range(g.n_local) if self._trace_placement else g.plan.chunks_of_param)
-                if g.params[i].requires_grad]  # frozen: shipped by step() if it has a grad
-        elif self._mode == "zero":  # every gradient goes into a reduce bucket
-            self._hooks += [
-                p.register_post_accumulate_grad_hook(
-                    functools.partial(_grad_hook, me, "_on_grad_dp", g.index, i))
-                for g in self._groups for i, p in enumerate(g.params) if p.requires_grad]
-        # FSDP2 assigns the sharded .grad itself: no hook fires, everything ships in step()
+        # removed by close() or the finalizer; the gradient hooks are the mode's
+        self._hooks: list = self._mode.grad_hooks(me, self._groups, self._trace_placement)
         if param_sync == "forward":
             # never traced by torch.compile: a traced hook's waits would happen at compile time
             # only, and a compiled forward would read params the CPU side has not written yet
             self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
-                torch.compiler.disable(functools.partial(_call_weak_forward, me))))
+                torch.compiler.disable(functools.partial(call_weak_forward, me))))
         self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _release, self._worker.queue,
+        self._finalizer = weakref.finalize(self, release, self._worker.queue,
                                            self._worker.thread, self._hooks,
                                            self._layout.ram_held, self._store, self._owns_store,
                                            self._pid, self._layout.owner)
@@ -426,42 +284,23 @@ class HybridAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ modes and local tensors
 
-    @staticmethod
-    def _choose_mode(params: list[torch.Tensor], data_parallel: bool | None,
-                     process_group: Any) -> tuple[str, str]:
-        """``("local" | "zero" | "fsdp", error prefix)``; see the class docstring."""
-        dp = bool(data_parallel) or process_group is not None
-        if any(_dist.is_dtensor(p) for p in params):
-            who = _dist.rank_prefix()
-            if dp:
-                raise ValueError(f"{who}: the params are DTensors (FSDP2 fully_shard), which FSDP "
-                                 f"already shards and reduces; drop data_parallel=True / "
-                                 f"process_group: HybridAdam steps each rank's local shard")
-            _dist.check_fsdp_params(params, who)
-            return "fsdp", who
-        if dp:
-            if not _dist.dist_ready():
-                raise ValueError("HybridAdam: data_parallel=True needs torch.distributed: call "
-                                 "torch.distributed.init_process_group(...) on every rank before "
-                                 "building the optimizer (or leave data_parallel off)")
-            return "zero", _dist.rank_prefix()
-        return "local", "HybridAdam"
-
-    def _grad_of(self, g: Group, i: int) -> torch.Tensor | None:
-        """Flat gradient of local tensor ``i`` (data parallel: the averaged shard gradient),
-        or ``None`` when it has none this step."""
-        if g.segments is not None:
-            s = g.segments[i]
-            if self._zero.flags is not None and not self._zero.has_grad(g.index, s.param):
-                return None
-            return self._zero.shard_grad(g.index, i)
-        grad = g.params[i].grad
-        return None if grad is None else _dist.local_of(grad).view(-1)
-
-    def _has_grad(self, g: Group, i: int) -> bool:
-        if g.segments is not None:
-            return self._zero.has_grad(g.index, g.segments[i].param)
-        return g.params[i].grad is not None
+    def _make_groups(self, chunk_numel: int | None) -> tuple[list[Group], int]:
+        """The groups of local tensors the mode says this rank steps, each partitioned into
+        GPU side and offloaded chunks; and ``chunk_numel`` (sized from the local elements when
+        ``None``)."""
+        shapes = [self._mode.local_shapes(gi, list(g["params"]))
+                  for gi, g in enumerate(self.param_groups)]
+        if chunk_numel is None:
+            local = sum(sum(numels) for numels, _, _ in shapes)
+            chunk_numel = auto_chunk_numel(int(local * self.offload_fraction))
+        groups = []
+        for gi, (g, (numels, sizes, segments)) in enumerate(zip(self.param_groups, shapes)):
+            group = Group(gi, list(g["params"]),
+                          plan_group(numels, sizes, self.offload_fraction, chunk_numel),
+                          [0] * len(numels), len(numels), segments, numels=numels, sizes=sizes)
+            group.locals_in_bucket.update(self._mode.buckets_of(gi))
+            groups.append(group)
+        return groups, chunk_numel
 
     # ------------------------------------------------------------------ setup
 
@@ -524,38 +363,13 @@ class HybridAdam(torch.optim.Optimizer):
                 return  # Note [stepping order]: else step() ships it, in forward order
         self._ship(g, i)
 
-    def _on_grad_dp(self, g: int, i: int) -> None:
-        """Post-accumulate-grad hook of every param with ``data_parallel``: on the last
-        micro-batch, put its gradient in its reduce bucket; ship the shard pieces of the
-        buckets that were reduced."""
-        check_dense_grad(self._who, g, i, self._groups[g].params[i])
-        with self._step.lock:
-            count = self._step.acc_count.get((g, i), 0) + 1
-            self._step.acc_count[(g, i)] = count
-            if not self.overlap or count < self.grad_accumulation_steps:
-                return
-        launched = self._zero.grad_arrived(g, i, self._groups[g].params[i].grad)
-        self._ship_buckets(launched)
-
-    def _ship_buckets(self, launched: list[tuple[int, int]]) -> None:
-        """Ship this rank's offloaded pieces of the reduced buckets ``launched`` (D2H from the
-        communication stream, so after the reduce)."""
-        if not launched:
-            return
-        with self._zero.on_stream():
-            for g, b in launched:
-                group = self._groups[g]
-                for li in group.locals_in_bucket.get(b, ()):
-                    if li in group.plan.chunks_of_param and (g, li) not in self._step.shipped:
-                        self._ship(g, li)
-
     def _ship(self, g: int, i: int) -> None:
         """Hand local tensor ``i``'s gradient to the CPU side: keep a reference and an event
         marking it complete on the current stream (its D2H is issued by the chunk worker), and
         queue the chunks it completes."""
         self._watch.sync(g, i)  # Note [param changes]: before any chunk of it can be stepped
         group = self._groups[g]
-        grad = self._grad_of(group, i)
+        grad = self._mode.grad_of(group, i)
         ref = None
         if grad is not None:
             ready = None
@@ -565,7 +379,7 @@ class HybridAdam(torch.optim.Optimizer):
             ref = (grad.detach(), ready)
         ready_chunks = []
         with self._step.lock:
-            if self._mode == "local" and grad is not None:  # see _check_grads_untouched
+            if self._mode.one_process and grad is not None:  # see check_grads_untouched
                 self._step.shipped_versions[(g, i)] = (group.params[i].grad._version,
                                                        group.params[i].grad.data_ptr())
             self._step.shipped.add((g, i))
@@ -581,8 +395,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._step.reset(self._layout.params_per_chunk())
         self._watch.begin_step()
         self._worker.begin_step()
-        if self._zero is not None:
-            self._zero.begin_step()
+        self._mode.begin_step()
         if self.max_grad_norm is None:
             self._step.compute_allowed.set()
         else:
@@ -655,29 +468,15 @@ class HybridAdam(torch.optim.Optimizer):
         # chunks stepped from now on use this step's hyper-parameters, even when an LR
         # scheduler changes them before the worker is done (param_sync="forward")
         self._step.freeze(self.param_groups)
-        with self._step.lock:
-            extra = [(k, n) for k, n in self._step.acc_count.items()
-                     if n > self.grad_accumulation_steps]
-        if extra:
-            raise RuntimeError(
-                f"{self._who}: {extra[0][1]} backward passes accumulated into a "
-                f"parameter before step(), but grad_accumulation_steps="
-                f"{self.grad_accumulation_steps}: gradients were copied off the GPU after pass "
-                f"{self.grad_accumulation_steps}; set grad_accumulation_steps to the number of "
-                f"backward passes per step")
-        self._check_grads_untouched()
-        self._check_params_before_step()
-        if self._mode == "fsdp":
-            self._layout.refresh_views()
-        if self._zero is not None:  # buckets not reduced in backward, then the has-grad flags
-            self._ship_buckets(self._zero.flush(lambda g, i: self._groups[g].params[i].grad))
-        with self._zero.on_stream() if self._zero is not None else _nullcontext():
-            for g in self._groups:
-                for i in g.plan.chunks_of_param:
-                    if (g.index, i) not in self._step.shipped:
-                        self._ship(g.index, i)  # not shipped by a hook (no overlap / no grad / early step)
-        if self._zero is not None:
-            self._zero.join_stream()  # the GPU side and clipping read the reduced gradients
+        check_accumulation(self._step, self.grad_accumulation_steps, self._who)
+        check_grads_untouched(self._step, self._groups, self._who)
+        try:
+            check_params_before_step(self._watch, self._groups, self._who)
+        except (RuntimeError, ValueError):
+            self._step.abandon()  # chunks not yet stepped are not
+            self._begin_step()
+            raise
+        self._mode.ship_rest(self, self._ship_rest)
         if self.max_grad_norm is not None:
             self._clip(self.max_grad_norm)  # no gradient has been copied yet (the copies wait)
             if self._copier.cuda:
@@ -691,38 +490,19 @@ class HybridAdam(torch.optim.Optimizer):
                 self._step_gpu_side(g)
         self._t_step = t_step
         self._stepped = [(g, i) for g in self._groups for i in range(g.n_local)  # before zero_grad
-                         if self._has_grad(g, i)]
+                         if self._mode.has_grad(g, i)]
         if self.param_sync == "forward":
             self._pending = True  # the next forward waits per module (Note [forward sync])
             return loss
         self._finish_step()
         return loss
 
-    def _check_params_before_step(self) -> None:
-        """Note [param changes]: take the changes of parameters not yet handed over this step
-        into their masters; refuse a parameter changed after its gradient hook handed it over
-        (the CPU side may have stepped it from the old value).
-
-        Raises:
-            RuntimeError: a parameter changed between its gradient hook and ``step()``.
-            ValueError: a parameter changed its shape, dtype or device.
-        """
-        try:
-            for g in self._groups:
-                for i in range(g.n_local):
-                    if not self._watch.checked(g.index, i):
-                        self._watch.sync(g.index, i)
-                    elif self._watch.changed(g.index, i):
-                        raise RuntimeError(
-                            f"{self._who}: param {i} of param group {g.index} was changed after "
-                            f"backward had handed it to the CPU step (overlap=True), which may "
-                            f"have stepped it from the old value; change parameters before the "
-                            f"forward or after step(), or build HybridAdam with overlap=False. "
-                            f"This step was not applied")
-        except (RuntimeError, ValueError):
-            self._step.abandon()  # chunks not yet stepped are not
-            self._begin_step()
-            raise
+    def _ship_rest(self) -> None:
+        """Ship every gradient no hook shipped (no overlap / no grad / early step)."""
+        for g in self._groups:
+            for i in g.plan.chunks_of_param:
+                if (g.index, i) not in self._step.shipped:
+                    self._ship(g.index, i)
 
     def _check_process(self) -> None:
         """Refuse work in a forked child (Note [lifetime]).
@@ -768,28 +548,9 @@ class HybridAdam(torch.optim.Optimizer):
                        self._groups[0].params[0])
         if not self._pending:
             return
-        # a compiled module runs its submodules inside one graph, without their hooks: wait
-        # here for every parameter under it (the whole model for torch.compile(model))
-        compiled = isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(
-            module, "_compiled_call_impl", None) is not None
-        params = module.parameters() if compiled else module._parameters.values()
-        chunks = [item for p in params if p is not None
-                  for item in self._chunks_of.get(id(p), ())]
-        if not chunks:
-            return
-        step = self._step
-        with step.idle:
-            while any(item not in step.chunk_h2d for item in chunks) and not step.errors:
-                step.idle.wait()  # the worker has not stepped this module's chunks yet
-            events = [step.chunk_h2d.get(item) for item in chunks]
-            done = len(step.chunk_h2d) == len(step.chunk_missing) or bool(step.errors)
-        if done:
+        # Note [forward sync]: done is every chunk, so the whole step completes here
+        if wait_for_module(self._step, self._chunks_of, module, self._copier.consumer_stream()):
             self._finish_step()
-            return
-        consumer = self._copier.consumer_stream()
-        for event in events if consumer is not None else ():
-            if event is not None:
-                consumer.wait_event(event)  # this module reads the params copied H2D
 
     def _finish_step(self) -> None:
         """Wait for the CPU side of the last ``step()``, make the caller's stream wait for its
@@ -804,7 +565,7 @@ class HybridAdam(torch.optim.Optimizer):
             errors, step.errors = step.errors, []
             events = step.h2d_events
         stall = time.perf_counter() - t_wait
-        if self._zero is not None and self._zero.any_failed(bool(errors)) and not errors:
+        if self._mode.other_rank_failed(bool(errors)) and not errors:
             self._begin_step()  # the optimizer takes the next step; this one is lost
             raise RuntimeError(f"{self._who}: another rank's CPU step failed (its error names "
                                f"it); this step was abandoned on every rank")
@@ -816,10 +577,7 @@ class HybridAdam(torch.optim.Optimizer):
         consumer = self._copier.consumer_stream()
         for event in events if consumer is not None else ():
             consumer.wait_event(event)  # the next forward reads the parameters copied H2D
-        if self._zero is not None:  # every rank gets every rank's updated shard
-            self._zero.gather(lambda g: ([local_view(self._groups[g], i)
-                                          for i in range(self._groups[g].n_local)],
-                                         self._groups[g].params))
+        self._mode.gather_params(self._groups)
         raced = [(g.index, i) for g, i in self._stepped  # Note [param changes]
                  if i in g.plan.chunks_of_param and self._watch.changed(g.index, i)]
         for g, i in self._stepped:
@@ -837,31 +595,6 @@ class HybridAdam(torch.optim.Optimizer):
                 f"the step was still updating it (param_sync='forward'), racing with its copy "
                 f"back: call opt.synchronize() before changing parameters after step()")
 
-    def _check_grads_untouched(self) -> None:
-        """Refuse a step whose gradients changed after backward copied them off the GPU.
-
-        With overlap, an offloaded gradient is copied D2H (and may already be stepped on the
-        CPU) the moment it is accumulated; ``torch.nn.utils.clip_grad_norm_`` or a GradScaler's
-        ``unscale_`` after backward would then change only the copy left on the GPU and the
-        step would silently mix clipped and unclipped gradients. The grads' version counters
-        tell.
-
-        Raises:
-            RuntimeError: a gradient was modified in place or replaced after it was shipped.
-        """
-        with self._step.lock:
-            shipped = dict(self._step.shipped_versions)
-        for (g, i), (version, ptr) in shipped.items():
-            grad = self._groups[g].params[i].grad
-            if grad is None or grad._version != version or grad.data_ptr() != ptr:
-                raise RuntimeError(
-                    f"{self._who}: a gradient was changed after backward had already copied it "
-                    f"off the GPU (overlap=True), e.g. by torch.nn.utils.clip_grad_norm_ or "
-                    f"GradScaler.unscale_; clip with HybridAdam(max_grad_norm=...), which clips "
-                    f"every gradient on and off the GPU, or build HybridAdam with overlap=False "
-                    f"so gradients are copied in step(). This step was not applied consistently: "
-                    f"restart from a checkpoint")
-
     def _step_gpu_side(self, g: Group) -> None:
         """Step group ``g``'s GPU side with torch's fused Adam on the caller's stream. fp32
         moments and fp32 gradients: in place, in one call, no copies. Otherwise in batches of
@@ -873,13 +606,13 @@ class HybridAdam(torch.optim.Optimizer):
         ``WIDE_BATCH_NUMEL``, not per GPU-side param. The update is elementwise and batches cut
         pieces at multiples of 16 (``WIDE_BATCH_NUMEL``'s docstring), so they change no bit."""
         hp = self.param_groups[g.index]
-        idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._has_grad(g, pc.param)]
+        idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._mode.has_grad(g, pc.param)]
         if not idx:
             return
         grads = []  # in the model dtype: non-fp32 gradients are widened per batch below
         for k in idx:
             pc = g.plan.gpu_pieces[k]
-            grads.append(self._grad_of(g, pc.param).detach()[pc.start:pc.start + pc.numel])
+            grads.append(self._mode.grad_of(g, pc.param).detach()[pc.start:pc.start + pc.numel])
         masters = [g.gpu_masters[k] for k in idx]
         steps = [g.gpu_steps[k] for k in idx]
         torch._foreach_add_(steps, 1)
@@ -902,25 +635,9 @@ class HybridAdam(torch.optim.Optimizer):
         """Clip all grads in place to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_`` (on
         the caller's stream, no host synchronisation).
 
-        Distributed: the squared norm of this rank's (shard) gradients is all-reduced over the
-        data-parallel group, or over the mesh dimensions FSDP2 shards on, so every rank clips
-        by the norm of the whole averaged gradient."""
-        if self._mode == "local":
-            params = [p for g in self._groups for p in g.params if p.grad is not None]
-            grads = [p.grad for p in params]
-            total = torch.nn.utils.get_total_norm(grads, 2.0) if hasattr(torch.nn.utils, "get_total_norm") \
-                else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
-        else:
-            grads = [self._grad_of(g, i) for g in self._groups for i in range(g.n_local)
-                     if self._has_grad(g, i)]
-            grads = [t for t in grads if t.numel()]
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            if grads:
-                norms = torch._foreach_norm(grads, 2.0)
-                sq = torch.stack([n.float() for n in norms]).square().sum()
-            for group in self._norm_groups:
-                torch.distributed.all_reduce(sq, group=group)
-            total = sq.sqrt()
+        Distributed: every rank clips by the norm of the whole averaged gradient
+        (``grads_and_norm`` of :mod:`tiermem.optim.dist_modes`)."""
+        grads, total = self._mode.grads_and_norm(self._groups, self.device)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef)
@@ -959,7 +676,7 @@ class HybridAdam(torch.optim.Optimizer):
         for g in self._groups:  # Note [param changes]: the masters of changed params
             for i in range(g.n_local):
                 self._watch.sync(g.index, i, mark=False)
-        states = param_states(self._layout, self._mode, self._zero, self.device)
+        states = self._mode.param_states(self._layout, self.device)
         flat_state, index, groups = {}, 0, []
         for g, hp in zip(states, self.param_groups):
             ids = list(range(index, index + len(g)))
@@ -985,39 +702,14 @@ class HybridAdam(torch.optim.Optimizer):
         self._ensure_state()
         self._step.drain()
         groups = state_dict["param_groups"]
-        for gi, saved in enumerate(groups):  # Note [finite hyper-parameters]: no amsgrad
-            check_group(f"{self._who}.load_state_dict", gi, saved)
-            if any("max_exp_avg_sq" in (state_dict["state"].get(sid) or {})
-                   for sid in saved["params"]):
-                raise ValueError(f"{self._who}.load_state_dict: param group {gi} holds an "
-                                 f"amsgrad state (max_exp_avg_sq); HybridAdam does not "
-                                 f"implement amsgrad: continue it with torch.optim.AdamW("
-                                 f"amsgrad=True)")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"{self._who}.load_state_dict: the state has {len(groups)} param "
-                             f"groups but this optimizer has {len(self.param_groups)}")
-        for gi, (saved, g) in enumerate(zip(groups, self._groups)):
-            if len(saved["params"]) != len(g.params):
-                raise ValueError(f"{self._who}.load_state_dict: param group {gi} has "
-                                 f"{len(saved['params'])} params in the state but "
-                                 f"{len(g.params)} here")
-            for sid, p in zip(saved["params"], g.params):
-                st = state_dict["state"].get(sid)
-                if st is None:
-                    continue
-                for name in ("exp_avg", "exp_avg_sq", "master"):
-                    if name in st and tuple(st[name].shape) != tuple(p.shape):
-                        raise ValueError(f"{self._who}.load_state_dict: {name} of param {sid} "
-                                         f"has shape {tuple(st[name].shape)} but the param has "
-                                         f"{tuple(p.shape)}; the state is for another model")
+        check_loadable(state_dict, self._groups, self._who)
         for saved, hp in zip(groups, self.param_groups):
             hp.update({k: v for k, v in saved.items() if k != "params"})
         for saved, g in zip(groups, self._groups):
             sts = [state_dict["state"].get(sid) for sid in saved["params"]]
-            self._check_grads_untouched()
-            if self._mode == "fsdp":
-                self._layout.refresh_views()
-            scatter(self._layout, g, sts, self._mode, self._who)
+            check_grads_untouched(self._step, self._groups, self._who)
+            self._mode.refresh_views(self._layout)
+            scatter(self._layout, g, sts, self._mode.local_state)
         self._watch.record_all()  # Note [param changes]: the masters are the loaded ones
 
     # ------------------------------------------------------------------ misc
@@ -1069,55 +761,17 @@ class HybridAdam(torch.optim.Optimizer):
             finalizer()
 
 
-_GRAPH_FIX = ("capture the model's forward and backward with torch.cuda.make_graphed_callables "
-              "(its gradients accumulate after each replay, outside the graph, so these hooks run "
-              "eagerly), with param_sync='step', and call step() outside any capture")
-_OWNERS = itertools.count()  # Note [lifetime]: the owner number in a HybridAdam's store keys
+def choose_mode(params: list[torch.Tensor], data_parallel: bool | None, process_group: Any,
+                bucket_numel: int) -> Mode:
+    """The mode of ``params`` (:mod:`tiermem.optim.modes`): FSDP2 for DTensors, data parallel
+    when asked, else one process, which never imports the distributed code.
 
-
-def _grad_hook(ref: weakref.ref, method: str, g: int, i: int, param: torch.Tensor) -> None:
-    """A post-accumulate-grad hook's body: ``method(g, i)`` of the optimizer if it still exists
-    (Note [lifetime])."""
-    refuse_capture("HybridAdam", "a gradient hook", _GRAPH_FIX, param)  # Note [cuda graphs]
-    opt = ref()
-    if opt is not None:
-        getattr(opt, method)(g, i)
-
-
-def _call_weak_forward(ref: weakref.ref, module: torch.nn.Module, args: Any) -> None:
-    """The global forward pre-hook (param_sync="forward") through a weak reference."""
-    opt = ref()
-    if opt is not None:
-        opt._before_forward(module, args)
-
-
-def _release(work: queue.Queue, worker: threading.Thread, hooks: list, ram_held: list,
-             store: TierStore, owns_store: bool, pid: int, owner: int) -> None:
-    """Finalizer of a HybridAdam (and the end of ``close()``): stop the worker, remove the
-    hooks, release held RAM chunks, then close a private store or free this optimizer's keys in
-    a caller's. Runs once; holds no reference to the optimizer (Note [lifetime]). In a forked
-    child (no worker there, its queue's lock may have been copied held) it only lets a private
-    store forget the child's copy."""
-    if os.getpid() != pid:
-        if owns_store:
-            store.close()  # Note [fork] of the store: the parent's files stay
-        return
-    stop_thread(work, worker)
-    for handle in hooks:
-        handle.remove()
-    hooks.clear()
-    for key in ram_held:
-        try:
-            store.release(key)
-        except Exception:  # noqa: BLE001  (the store was closed or the key deleted by its owner)
-            pass
-    ram_held.clear()
-    if owns_store:
-        store.close()
-        return
-    if store.device.type == "cuda" and torch.cuda.is_initialized():
-        torch.cuda.synchronize(store.device)  # no copy still reads or writes a blob freed below
-    try:
-        free_owner_keys(store, owner)
-    except StoreClosedError:
-        pass  # the caller closed its store first: nothing is left to free
+    Raises:
+        ValueError: DTensors with ``data_parallel``/``process_group``, a mix of DTensors and
+            plain params, or ``data_parallel`` without an initialized torch.distributed.
+    """
+    dp = bool(data_parallel) or process_group is not None
+    if dp or any(is_dtensor(p) for p in params):
+        from tiermem.optim import dist_modes  # only a distributed run imports the distributed code
+        return dist_modes.choose(params, dp, process_group, bucket_numel)
+    return LocalMode()

@@ -17,7 +17,7 @@ import torch
 
 from tiermem._log import logger, progress
 from tiermem.config import StoreConfig
-from tiermem.optim import distributed as _dist
+from tiermem.optim.local_tensor import local_of
 from tiermem.optim.partition import Chunk, GroupPlan, plan_group
 from tiermem.store.pool import block_bytes
 from tiermem.store.store import TierFullError, TierStore
@@ -31,7 +31,7 @@ OUT_SLOTS = 4
 a ring, so param staging costs 4 chunks instead of 2 bytes per offloaded bf16 param."""
 
 LANE_SLOTS = 3
-"""Device slots of the GPU lane (Note [gpu lane] in hybrid_adam.py): one chunk's state loading,
+"""Device slots of the GPU lane (Note [gpu lane] in gpu_lane.py): one chunk's state loading,
 one stepping, one writing back."""
 
 WIDE_BATCH_NUMEL = 1 << 24
@@ -63,7 +63,7 @@ def state_numel(numel: int, moments_dtype: torch.dtype) -> int:
 
 def lane_slot_bytes(chunk_numel: int, moments_dtype: torch.dtype) -> int:
     """GPU bytes of the GPU lane's ``LANE_SLOTS`` device slots (Note [gpu lane] in
-    hybrid_adam.py) for chunks of at most ``chunk_numel`` elements: per slot one chunk's fp32
+    gpu_lane.py) for chunks of at most ``chunk_numel`` elements: per slot one chunk's fp32
     state blob and its fp32 gradients.
 
     Raises:
@@ -177,7 +177,7 @@ class Group:
     plan: GroupPlan
     steps: list[int]
     n_local: int = 0
-    segments: list | None = None  # data parallel: _dist.Segment per local tensor
+    segments: list | None = None  # data parallel: distributed.Segment per local tensor
     numels: list[int] = field(default_factory=list)  # per local tensor (for re-planning)
     sizes: list[int] = field(default_factory=list)  # bytes per element, per local tensor
     locals_in_bucket: dict[int, list[int]] = field(default_factory=dict)
@@ -207,7 +207,7 @@ def local_view(g: Group, i: int) -> torch.Tensor:
     if g.segments is not None:
         s = g.segments[i]
         return g.params[s.param].detach().view(-1)[s.start:s.start + s.numel]
-    return _dist.local_of(g.params[i]).view(-1)
+    return local_of(g.params[i]).view(-1)
 
 
 def param_index(g: Group, i: int) -> int:

@@ -1,5 +1,6 @@
 """HybridAdam's state in torch.optim's format: gathered per param from the GPU side, RAM and
-NVMe (and, data parallel, from every rank's shard), and scattered back into them.
+NVMe, and scattered back into them (data parallel gathers every rank's shard in
+:mod:`tiermem.optim.dist_modes`).
 
 Saved moments are fp32 whatever ``moments_dtype`` is (bf16 moments widen exactly, from the GPU
 side and the offloaded chunks alike); loading rounds them to ``moments_dtype`` (to nearest even,
@@ -8,12 +9,13 @@ so bf16 moments round-trip bit for bit).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from tiermem.optim import distributed as _dist
+from tiermem.optim.hyperparams import check_group
 from tiermem.optim.layout import Group, StateLayout, local_view, param_index, state_views
+from tiermem.optim.local_tensor import local_of
 
 
 def offloaded_pieces(layout: StateLayout, g: Group) -> Iterator[tuple]:
@@ -39,69 +41,29 @@ def offloaded_pieces(layout: StateLayout, g: Group) -> Iterator[tuple]:
             store.evict(key, "nvme").wait()
 
 
-def param_states(layout: StateLayout, mode: str, zero: Any,
-                 device: torch.device) -> list[list[dict]]:
-    """Per-param state in torch's format: step, exp_avg, exp_avg_sq (+ master).
-
-    One process (``mode="local"``): full-size CPU tensors. FSDP2 (``"fsdp"``): DTensors like
-    the params (local shard on the CPU). Data parallel (``"zero"``, ``zero`` its ZeroComm):
-    full-size CPU tensors on every rank (collective, staged through ``device``).
+def param_states(layout: StateLayout,
+                 wrap: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                 ) -> list[list[dict]]:
+    """Per-param state in torch's format: step, exp_avg, exp_avg_sq (+ master), shaped like
+    each param's local tensor (one process: full-size CPU tensors). ``wrap(t, param)`` turns
+    each state tensor into what the caller returns (FSDP2: a DTensor like the param, see
+    ``FsdpMode`` in :mod:`tiermem.optim.dist_modes`); data parallel gathers its own.
 
     Raises:
         StoreClosedError: the store was closed.
     """
-    local = local_states(layout)
-    if mode == "zero":
-        return _gather_states(layout, local, zero, device)
     out = []
-    for g, states in zip(layout.groups, local):
+    for g, states in zip(layout.groups, local_states(layout)):
         group_out = []
         for i, st in enumerate(states):
             p = g.params[i]
-            shape = _dist.local_of(p).shape
+            shape = local_of(p).shape
             full = {"step": torch.tensor(float(st["step"]))}
             for name in ("exp_avg", "exp_avg_sq", "master"):
                 if name in st:
                     t = st[name].view(shape)
-                    full[name] = _dist.to_dtensor(t, p) if mode == "fsdp" else t
+                    full[name] = wrap(t, p) if wrap is not None else t
             group_out.append(full)
-        out.append(group_out)
-    return out
-
-
-def _gather_states(layout: StateLayout, local: list[list[dict]], zero: Any,
-                   device: torch.device) -> list[list[dict]]:
-    """Data parallel: assemble every param's full state from the ranks' shards (an
-    all-reduce of disjoint pieces, staged through bounded buffers on the params' device)."""
-    out = []
-    for g, states in zip(layout.groups, local):
-        zg = zero.groups[g.index]
-        names = ["exp_avg", "exp_avg_sq"]
-        if g.params and g.params[0].dtype != torch.float32:
-            names.append("master")
-        full = {name: torch.zeros(zg.total, dtype=torch.float32) for name in names}
-        for seg, st in zip(zg.segments, states):
-            for name in names:
-                full[name][seg.flat_offset:seg.flat_offset + seg.numel] = st[name]
-        stage = 1 << 24
-        for name in names:
-            for lo in range(0, zg.total, stage):
-                piece = full[name][lo:lo + stage].to(device)
-                torch.distributed.all_reduce(piece, group=zero.pg)
-                full[name][lo:lo + stage] = piece.cpu()
-        steps = torch.zeros(len(g.params), dtype=torch.int64)
-        for seg, st in zip(zg.segments, states):
-            steps[seg.param] = max(int(steps[seg.param]), st["step"])
-        steps = steps.to(device)
-        torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX, group=zero.pg)
-        steps = steps.cpu()
-        group_out = []
-        for i, p in enumerate(g.params):
-            sl = slice(zg.offsets[i], zg.offsets[i + 1])
-            st = {"step": torch.tensor(float(steps[i]))}
-            for name in names:
-                st[name] = full[name][sl].view(p.shape)
-            group_out.append(st)
         out.append(group_out)
     return out
 
@@ -141,11 +103,12 @@ def local_states(layout: StateLayout) -> list[list[dict]]:
     return out
 
 
-def scatter(layout: StateLayout, g: Group, param_sts: list[dict | None], mode: str,
-            who: str) -> None:
+def scatter(layout: StateLayout, g: Group, param_sts: list[dict | None],
+            cut: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]) -> None:
     """Load group ``g``'s saved per-param states ``param_sts`` (None: no state, the moments
     start at zero) into the GPU side, RAM and NVMe (moments rounded to ``moments_dtype``);
-    ``mode`` as in :func:`param_states`, ``who`` the error prefix.
+    ``cut(t, param, name)`` is this rank's part of a saved whole-param tensor, flat (the
+    mode's ``local_state``: one process the tensor itself; data parallel cuts by segment here).
 
     Raises:
         ValueError: an FSDP2 DTensor that cannot be redistributed to the param's placements.
@@ -157,12 +120,10 @@ def scatter(layout: StateLayout, g: Group, param_sts: list[dict | None], mode: s
         """This rank's part of saved tensor ``name`` of local tensor ``i``, flat."""
         t = sts[i][name]
         p = g.params[param_index(g, i)]
-        if mode == "fsdp":
-            return _dist.local_state(t, p, name, who).reshape(-1)
         if g.segments is not None:
             seg = g.segments[i]
             return t.reshape(-1)[seg.start:seg.start + seg.numel]
-        return t.reshape(-1)
+        return cut(t, p, name)
 
     def master_of(i):
         st = sts[i]
@@ -188,3 +149,38 @@ def scatter(layout: StateLayout, g: Group, param_sts: list[dict | None], mode: s
                 moment.copy_(local_src(pc.param, name)[sl])
             else:
                 moment.zero_()
+
+
+def check_loadable(state_dict: dict, layout_groups: list[Group], who: str) -> None:
+    """Refuse a state that does not fit the optimizer's groups before anything is loaded.
+
+    Raises:
+        ValueError: a bad or amsgrad hyper-parameter group, another number of groups or
+            params, or a tensor whose shape is not its param's.
+    """
+    groups = state_dict["param_groups"]
+    for gi, saved in enumerate(groups):  # Note [finite hyper-parameters]: no amsgrad
+        check_group(f"{who}.load_state_dict", gi, saved)
+        if any("max_exp_avg_sq" in (state_dict["state"].get(sid) or {})
+               for sid in saved["params"]):
+            raise ValueError(f"{who}.load_state_dict: param group {gi} holds an "
+                             f"amsgrad state (max_exp_avg_sq); HybridAdam does not "
+                             f"implement amsgrad: continue it with torch.optim.AdamW("
+                             f"amsgrad=True)")
+    if len(groups) != len(layout_groups):
+        raise ValueError(f"{who}.load_state_dict: the state has {len(groups)} param "
+                         f"groups but this optimizer has {len(layout_groups)}")
+    for gi, (saved, g) in enumerate(zip(groups, layout_groups)):
+        if len(saved["params"]) != len(g.params):
+            raise ValueError(f"{who}.load_state_dict: param group {gi} has "
+                             f"{len(saved['params'])} params in the state but "
+                             f"{len(g.params)} here")
+        for sid, p in zip(saved["params"], g.params):
+            st = state_dict["state"].get(sid)
+            if st is None:
+                continue
+            for name in ("exp_avg", "exp_avg_sq", "master"):
+                if name in st and tuple(st[name].shape) != tuple(p.shape):
+                    raise ValueError(f"{who}.load_state_dict: {name} of param {sid} "
+                                     f"has shape {tuple(st[name].shape)} but the param has "
+                                     f"{tuple(p.shape)}; the state is for another model")

@@ -89,7 +89,7 @@ class StepState:
     steps) the caller's stream waits on."""
     chunk_h2d: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Under lock; the worker writes: stepped chunk -> its last H2D event (Note [forward sync]
-    in hybrid_adam.py)."""
+    in forward_sync.py)."""
     clip_event: Any = None
     """No lock; the caller writes it before setting ``compute_allowed``, the worker reads it
     after waiting on that: the clip's event, the gradients' copies wait for it."""

@@ -119,7 +119,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             on it (``batch x seq x grad_accumulation_steps`` tokens), the memory only with
             ``breadth_first_blocks``.
         gpu_step_fraction: HybridAdam's share of the offloaded chunks the GPU steps (Note [gpu
-            lane] in ``tiermem/optim/hybrid_adam.py``), in [0, 1]: only the time per step
+            lane] in ``tiermem/optim/gpu_lane.py``), in [0, 1]: only the time per step
             depends on it (that share crosses PCIe as state both ways instead of being stepped
             by the CPU; :func:`step_time`); the lane's device slots are not in the memory.
         max_grad_norm: HybridAdam's gradient clipping norm (a number > 0), or None (no

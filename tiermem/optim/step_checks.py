@@ -1,0 +1,75 @@
+"""What ``HybridAdam.step()`` refuses before it steps anything: more backward passes than
+``grad_accumulation_steps``, gradients changed after backward copied them off the GPU, and
+parameters changed after their gradient hook handed them over (Note [param changes])."""
+
+from __future__ import annotations
+
+from tiermem.optim.layout import Group
+from tiermem.optim.param_watch import ParamWatch
+from tiermem.optim.step_state import StepState
+
+
+def check_accumulation(step: StepState, grad_accumulation_steps: int, who: str) -> None:
+    """Refuse a step after more backward passes than ``grad_accumulation_steps``: gradients
+    were copied off the GPU after the last counted pass.
+
+    Raises:
+        RuntimeError: a param accumulated more passes than ``grad_accumulation_steps``.
+    """
+    with step.lock:
+        extra = [(k, n) for k, n in step.acc_count.items() if n > grad_accumulation_steps]
+    if extra:
+        raise RuntimeError(
+            f"{who}: {extra[0][1]} backward passes accumulated into a "
+            f"parameter before step(), but grad_accumulation_steps="
+            f"{grad_accumulation_steps}: gradients were copied off the GPU after pass "
+            f"{grad_accumulation_steps}; set grad_accumulation_steps to the number of "
+            f"backward passes per step")
+
+
+def check_grads_untouched(step: StepState, groups: list[Group], who: str) -> None:
+    """Refuse a step whose gradients changed after backward copied them off the GPU.
+
+    With overlap, an offloaded gradient is copied D2H (and may already be stepped on the
+    CPU) the moment it is accumulated; ``torch.nn.utils.clip_grad_norm_`` or a GradScaler's
+    ``unscale_`` after backward would then change only the copy left on the GPU and the
+    step would silently mix clipped and unclipped gradients. The grads' version counters
+    tell.
+
+    Raises:
+        RuntimeError: a gradient was modified in place or replaced after it was shipped.
+    """
+    with step.lock:
+        shipped = dict(step.shipped_versions)
+    for (g, i), (version, ptr) in shipped.items():
+        grad = groups[g].params[i].grad
+        if grad is None or grad._version != version or grad.data_ptr() != ptr:
+            raise RuntimeError(
+                f"{who}: a gradient was changed after backward had already copied it "
+                f"off the GPU (overlap=True), e.g. by torch.nn.utils.clip_grad_norm_ or "
+                f"GradScaler.unscale_; clip with HybridAdam(max_grad_norm=...), which clips "
+                f"every gradient on and off the GPU, or build HybridAdam with overlap=False "
+                f"so gradients are copied in step(). This step was not applied consistently: "
+                f"restart from a checkpoint")
+
+
+def check_params_before_step(watch: ParamWatch, groups: list[Group], who: str) -> None:
+    """Note [param changes]: take the changes of parameters not yet handed over this step
+    into their masters; refuse a parameter changed after its gradient hook handed it over
+    (the CPU side may have stepped it from the old value).
+
+    Raises:
+        RuntimeError: a parameter changed between its gradient hook and ``step()``.
+        ValueError: a parameter changed its shape, dtype or device.
+    """
+    for g in groups:
+        for i in range(g.n_local):
+            if not watch.checked(g.index, i):
+                watch.sync(g.index, i)
+            elif watch.changed(g.index, i):
+                raise RuntimeError(
+                    f"{who}: param {i} of param group {g.index} was changed after "
+                    f"backward had handed it to the CPU step (overlap=True), which may "
+                    f"have stepped it from the old value; change parameters before the "
+                    f"forward or after step(), or build HybridAdam with overlap=False. "
+                    f"This step was not applied")
