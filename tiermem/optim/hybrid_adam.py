@@ -93,7 +93,7 @@ from tiermem.optim.layout import WIDE_BATCH_NUMEL, Group, StateLayout, private_s
 from tiermem.optim.lifetime import OWNERS, call_weak_forward, release
 from tiermem.optim.partition import auto_chunk_numel, plan_group
 from tiermem.optim.read_ahead import ReadAhead
-from tiermem.optim.state_dict import check_loadable, scatter
+from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step)
 from tiermem.optim.step_state import StepState, new_stats
@@ -226,14 +226,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._groups, self.chunk_numel = self._make_groups(chunk_numel)
         chunk_numel = self.chunk_numel
         self._owns_store = store is None
-        if store is None:
-            if state_tier == "nvme":
-                nvme_dir = self._mode.spill_dir(nvme_dir)
-            store = private_store(self._groups, chunk_numel=chunk_numel,
-                                  moments_dtype=moments_dtype,
-                                  lookahead_chunks=nvme_lookahead_chunks, state_tier=state_tier,
-                                  device=self.device, nvme_dir=nvme_dir)
-        self._store = store
+        self._store = store if store is not None else self._private_store(nvme_dir)
+        store = self._store
         self._layout = StateLayout(self._groups, store, owner=next(OWNERS), device=self.device,
                                    state_tier=state_tier, moments_dtype=moments_dtype,
                                    backward_order=overlap and not (
@@ -267,14 +261,7 @@ class HybridAdam(torch.optim.Optimizer):
         # Note [lifetime]: threads and hooks never keep the optimizer alive
         self._worker = ChunkWorker(self._layout, self._step, self._read_ahead, self._lane,
                                    self._copier, self.param_groups, cpu_threads)
-        me = weakref.ref(self)
-        # removed by close() or the finalizer; the gradient hooks are the mode's
-        self._hooks: list = self._mode.grad_hooks(me, self._groups, self._trace_placement)
-        if param_sync == "forward":
-            # never traced by torch.compile: a traced hook's waits would happen at compile time
-            # only, and a compiled forward would read params the CPU side has not written yet
-            self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
-                torch.compiler.disable(functools.partial(call_weak_forward, me))))
+        self._hooks = self._register_hooks()  # removed by close() or the finalizer
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, release, self._worker.queue,
                                            self._worker.thread, self._hooks,
@@ -282,7 +269,7 @@ class HybridAdam(torch.optim.Optimizer):
                                            self._pid, self._layout.owner)
         self._begin_step()
 
-    # ------------------------------------------------------------------ modes and local tensors
+    # ------------------------------------------------------------------ setup
 
     def _make_groups(self, chunk_numel: int | None) -> tuple[list[Group], int]:
         """The groups of local tensors the mode says this rank steps, each partitioned into
@@ -302,7 +289,31 @@ class HybridAdam(torch.optim.Optimizer):
             groups.append(group)
         return groups, chunk_numel
 
-    # ------------------------------------------------------------------ setup
+    def _private_store(self, nvme_dir: str | None) -> TierStore:
+        """A store sized for this optimizer's state (``nvme_dir``: its spill directory, per
+        rank when distributed).
+
+        Raises:
+            ValueError, OSError: the spill directory cannot be used.
+        """
+        if self.state_tier == "nvme":
+            nvme_dir = self._mode.spill_dir(nvme_dir)
+        return private_store(self._groups, chunk_numel=self.chunk_numel,
+                             moments_dtype=self.moments_dtype,
+                             lookahead_chunks=self.nvme_lookahead_chunks,
+                             state_tier=self.state_tier, device=self.device, nvme_dir=nvme_dir)
+
+    def _register_hooks(self) -> list:
+        """The mode's gradient hooks and, with ``param_sync="forward"``, the global forward
+        pre-hook; each calls the optimizer through a weak reference (Note [lifetime])."""
+        me = weakref.ref(self)
+        hooks = self._mode.grad_hooks(me, self._groups, self._trace_placement)
+        if self.param_sync == "forward":
+            # never traced by torch.compile: a traced hook's waits would happen at compile time
+            # only, and a compiled forward would read params the CPU side has not written yet
+            hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
+                torch.compiler.disable(functools.partial(call_weak_forward, me))))
+        return hooks
 
     def _init_state(self) -> None:
         """Allocate the state (GPU side, store buffers and chunks, the lane's slots); on any
@@ -676,15 +687,7 @@ class HybridAdam(torch.optim.Optimizer):
         for g in self._groups:  # Note [param changes]: the masters of changed params
             for i in range(g.n_local):
                 self._watch.sync(g.index, i, mark=False)
-        states = self._mode.param_states(self._layout, self.device)
-        flat_state, index, groups = {}, 0, []
-        for g, hp in zip(states, self.param_groups):
-            ids = list(range(index, index + len(g)))
-            for i, st in zip(ids, g):
-                flat_state[i] = st
-            groups.append({**{k: v for k, v in hp.items() if k != "params"}, "params": ids})
-            index += len(g)
-        return {"state": flat_state, "param_groups": groups}
+        return torch_format(self._mode.param_states(self._layout, self.device), self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's ``state_dict``).

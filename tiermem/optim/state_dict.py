@@ -184,3 +184,20 @@ def check_loadable(state_dict: dict, layout_groups: list[Group], who: str) -> No
                     raise ValueError(f"{who}.load_state_dict: {name} of param {sid} "
                                      f"has shape {tuple(st[name].shape)} but the param has "
                                      f"{tuple(p.shape)}; the state is for another model")
+
+
+def torch_format(states: list[list[dict]], param_groups: list[dict]) -> dict:
+    """torch.optim's ``state_dict`` layout: per-param states numbered across the groups, and
+    each group's hyper-parameters with its params' numbers.
+
+    Raises:
+        Nothing.
+    """
+    flat_state, index, groups = {}, 0, []
+    for g, hp in zip(states, param_groups):
+        ids = list(range(index, index + len(g)))
+        for i, st in zip(ids, g):
+            flat_state[i] = st
+        groups.append({**{k: v for k, v in hp.items() if k != "params"}, "params": ids})
+        index += len(g)
+    return {"state": flat_state, "param_groups": groups}
