@@ -20,6 +20,8 @@
 #   cuda_round3        nvidia-h200      issue 27's new CUDA tests: race windows widened with
 #                                       torch.cuda._sleep (gradient D2H wait, double-buffer load
 #                                       wait, auto's kept budget), parameter changes, the HF Trainer
+#   optim_cpu          nvidia-h200      tests/optim's CPU tests on the H200 host (torch 2.11), failures
+#                                       listed (-rf): the host's own CPU kernels, bounded 150 s
 #   pin_alloc          nvidia-h200      pinned allocation, s/GiB: 3 fresh processes, 4 GiB each
 #   stream_cuda        nvidia-h200      pytest -m cuda tests/stream (copy stream sleeping before
 #                                       each fill; ~1 min estimated), then the parity_stream rows
@@ -79,6 +81,8 @@ for stage in "$@"; do
       tests/optim/test_param_changes.py tests/offload/test_cuda_slips.py \
       tests/schedule/test_layers.py tests/offload/test_versions.py \
       tests/integrations/test_hf_trainer_cuda.py ;;
+    optim_cpu) run optim_cpu 150 python3 -m pytest -q -p no:cacheprovider -rf -x -m "not cuda" \
+      tests/optim -n 8 ;;
     pin_alloc) for i in 1 2 3; do python3 -c "import time, torch; torch.cuda.init()
 t = time.perf_counter()
 k = [torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
