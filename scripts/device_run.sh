@@ -81,8 +81,8 @@ for stage in "$@"; do
       tests/optim/test_param_changes.py tests/offload/test_cuda_slips.py \
       tests/schedule/test_layers.py tests/offload/test_versions.py \
       tests/integrations/test_hf_trainer_cuda.py ;;
-    optim_cpu) run optim_cpu 150 python3 -m pytest -q -p no:cacheprovider -rf -m "not cuda" \
-      tests/optim -n 8 ;;
+    optim_cpu) run optim_cpu 240 python3 -m pytest -v --tb=short -p no:cacheprovider -rf \
+      -m "not cuda" tests/optim -n 16 ;;
     pin_alloc) for i in 1 2 3; do python3 -c "import time, torch; torch.cuda.init()
 t = time.perf_counter()
 k = [torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
