@@ -40,6 +40,8 @@ class MoveTable:
 
     - ``moves``: the in-flight ``_Move`` s, in start order; an entry's ``move`` is its own.
     - ``moved``: bytes moved per link (``"cpu->gpu"``, ...), reported by ``TierStore.stats``.
+    - ``kept_bytes``: bytes demoted to nvme into a kept extent, with no write (Note [clean
+      reads] in ``clean.py``), reported by ``TierStore.stats``.
 
     It reads the store (through a weak proxy: no reference cycle keeps a dropped store alive)
     for the recorder, the per-tier usage and the peaks (``TierStore._budgets.peak``, which
@@ -50,6 +52,7 @@ class MoveTable:
         self._store = weakref.proxy(store)
         self.moves: list[_Move] = []
         self.moved: dict[str, int] = {}
+        self.kept_bytes = 0  # evicted to nvme into a kept extent, unwritten (clean.py)
 
     @staticmethod
     def event_future(event: torch.cuda.Event | None) -> TransferFuture:

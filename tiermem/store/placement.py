@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tiermem.store.budgets import Budgets, TierFullError
+from tiermem.store.clean import after_read_up, drop_kept, reuse_kept
 from tiermem.store.moves import MoveTable, _Move
 from tiermem.store.nvme import SpillFull
 from tiermem.store.pool import HostBlock, HostPool
@@ -140,7 +141,7 @@ class Placement:
                 entry.device_buf = device_buf
 
             def done(extent=extent, block=block, device_buf=device_buf):
-                spill.free(extent)
+                after_read_up(entry, extent, spill)  # kept or freed: Note [clean reads]
                 if device_buf is not None:
                     self._pool.free(block)
 
@@ -222,8 +223,12 @@ class Placement:
             raise TierFullError(f"cannot spill {key!r}: the nvme tier has no budget "
                                 f"(set StoreConfig.nvme_bytes and nvme_dir)")
         block = entry.block
+        kept = reuse_kept(entry)
+        if kept is not None:  # unchanged since a clean read: no write (Note [clean reads])
+            self._demote_into_kept(entry, block, kept)
+            return
         try:
-            write = self._store._spill.write(key, block.tensor, n)
+            write = self._write(key, block, n)
         except SpillFull as exc:  # Note [spill errors]: at once, so put() can pick another tier
             raise TierFullError(f"nvme tier full: {exc}") from exc
         future = TransferFuture()
@@ -243,6 +248,34 @@ class Placement:
             self._store._policy.on_move(key, "nvme", "cpu")
 
         self._moves.add(entry, "cpu", "nvme", future, done_write, fail_write)
+
+    def _write(self, key: Any, block: HostBlock, n: int) -> Any:
+        """Start spilling ``block``'s first ``n`` bytes; a full spill space first gives up
+        the kept extents (Note [clean reads]) and is tried once more."""
+        spill = self._store._spill
+        try:
+            return spill.write(key, block.tensor, n)
+        except SpillFull:
+            if not drop_kept(self._store._entries.values(), spill):
+                raise
+        return spill.write(key, block.tensor, n)
+
+    def _demote_into_kept(self, entry: Any, block: HostBlock, kept: Any) -> None:
+        """Move a cpu entry to nvme into its kept extent: nothing is written, the block is
+        freed when the (already finished) move is applied (Note [clean reads])."""
+        entry.tier, entry.block, entry.extent = "nvme", None, kept
+        self._moves.kept_bytes += entry.nbytes
+
+        def done(block=block):
+            self._pool.free(block)
+
+        def fail(exc, block=block):  # a finished future never fails; kept for the table
+            entry.tier, entry.block, entry.extent = "cpu", block, None
+            self._store._spill.free(kept)
+
+        move = _Move(entry, "cpu", "nvme", TransferFuture.completed(), done, fail)
+        self._moves.moves.append(move)
+        entry.move = move
 
     def copy_to_block(self, block: HostBlock, flat: torch.Tensor) -> torch.cuda.Event | None:
         dst = block.tensor[:flat.numel()]

@@ -37,6 +37,7 @@ from tiermem.config import TIERS, StoreConfig
 from tiermem.names import resolve_device
 from tiermem.store.fork import track as track_forks
 from tiermem.store.budgets import Budgets, TierFullError
+from tiermem.store.clean import note_read
 from tiermem.store.io import make_backend
 from tiermem.store.moves import MoveTable, _Move
 from tiermem.store.nvme import Extent, SpillSpace
@@ -85,6 +86,8 @@ class _Entry:
     extent: Extent | None = None            # "nvme": spill extent
     move: "_Move | None" = None             # in-flight move into ``tier``
     holds: int = 0
+    kept: Extent | None = None              # clean NVMe copy while above nvme (clean.py)
+    keep_extent: bool = False               # the last read only reads (Note [clean reads])
 
 
 class TierStore:
@@ -242,7 +245,8 @@ class TierStore:
         if self._prefetcher is not None:
             self._prefetcher.after_access(key)
 
-    def get(self, key: Hashable, tier: str = "gpu", *, hold: bool = False) -> torch.Tensor:
+    def get(self, key: Hashable, tier: str = "gpu", *, hold: bool = False,
+            keep_extent: bool = False) -> torch.Tensor:
         """Return the tensor of ``key``, moving it into ``tier`` first if it is lower.
 
         With ``tier="gpu"`` (default) the result is on the compute device and the calling
@@ -255,6 +259,10 @@ class TierStore:
                 (:meth:`hold`; moving it would free the holder's memory), stays where it is and
                 is returned from there.
             hold: keep the key from being evicted or moved until :meth:`release`.
+            keep_extent: the caller only reads the result: a key read up from nvme keeps
+                its extent, and evicting it there again unchanged writes nothing (Note [clean
+                reads] in tiermem/store/clean.py). False (default): the result may be written,
+                and any kept extent of the key is freed.
 
         Raises:
             KeyError: unknown key.
@@ -276,6 +284,7 @@ class TierStore:
             self._inflight.reap()
             entry = self._lookup(key)
             from_tier = entry.tier
+            note_read(entry, keep_extent, self._spill)
             if _RANK[entry.tier] > _RANK[tier] and not entry.holds:  # a held key stays put
                 self._inflight.settle(entry)
                 old_tier = entry.tier
@@ -311,12 +320,14 @@ class TierStore:
             self._prefetcher.after_access(key)
         return out
 
-    def prefetch(self, key: Hashable, tier: str = "gpu") -> TransferFuture:
+    def prefetch(self, key: Hashable, tier: str = "gpu", *,
+                 keep_extent: bool = False) -> TransferFuture:
         """Start moving ``key`` up into ``tier`` and return a future (``wait()``/``done()``).
 
         A key already in ``tier`` or higher, or held by a caller, is left alone (a done future
         is returned). A later
         :meth:`get` waits for the prefetch. The future's buffers belong to the store.
+        ``keep_extent``: as in :meth:`get` (Note [clean reads]).
 
         Raises:
             KeyError: unknown key.
@@ -334,6 +345,7 @@ class TierStore:
             self._check_open()
             self._inflight.reap()
             entry = self._lookup(key)
+            note_read(entry, keep_extent, self._spill)
             if _RANK[entry.tier] > _RANK[tier] and not entry.holds:  # a held key stays put
                 self._inflight.settle(entry)
                 old_tier = entry.tier
@@ -346,7 +358,8 @@ class TierStore:
         return future
 
     def try_prefetch(self, key: Hashable, tier: str = "gpu", *,
-                     evictable: Callable[[Hashable], bool] | None = None) -> TransferFuture | None:
+                     evictable: Callable[[Hashable], bool] | None = None,
+                     keep_extent: bool = False) -> TransferFuture | None:
         """Start moving ``key`` up into ``tier`` only if that needs no unwanted eviction.
 
         A hint, unlike :meth:`prefetch`: it never waits for in-flight moves to make room, never
@@ -355,6 +368,7 @@ class TierStore:
         the ``"cpu"`` tier for an nvme -> gpu move's staging block) and, when ``evictable`` is
         given, from evicting (in policy order, cascading down) resident keys for which
         ``evictable(key)`` is True; the key itself and keys held or in flight are never evicted.
+        ``keep_extent``: as in :meth:`get` (Note [clean reads]), for a key it starts moving.
 
         Returns:
             the move's future (a done one when ``key`` is already in ``tier`` or higher, the
@@ -381,6 +395,7 @@ class TierStore:
                 return TransferFuture.completed()
             if entry.holds:
                 return None
+            note_read(entry, keep_extent, self._spill)
             old_tier = entry.tier
             self._budgets.evict_only = evictable if evictable is not None else (lambda k: False)
             try:
@@ -545,8 +560,9 @@ class TierStore:
 
         ``{tier: {"budget_bytes", "used_bytes", "peak_bytes", "stall_s"}, "moved_bytes":
         {"cpu->gpu": n, "gpu->cpu": n, "cpu->nvme": n, "nvme->cpu": n, ...},
-        "pinned_bytes": n}``; ``stall_s`` is the time :meth:`get` blocked for keys that were in
-        that tier.
+        "pinned_bytes": n, "kept_bytes": n}``; ``stall_s`` is the time :meth:`get` blocked for
+        keys that were in that tier; ``kept_bytes`` the bytes evicted to nvme into a kept
+        extent, without a write (Note [clean reads]; not in ``moved_bytes``).
 
         Raises:
             StoreClosedError: the store was made by the parent of this forked process.
@@ -560,6 +576,7 @@ class TierStore:
                          for t in TIERS}
             out["moved_bytes"] = dict(self._inflight.moved)
             out["pinned_bytes"] = self._pool.reserved_bytes if self._pool.pin else 0
+            out["kept_bytes"] = self._inflight.kept_bytes
             return out
 
     def synchronize(self) -> None:
@@ -652,7 +669,9 @@ class TierStore:
             self._pool.free(entry.block)
         elif entry.tier == "nvme" and entry.extent is not None:
             self._spill.free(entry.extent)
-        entry.device_buf = entry.block = entry.extent = None
+        if entry.kept is not None:  # Note [clean reads]: the old value's NVMe copy
+            self._spill.free(entry.kept)
+        entry.device_buf = entry.block = entry.extent = entry.kept = None
         self._policy.on_move(entry.key, entry.tier, None)
         if self._recorder is not None:
             self._sample()
