@@ -114,7 +114,8 @@ class Fetcher:
             for p in block.params:
                 src = p.host
                 if self.tier == "nvme":
-                    src = self.store.get(p.key, "cpu", hold=True)
+                    # read only: the extent stays, no rewrite on eviction (Note [clean reads])
+                    src = self.store.get(p.key, "cpu", hold=True, keep_extent=True)
                     block.held.append(p.key)
                 if self.fault is not None:
                     src = self.fault(block, p, src)

@@ -535,5 +535,5 @@ class WeightStream:
             mine = ("tiermem.stream", self._uid)
             for j in upcoming[self.prefetch_blocks:self.prefetch_blocks + 1]:
                 for p in self._blocks[j].params:  # a hint: only into room, never an error
-                    self.store.try_prefetch(p.key, "cpu",
+                    self.store.try_prefetch(p.key, "cpu", keep_extent=True,  # Note [clean reads]
                                             evictable=lambda k: tuple(k[:2]) == mine)
