@@ -35,9 +35,10 @@ def dataset(seed: int = 1) -> list[dict]:
             for ids in torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)]
 
 
-def training_args(out: str, **kw) -> TrainingArguments:
+def training_args(out: str, cls: type = TrainingArguments, **kw) -> TrainingArguments:
     """9 optimizer steps (one epoch: 8 windows of 2 micro-batches and a last one of 1), linear
-    LR with warmup, weight decay, clipping at 1.0 (every step clips: the norms are 1.3-2.4)."""
+    LR with warmup, weight decay, clipping at 1.0 (every step clips: the norms are 1.3-2.4);
+    ``cls``: TrainingArguments or a subclass (TRL's SFTConfig)."""
     base = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                 num_train_epochs=1, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
                 lr_scheduler_type="linear", max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.95,
@@ -45,7 +46,7 @@ def training_args(out: str, **kw) -> TrainingArguments:
                 use_cpu=True, seed=0, optim="adamw_torch_fused", disable_tqdm=True,
                 dataloader_num_workers=0)
     base.update(kw)
-    return TrainingArguments(**base)
+    return cls(**base)
 
 
 class ClipInGroupOrder(Trainer):
