@@ -1,4 +1,12 @@
-"""Shared fixtures: a small store per test, and the CUDA skip marker."""
+"""Shared fixtures: a small store per test, the CUDA skip marker, and CPU tests kept on the CPU.
+
+Note [CPU tests on a CUDA host]: a test not marked ``cuda`` is written for CI's machine, which
+has no GPU, and relies on ``device="auto"`` (StoreConfig, HybridAdam's private store, the
+offload context) meaning the CPU. On the GPU machine ``auto`` means CUDA, and such tests built
+a CUDA store for CPU models (tests/optim's test_store_checks and four more failed there with
+torch 2.11 on an H200). An autouse fixture hides CUDA from every test without the ``cuda``
+mark, so the CPU suite tests the same thing on both machines; the CUDA paths are the ``cuda``
+tests' to cover."""
 
 import pytest
 import torch
@@ -13,6 +21,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests_see_no_cuda(request, monkeypatch):
+    """Note [CPU tests on a CUDA host]: ``torch.cuda.is_available()`` is False in CPU tests."""
+    if "cuda" not in request.keywords and torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture
