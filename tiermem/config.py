@@ -574,3 +574,58 @@ class TrainConfig:
         for name in ("checkpoint", "baseline", "progress"):
             check_bool(who, name, getattr(self, name))
         check_number(who, "tolerance", self.tolerance, low=0.0)
+
+# ------------------------------------------------------------------ weight streaming (issue 29)
+STREAM_TIERS = ("cpu", "nvme")
+"""``streaming.tier``: the streamed weights' home (pinned RAM, or NVMe behind RAM staging)."""
+STREAM_SCHEDULES = ("block-major", "depth-first")
+"""``streaming.schedule``: how a step's micro-batches visit the streamed blocks."""
+STREAM_OPTIMIZERS = ("hybrid", "torch")
+"""``streaming.optimizer``: HybridAdam or torch.optim.AdamW (examples/train_large.py)."""
+
+
+@dataclass(kw_only=True)
+class StreamingConfig:
+    """The ``streaming`` section (examples/train_large.py): weight streaming of the model's
+    blocks, :func:`tiermem.stream.stream_weights`'s arguments (docs/streaming.md). Dotted
+    overrides as for every section: ``streaming.enabled=true streaming.tier=nvme``.
+
+    Raises:
+        ValueError, TypeError: a bad value, naming the field and the fix.
+    """
+
+    enabled: bool = False
+    """Stream the blocks' weights (False: every weight stays on the GPU)."""
+    tier: Literal["cpu", "nvme"] = "cpu"
+    """The streamed weights' home: ``"cpu"`` (the store's pinned RAM) or ``"nvme"`` (the
+    store's NVMe tier, read through its RAM staging; needs store.nvme_bytes and nvme_dir)."""
+    prefetch_blocks: int = 1
+    """Streamed blocks fetched ahead of the running one (the GPU holds this + 2 blocks)."""
+    gpu_bytes: int | str | None = None
+    """GPU bytes for the blocks' weights: the resident blocks (the last ones that fit) plus the
+    streaming buffers (Note [resident blocks]); null: the plan's choice (``tiermem plan``'s
+    ``stream_weights(..., gpu_bytes=...)``)."""
+    schedule: Literal["block-major", "depth-first"] = "block-major"
+    """``"block-major"``: each streamed block crosses PCIe once per pass whatever the number of
+    micro-batches (Note [block-major schedule]); ``"depth-first"``: once per micro-batch."""
+    optimizer: Literal["hybrid", "torch"] = "hybrid"
+    """The optimizer of examples/train_large.py, with or without streaming: ``"hybrid"``
+    (HybridAdam, the ``optimizer`` section) or ``"torch"`` (torch.optim.AdamW on the
+    parameters, streamed ones on their host copies, with the section's lr, betas, eps,
+    weight_decay, maximize and max_grad_norm; fp32 moments only): the phase-1 path of
+    docs/streaming.md and a comparison run."""
+
+    def __post_init__(self) -> None:
+        from tiermem.names import check_bool as _bool, check_choice as _choice  # noqa: PLC0415
+        from tiermem.names import check_int as _int  # noqa: PLC0415
+        who = "streaming."
+        _bool(who, "enabled", self.enabled)
+        _choice(who, "tier", self.tier, STREAM_TIERS, "cpu is pinned RAM, nvme the store's "
+                "spill files")
+        _int(who, "prefetch_blocks", self.prefetch_blocks, low=0, unit="blocks")
+        if self.gpu_bytes is not None:
+            self.gpu_bytes = parse_bytes(self.gpu_bytes, "streaming.gpu_bytes")
+        _choice(who, "schedule", self.schedule, STREAM_SCHEDULES, "block-major fetches each "
+                "streamed block once per pass")
+        _choice(who, "optimizer", self.optimizer, STREAM_OPTIMIZERS, "hybrid is HybridAdam, "
+                "torch is torch.optim.AdamW")
