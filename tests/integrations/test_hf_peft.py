@@ -57,5 +57,5 @@ def test_lora_with_hybrid_adam_and_activation_offload_is_exact(tmp_path):
     assert len(logs) == 9 and logs == ref_logs
     assert max_diff(weights, ref_weights) == 0.0
     assert all(torch.equal(weights[n], base[n]) for n in base)  # the base did not move
-    assert any(not torch.equal(weights[n], ref_model.state_dict()[n]) is False for n in base)
+    assert all(torch.equal(ref_weights[n], base[n]) for n in base)  # nor the reference's
     opt.close()
