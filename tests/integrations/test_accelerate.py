@@ -205,3 +205,22 @@ def test_setups_that_cannot_work_are_refused():
                           ({"mixed_precision": "fp16"}, "GradScaler")]:
         bad = types.SimpleNamespace(**(vars(ok) | change))
         assert match in accelerate_refusal(bad)
+
+
+@pytest.mark.parametrize("kind,match", [(DistributedType.DEEPSPEED, "DeepSpeed plugin wraps"),
+                                        (DistributedType.FSDP, "FSDP plugin shards")])
+def test_prepare_refuses_deepspeed_and_fsdp_before_any_plugin(monkeypatch, kind, match):
+    """The plugins cannot be had in one CPU process (DeepSpeed is not installed; Accelerate
+    takes FSDP only with several GPUs), so the accelerator's state says so as a plugin sets
+    it; ``prepare`` refuses before wrapping anything, and the optimizer stays usable."""
+    acc = TiermemAccelerator(gradient_accumulation_steps=2, cpu=True)
+    model = tiny_llama()
+    opt = hybrid(1.0, "cpu", None)(model)
+    monkeypatch.setattr(acc.state, "distributed_type", kind)
+    with pytest.raises(ValueError, match=f"TiermemAccelerator: Accelerate's {match}"):
+        acc.prepare(model, opt)
+    assert acc._optimizers == [] and acc._models == []
+    monkeypatch.undo()
+    model(**next(iter(torch.utils.data.DataLoader(dataset(), batch_size=2)))).loss.backward()
+    opt.step()  # a plain loop still trains with it
+    opt.close()

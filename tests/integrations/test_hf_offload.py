@@ -7,16 +7,17 @@ refusals, and the setups the trainer refuses."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
 import torch
 
-from hf_tiny import ClipInGroupOrder, max_diff, run, tiny_llama
+from hf_tiny import ClipInGroupOrder, max_diff, run, tiny_llama, training_args
 from transformers import Trainer
 
 from tiermem.integrations import find_decoder_layers
-from tiermem.integrations.hf import TiermemTrainer
+from tiermem.integrations.hf import TiermemTrainer, with_tiermem
 from tiermem.integrations.trainer_setup import check_options, refusal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,3 +117,27 @@ def test_refusals_reach_the_user(tmp_path):
         check_options(0.5)
     with pytest.raises(TypeError, match="activation_offload must be True, False or a dict"):
         TiermemTrainer(model=tiny_llama(), activation_offload="yes")
+
+
+@pytest.mark.parametrize("flag,match", [
+    ("is_deepspeed_enabled", "DeepSpeed is enabled (TrainingArguments.deepspeed): DeepSpeed "
+                             "builds its own optimizer"),
+    ("is_fsdp_enabled", "FSDP is enabled (TrainingArguments.fsdp): the tiermem trainer runs one "
+                        "process"),
+])
+@pytest.mark.parametrize("hybrid,offload", [(True, False), (False, True)])
+def test_deepspeed_and_fsdp_trainers_are_refused_at_construction(tmp_path, flag, match, hybrid,
+                                                                  offload):
+    """Trainer sets ``is_deepspeed_enabled``/``is_fsdp_enabled`` from its accelerator's plugins
+    in ``__init__`` (a CPU process cannot get either plugin: DeepSpeed is not installed here and
+    Accelerate takes FSDP only with several GPUs), so a Trainer subclass sets the flag there as
+    the plugin would; the mixin refuses right after, before any optimizer exists."""
+    class Plugin(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            setattr(self, flag, True)
+
+    with pytest.raises(ValueError, match=re.escape(f"tiermem trainer: {match}")):
+        with_tiermem(Plugin)(model=tiny_llama(), args=training_args(str(tmp_path)),
+                             hybrid_adam={"offload_fraction": 1.0} if hybrid else False,
+                             activation_offload=offload)

@@ -179,6 +179,9 @@ class ChunkWorker:
         done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
         self._copies[(g, c)] = done
         return done
+            if self._copier.cuda and grad.device.type == "cpu":  # a streamed weight's, landed
+                buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back] (streamed.py)
+                continue
 
     def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
         layout = self._layout

@@ -101,6 +101,7 @@ from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
 
 
+from tiermem.optim.streamed import stand_ins, streamed_mode
 class HybridAdam(torch.optim.Optimizer):
     """Adam/AdamW with a fraction of its state off the GPU (pinned RAM or NVMe).
 
@@ -203,7 +204,7 @@ class HybridAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_groups("HybridAdam", self.param_groups, max_grad_norm)  # inf, amsgrad
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self.device = params_device(all_params)
+        self.device = params_device(stand_ins(all_params))  # Note [streamed write-back]
         self._mode: Mode = choose_mode(all_params, data_parallel, process_group, bucket_numel)
         self._who = self._mode.who
         if param_sync == "forward" and not self._mode.one_process:
@@ -243,6 +244,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._step = StepState()  # cross-thread step state: hooks, worker and caller share it
         self._last_stats = new_stats()
         self._moved0: dict = {}
+        self._mode.bind(self._groups, max_grad_norm)  # streamed weights: their host copies
         # Note [trace placement]: record the first backward's gradient order, plan at step()
         self._trace_placement = (placement == "trace" and self._mode.one_process and overlap
                                  and self.offload_fraction > 0.0)
@@ -391,8 +393,7 @@ class HybridAdam(torch.optim.Optimizer):
         ready_chunks = []
         with self._step.lock:
             if self._mode.one_process and grad is not None:  # see check_grads_untouched
-                self._step.shipped_versions[(g, i)] = (group.params[i].grad._version,
-                                                       group.params[i].grad.data_ptr())
+                self._step.shipped_versions[(g, i)] = (grad._version, grad.data_ptr())
             self._step.shipped.add((g, i))
             self._step.grad_refs[(g, i)] = ref
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
@@ -618,8 +619,11 @@ class HybridAdam(torch.optim.Optimizer):
         pieces at multiples of 16 (``WIDE_BATCH_NUMEL``'s docstring), so they change no bit."""
         hp = self.param_groups[g.index]
         idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._mode.has_grad(g, pc.param)]
-        if not idx:
-            return
+        for dev in dict.fromkeys(g.gpu_masters[k].device for k in idx):  # streamed: the host
+            self._step_pieces(g, hp, [k for k in idx if g.gpu_masters[k].device == dev])
+
+    def _step_pieces(self, g: Group, hp: dict, idx: list[int]) -> None:
+        """Step GPU-side pieces ``idx`` of group ``g`` (one device) for :meth:`_step_gpu_side`."""
         grads = []  # in the model dtype: non-fp32 gradients are widened per batch below
         for k in idx:
             pc = g.plan.gpu_pieces[k]
@@ -777,4 +781,5 @@ def choose_mode(params: list[torch.Tensor], data_parallel: bool | None, process_
     if dp or any(is_dtensor(p) for p in params):
         from tiermem.optim import dist_modes  # only a distributed run imports the distributed code
         return dist_modes.choose(params, dp, process_group, bucket_numel)
-    return LocalMode()
+    return streamed_mode(params, False) or LocalMode()
+        streamed_mode(params, True)  # refuses streamed weights

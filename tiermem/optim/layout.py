@@ -196,6 +196,9 @@ class Group:
     out_events: list = field(default_factory=list)  # last H2D from each slot
     out_next: int = 0
     chunk_keys: list = field(default_factory=list)
+    # Note [streamed write-back] (tiermem/optim/streamed.py): local tensor -> its weight
+    # stream's host copy, which HybridAdam reads and writes instead of the parameter
+    host_copies: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def local_view(g: Group, i: int) -> torch.Tensor:
@@ -204,6 +207,9 @@ def local_view(g: Group, i: int) -> torch.Tensor:
     Raises:
         Nothing.
     """
+    host = g.host_copies.get(i)
+    if host is not None:
+        return host.view(-1)
     if g.segments is not None:
         s = g.segments[i]
         return g.params[s.param].detach().view(-1)[s.start:s.start + s.numel]
@@ -515,10 +521,10 @@ class StateLayout:
                 view = local[piece.start:piece.start + piece.numel]
                 g.gpu_views.append(view)
                 g.gpu_masters.append(view if local.dtype == torch.float32 else view.float())
-                for moments in (g.gpu_exp_avg, g.gpu_exp_avg_sq):
+                for moments in (g.gpu_exp_avg, g.gpu_exp_avg_sq):  # a streamed one's: host
                     moments.append(torch.zeros(piece.numel, dtype=self.moments_dtype,
-                                               device=self.device))
-                g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=self.device))
+                                               device=view.device))
+                g.gpu_steps.append(torch.tensor(0.0, dtype=torch.float32, device=view.device))
             if not g.plan.cpu_numel:
                 continue
             dtype = local_view(g, g.plan.cpu_pieces[0].param).dtype

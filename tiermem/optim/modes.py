@@ -27,6 +27,7 @@ from tiermem._graphs import refuse_capture
 from tiermem.optim.layout import Group, StateLayout
 from tiermem.optim.local_tensor import local_of
 from tiermem.optim.state_dict import param_states
+from tiermem.stream.weights import stream_of
 
 GRAPH_FIX = ("capture the model's forward and backward with torch.cuda.make_graphed_callables "
              "(its gradients accumulate after each replay, outside the graph, so these hooks run "
@@ -72,6 +73,10 @@ class Mode:
         ``gi``."""
         return ([local_of(p).numel() for p in params], [p.element_size() for p in params],
                 None)
+
+    def bind(self, groups: list[Group], max_grad_norm: float | None) -> None:
+        """Bind the groups (made from :meth:`local_shapes`) to what the mode keeps outside the
+        params (streamed weights' host copies and gradients: tiermem/optim/streamed.py)."""
 
     def buckets_of(self, gi: int) -> dict[int, list[int]]:
         """Reduce bucket -> the local tensors in it (data parallel only)."""
@@ -149,6 +154,10 @@ class LocalMode(Mode):
             if g.params[i].requires_grad]  # frozen: shipped by step() if it has a grad
 
     def on_grad(self, opt: Any, g: int, i: int) -> None:
+        if stream_of(opt._groups[g].params[i]) is not None:  # Note [streamed write-back]
+            raise RuntimeError("HybridAdam: a parameter was put into stream_weights after this "
+                               "HybridAdam was built; build the WeightStream first, then "
+                               "HybridAdam")
         opt._on_grad(g, i)
 
     def grad_of(self, g: Group, i: int) -> torch.Tensor | None:

@@ -63,8 +63,8 @@ class ParamWatch:
         return self._layout.groups[g].params[i]
 
     def _sig(self, g: int, i: int) -> tuple[int, int]:
-        p = self._param(g, i)
-        return p._version, p.data_ptr()
+        p = self._param(g, i)  # a streamed weight's storage is its host copy's
+        return p._version, local_view(self._layout.groups[g], i).data_ptr()
 
     def record_all(self) -> None:
         """The masters now match the parameters (state allocated or loaded): expect them as
@@ -79,7 +79,7 @@ class ParamWatch:
             for g in self._layout.groups:
                 for i, p in enumerate(g.params):
                     self._seen[(g.index, i)] = self._sig(g.index, i)
-                    self._kind[(g.index, i)] = (tuple(p.shape), p.dtype, p.device)
+                    self._kind[(g.index, i)] = _kind(g, i)
 
     def begin_step(self) -> None:
         """A new step: every parameter is checked again before it is stepped.
@@ -160,8 +160,7 @@ class ParamWatch:
         ``rebind``, first re-take the GPU side's views of its new storage."""
         layout = self._layout
         g = layout.groups[gi]
-        p = g.params[i]
-        kind = (tuple(p.shape), p.dtype, p.device)
+        kind = _kind(g, i)
         if kind != self._kind[(gi, i)]:
             shape, dtype, device = self._kind[(gi, i)]
             raise ValueError(f"{self._who}: param {i} of param group {gi} is now {kind[1]} of "
@@ -195,6 +194,14 @@ class ParamWatch:
                 store.release(key)
             if on_nvme:
                 store.evict(key, "nvme").wait()
+
+
+def _kind(g, i: int) -> tuple:
+    """(shape, dtype, device) of local tensor ``i`` of group ``g``: a streamed weight's are its
+    host copy's (Note [streamed write-back]), whatever its ``.data`` is during a pass."""
+    t = g.host_copies.get(i)
+    t = g.params[i] if t is None else t
+    return tuple(t.shape), t.dtype, t.device
 
 
 def _take(master: torch.Tensor, param: torch.Tensor) -> None:

@@ -78,6 +78,15 @@ class StreamCopies:
         return event
 
     @staticmethod
+    def finished(event: torch.cuda.Event | None) -> bool:
+        """Whether a copy has landed, without waiting (always on the CPU).
+
+        Raises:
+            nothing.
+        """
+        return event is None or event.query()
+
+    @staticmethod
     def landed(event: torch.cuda.Event | None) -> None:
         """Block the host until a copy has landed (nothing to do on the CPU).
 

@@ -14,6 +14,18 @@ later ones into a per-parameter pinned staging tensor), and the adds run on the 
 pass ends, in the order the copies were issued (or, when a pass takes one parameter's gradient
 again before it ends, before its staging tensor is reused). On the CPU the gradient autograd
 made is kept as the host gradient (no copy) and later ones are added at once.
+
+Note [streamed gradient hand-off]: ``HostGrads.take`` is the one place a streamed weight's
+gradient lands on the host, so it is also where an optimizer that steps the host copies
+(HybridAdam, tiermem/optim/streamed.py) is told about it: a ``sink(entry, passes)`` set by
+:meth:`tiermem.stream.WeightStream.connect` is called once the host gradient ``entry.acc``
+holds every backward pass taken so far (``passes``: how many backward passes this take covers,
+``n_micro`` for a block-major pass's device-accumulated gradient, else 1), in the order the
+gradients were taken (backward order). On the CPU that is at once. On CUDA a gradient is
+complete only when its D2H copy (and the add of a staged later micro-batch) has landed: each
+take lands, in issue order, the copies already finished (``event.query()``, no wait) and hands
+over every parameter with nothing left in flight; the rest are handed over by :meth:`flush`
+at the end of the pass. The sink never sees a gradient still being written.
 """
 
 from __future__ import annotations
@@ -46,31 +58,61 @@ class HostGrads:
         self.pin = pin
         self._pending: list[_Pending] = []
         self._staged: set[int] = set()  # id(entry) whose staging tensor a pending copy fills
+        self.sink: Any = None  # Note [streamed gradient hand-off]: callable(entry, passes)
+        self._told: list[tuple[Any, int]] = []  # (entry, passes) not yet handed to the sink
 
-    def take(self, entry: Any, grad: torch.Tensor) -> None:
+    def take(self, entry: Any, grad: torch.Tensor, passes: int = 1) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
-        gradient or None) into ``entry.acc``.
+        gradient or None) into ``entry.acc``; hand it to the sink once it has landed (Note
+        [streamed gradient hand-off]). ``passes``: backward passes ``grad`` holds.
 
         Raises:
-            RuntimeError: torch's copy or add errors.
+            RuntimeError: torch's copy or add errors; the sink's errors.
         """
         if not self.copies.cuda:
             if entry.acc is None:
                 entry.acc = grad  # autograd's own tensor: nothing else refers to it now
             else:
                 entry.acc.add_(grad)
+            if self.sink is not None:
+                self.sink(entry, passes)
             return
         if entry.acc is None:
             entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
             self._pending.append(_Pending(entry, None, self.copies.grad_out(entry.acc, grad)))
-            return
-        if entry.staging is None:
-            entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
-        elif id(entry) in self._staged:
-            self._land(entry)  # the staging tensor is reused: add what it holds first
-        self._pending.append(_Pending(entry, entry.staging,
-                                      self.copies.grad_out(entry.staging, grad)))
-        self._staged.add(id(entry))
+        else:
+            if entry.staging is None:
+                entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+            elif id(entry) in self._staged:
+                self._land(entry)  # the staging tensor is reused: add what it holds first
+            self._pending.append(_Pending(entry, entry.staging,
+                                          self.copies.grad_out(entry.staging, grad)))
+            self._staged.add(id(entry))
+        if self.sink is not None:
+            self._told.append((entry, passes))
+            self._land_finished()
+
+    def _land_finished(self) -> None:
+        """Land the copies that have finished, in issue order, without waiting, and hand the
+        sink every parameter with no copy left in flight (Note [streamed gradient hand-off])."""
+        while self._pending and self.copies.finished(self._pending[0].event):
+            item = self._pending.pop(0)
+            if item.staging is not None:
+                item.entry.acc.add_(item.staging)
+                if not any(q.entry is item.entry for q in self._pending):
+                    self._staged.discard(id(item.entry))
+        self._tell()
+
+    def _tell(self) -> None:
+        """Hand the sink, in take order, each told parameter whose copies have all landed."""
+        busy = {id(item.entry) for item in self._pending}
+        keep = []
+        for entry, passes in self._told:
+            if id(entry) in busy or keep:  # keep the order: nothing after a busy one goes
+                keep.append((entry, passes))
+            else:
+                self.sink(entry, passes)
+        self._told = keep
 
     def _land(self, entry: Any) -> None:
         """Wait for ``entry``'s gradient copies in flight and add them, in issue order (a
@@ -98,3 +140,5 @@ class HostGrads:
             self.copies.landed(item.event)
             if item.staging is not None:
                 item.entry.acc.add_(item.staging)
+        if self._told:
+            self._tell()

@@ -259,7 +259,7 @@ class BlockMajorPass:
             grad = p.param.grad
             if grad is not None:
                 p.param.grad = None
-                s._grads.take(p, grad)
+                s._grads.take(p, grad, passes=self.n_micro)  # autograd summed n_micro
         if block.streamed:
             s._fetcher.release(block)
 

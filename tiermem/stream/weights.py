@@ -59,6 +59,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tiermem.stream.blocks import Block, Fetcher, Param
 from tiermem.stream.checks import STREAMED_BLOCKS, block_params, check_options, placeholder
@@ -73,6 +74,18 @@ _IDS = itertools.count()
 
 class _PassToken:
     """Held by the backward hooks of one pass: alive exactly while a graph of it is."""
+# every parameter a live WeightStream streams -> that stream (stream_of; HybridAdam asks it)
+STREAMED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def stream_of(param: torch.Tensor) -> "WeightStream | None":
+    """The live :class:`WeightStream` streaming ``param``, or None.
+
+    Raises:
+        nothing.
+    """
+    return STREAMED_PARAMS.get(param)
+
 
     __slots__ = ("__weakref__",)
 
@@ -178,12 +191,16 @@ class WeightStream:
         for module in self._modules:
             STREAMED_BLOCKS[module] = self
         logger.info("weight streaming: %d of %d blocks streamed from %s (%d bytes), %d "
+        self._link: Any = None  # Note [streamed write-back]: the connected optimizer's link
                     "resident (%d bytes), prefetch %d", len(self.plan.streamed), n, tier,
                     sum(sizes[i] for i in self.plan.streamed), len(self.plan.resident),
                     self.plan.resident_bytes, prefetch_blocks)
 
     # ------------------------------------------------------------------ public API
 
+        self._entries = {id(p.param): p for b in self._blocks for p in b.params}
+        for p in self._entries.values():
+            STREAMED_PARAMS[p.param] = self
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""
@@ -219,6 +236,63 @@ class WeightStream:
 
         Raises:
             nothing.
+    def host_copy(self, param: nn.Parameter) -> torch.Tensor:
+        """The host copy of streamed ``param``: what the next pass streams, and where an
+        optimizer that steps it writes the new weights (Note [streamed write-back]).
+
+        Raises:
+            ValueError: ``param`` is not streamed by this stream (resident, or another model's).
+        """
+        return self._entry(param).host
+
+    def host_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The host gradient of streamed ``param``: ``param.grad`` between passes, the one
+        being accumulated (Note [host gradients]) during a pass, or None.
+
+        Raises:
+            ValueError: ``param`` is not streamed by this stream.
+        """
+        p = self._entry(param)
+        return p.acc if self._pass is not None else param.grad
+
+    def mark_changed(self, param: nn.Parameter) -> None:
+        """Say that ``param``'s host copy was written (by a connected optimizer): with
+        ``tier="nvme"`` the store's copy is rewritten at the next pass start (Note [streamed
+        write-back]); with ``tier="cpu"`` the host copy is what the fills read already.
+
+        Raises:
+            ValueError: ``param`` is not streamed by this stream.
+        """
+        self._entry(param).written_version = None
+
+    def connect(self, link: Any) -> None:
+        """Connect an optimizer that steps the host copies (Note [streamed write-back]):
+        ``link.take(param, host_grad, passes)`` receives each streamed gradient as it lands on
+        the host (Note [streamed gradient hand-off]), ``link.before_pass()`` runs before every
+        pass begins; ``connect(None)`` disconnects. One optimizer per stream.
+
+        Raises:
+            RuntimeError: the stream is closed, a pass is open, or another optimizer is
+                connected (close it first).
+        """
+        if link is not None and (self._closed or self._link not in (None, link)):
+            why = "is closed" if self._closed else "has an optimizer connected already"
+            raise RuntimeError(f"WeightStream.connect(): the stream {why}; one HybridAdam "
+                               f"steps a stream's weights: close() the other one first")
+        if self._pass is not None:
+            raise RuntimeError("WeightStream.connect(): a pass is open; connect between passes")
+        self._link = link
+        self._grads.sink = None if link is None else (
+            lambda entry, passes: link.take(entry.param, entry.acc, passes))
+
+    def _entry(self, param: nn.Parameter) -> Param:
+        p = self._entries.get(id(param)) if not self._closed else None
+        if p is None or p.param is not param:
+            raise ValueError("weight streaming: the parameter is not streamed by this "
+                             "WeightStream (a resident block's, another model's, or the stream "
+                             "is closed); ask stream_of(param) for its stream")
+        return p
+
         """
         return dict(self._fetcher.stats)
 
@@ -252,6 +326,9 @@ class WeightStream:
             for p in block.params:
                 p.param.data = p.host.detach().to(p.home_device, copy=True)
                 grad = p.param.grad
+        if self._link is not None:
+            raise RuntimeError("WeightStream.close(): a HybridAdam steps these weights' host "
+                               "copies; close() the optimizer first")
                 if grad is not None:
                     p.param.grad = grad.to(p.home_device, copy=True)
                 if self.tier == "cpu":
@@ -266,6 +343,8 @@ class WeightStream:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(force=exc_type is not None)
+        for p in self._entries.values():
+            STREAMED_PARAMS.pop(p.param, None)
 
     # ------------------------------------------------------------------ setup
 
@@ -333,8 +412,8 @@ class WeightStream:
 
         def post_step(opt: Any, args: Any, kwargs: Any) -> None:
             me = ref()
-            if me is not None and not me._closed and streams(opt):
-                me._stepped = True
+            if me is not None and not me._closed and me._link is None and streams(opt):
+                me._stepped = True  # a torch optimizer stepped the host copies in place
 
         from torch.optim.optimizer import (  # noqa: PLC0415
             register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
@@ -355,6 +434,8 @@ class WeightStream:
                     raise ValueError(
                         f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
                         f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
+        if self._link is not None:
+            self._link.before_pass()  # the optimizer's writes of the host copies are complete
                         f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy "
                         f"new values in (param.data.copy_(new)) instead")
                 taken.append(p)
