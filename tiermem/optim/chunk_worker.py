@@ -172,6 +172,9 @@ class ChunkWorker:
                 continue
             rel = pc.flat_offset - chunk.flat_start
             grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
+            if self._copier.cuda and grad.device.type == "cpu":  # a streamed weight's, landed
+                buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back] (streamed.py)
+                continue
             pairs.append((buf[rel:rel + pc.numel], grad))
             nbytes += pc.numel * buf.element_size()
         last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
@@ -179,9 +182,6 @@ class ChunkWorker:
         done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
         self._copies[(g, c)] = done
         return done
-            if self._copier.cuda and grad.device.type == "cpu":  # a streamed weight's, landed
-                buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back] (streamed.py)
-                continue
 
     def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
         layout = self._layout

@@ -97,11 +97,11 @@ from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step)
 from tiermem.optim.step_state import StepState, new_stats
+from tiermem.optim.streamed import stand_ins, streamed_mode
 from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
 
 
-from tiermem.optim.streamed import stand_ins, streamed_mode
 class HybridAdam(torch.optim.Optimizer):
     """Adam/AdamW with a fraction of its state off the GPU (pinned RAM or NVMe).
 
@@ -225,6 +225,7 @@ class HybridAdam(torch.optim.Optimizer):
         self.gpu_step_fraction = float(gpu_step_fraction)
         self._mode.attach(self.param_groups, self.device)  # collective when distributed
         self._groups, self.chunk_numel = self._make_groups(chunk_numel)
+        self._mode.bind(self._groups, max_grad_norm)  # streamed weights: their host copies
         chunk_numel = self.chunk_numel
         self._owns_store = store is None
         self._store = store if store is not None else self._private_store(nvme_dir)
@@ -244,7 +245,6 @@ class HybridAdam(torch.optim.Optimizer):
         self._step = StepState()  # cross-thread step state: hooks, worker and caller share it
         self._last_stats = new_stats()
         self._moved0: dict = {}
-        self._mode.bind(self._groups, max_grad_norm)  # streamed weights: their host copies
         # Note [trace placement]: record the first backward's gradient order, plan at step()
         self._trace_placement = (placement == "trace" and self._mode.one_process and overlap
                                  and self.offload_fraction > 0.0)
@@ -779,7 +779,7 @@ def choose_mode(params: list[torch.Tensor], data_parallel: bool | None, process_
     """
     dp = bool(data_parallel) or process_group is not None
     if dp or any(is_dtensor(p) for p in params):
+        streamed_mode(params, True)  # refuses streamed weights
         from tiermem.optim import dist_modes  # only a distributed run imports the distributed code
         return dist_modes.choose(params, dp, process_group, bucket_numel)
     return streamed_mode(params, False) or LocalMode()
-        streamed_mode(params, True)  # refuses streamed weights

@@ -71,9 +71,6 @@ from tiermem.stream.residency import ResidencyPlan, buffer_blocks_for, plan_resi
 logger = logging.getLogger("tiermem")
 _IDS = itertools.count()
 
-
-class _PassToken:
-    """Held by the backward hooks of one pass: alive exactly while a graph of it is."""
 # every parameter a live WeightStream streams -> that stream (stream_of; HybridAdam asks it)
 STREAMED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -86,6 +83,9 @@ def stream_of(param: torch.Tensor) -> "WeightStream | None":
     """
     return STREAMED_PARAMS.get(param)
 
+
+class _PassToken:
+    """Held by the backward hooks of one pass: alive exactly while a graph of it is."""
 
     __slots__ = ("__weakref__",)
 
@@ -184,23 +184,23 @@ class WeightStream:
         self._major: BlockMajorPass | None = None  # the open block-major pass, if any
         self._stepped = False
         self._closed = False
+        self._link: Any = None  # Note [streamed write-back]: the connected optimizer's link
         self._blocks = [Block(i, i in self.plan.streamed) for i in range(n)]
         self._place(per_block)  # the only step that can fail on the store: nothing changed yet
         self._hooks: list[Any] = []
         self._install_hooks()
         for module in self._modules:
             STREAMED_BLOCKS[module] = self
+        self._entries = {id(p.param): p for b in self._blocks for p in b.params}
+        for p in self._entries.values():
+            STREAMED_PARAMS[p.param] = self
         logger.info("weight streaming: %d of %d blocks streamed from %s (%d bytes), %d "
-        self._link: Any = None  # Note [streamed write-back]: the connected optimizer's link
                     "resident (%d bytes), prefetch %d", len(self.plan.streamed), n, tier,
                     sum(sizes[i] for i in self.plan.streamed), len(self.plan.resident),
                     self.plan.resident_bytes, prefetch_blocks)
 
     # ------------------------------------------------------------------ public API
 
-        self._entries = {id(p.param): p for b in self._blocks for p in b.params}
-        for p in self._entries.values():
-            STREAMED_PARAMS[p.param] = self
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""
@@ -229,13 +229,6 @@ class WeightStream:
         """
         return BlockMajorPass(self, n_micro)
 
-    def stats(self) -> dict:
-        """Counts since the stream began: ``fills`` (blocks copied to the device),
-        ``h2d_bytes``, ``peak_blocks`` (streamed blocks on the device at once, at most
-        ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy).
-
-        Raises:
-            nothing.
     def host_copy(self, param: nn.Parameter) -> torch.Tensor:
         """The host copy of streamed ``param``: what the next pass streams, and where an
         optimizer that steps it writes the new weights (Note [streamed write-back]).
@@ -293,6 +286,13 @@ class WeightStream:
                              "is closed); ask stream_of(param) for its stream")
         return p
 
+    def stats(self) -> dict:
+        """Counts since the stream began: ``fills`` (blocks copied to the device),
+        ``h2d_bytes``, ``peak_blocks`` (streamed blocks on the device at once, at most
+        ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy).
+
+        Raises:
+            nothing.
         """
         return dict(self._fetcher.stats)
 
@@ -319,6 +319,9 @@ class WeightStream:
                 else "a forward pass is open and its graph is alive; run its backward (or drop " \
                      "its outputs)"
             raise RuntimeError(f"WeightStream.close(): {what} first")
+        if self._link is not None:
+            raise RuntimeError("WeightStream.close(): a HybridAdam steps these weights' host "
+                               "copies; close() the optimizer first")
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -326,9 +329,6 @@ class WeightStream:
             for p in block.params:
                 p.param.data = p.host.detach().to(p.home_device, copy=True)
                 grad = p.param.grad
-        if self._link is not None:
-            raise RuntimeError("WeightStream.close(): a HybridAdam steps these weights' host "
-                               "copies; close() the optimizer first")
                 if grad is not None:
                     p.param.grad = grad.to(p.home_device, copy=True)
                 if self.tier == "cpu":
@@ -336,6 +336,8 @@ class WeightStream:
                 self.store.delete(p.key)
         for module in self._modules:
             STREAMED_BLOCKS.pop(module, None)
+        for p in self._entries.values():
+            STREAMED_PARAMS.pop(p.param, None)
         self._closed = True
 
     def __enter__(self) -> "WeightStream":
@@ -343,8 +345,6 @@ class WeightStream:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(force=exc_type is not None)
-        for p in self._entries.values():
-            STREAMED_PARAMS.pop(p.param, None)
 
     # ------------------------------------------------------------------ setup
 
@@ -425,6 +425,8 @@ class WeightStream:
     def _begin_pass(self) -> None:
         """Host copies -> streaming state: check and take what changed between passes, write
         changed weights to the NVMe copy, move gradients aside (Note [weight streaming])."""
+        if self._link is not None:
+            self._link.before_pass()  # the optimizer's writes of the host copies are complete
         entries = [p for b in self._blocks for p in b.params]
         taken = []
         for p in entries:  # checks first: a refusal changes nothing
@@ -434,8 +436,6 @@ class WeightStream:
                     raise ValueError(
                         f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
                         f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
-        if self._link is not None:
-            self._link.before_pass()  # the optimizer's writes of the host copies are complete
                         f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy "
                         f"new values in (param.data.copy_(new)) instead")
                 taken.append(p)
