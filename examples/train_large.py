@@ -26,10 +26,22 @@ predicted time per step (``tiermem.plan.StepTime``; docs/sizing.md, "Time per st
 The preset is read by the config classes (:data:`SECTIONS`; the YAML dialect of
 docs/configuration.md, shared with ``tiermem demo``): ``model`` (GPTConfig), ``train``
 (TrainConfig: the fields in :data:`LOOP_FIELDS`), ``budgets`` (BudgetConfig, the planner's
-capacities), ``store`` (StoreConfig; its device follows ``train.device``) and ``optimizer``
-(OptimizerConfig: HybridAdam's arguments). Unknown sections and fields are refused. Dotted
-``section.field=value`` overrides (YAML values, as examples/train_gpt.py takes them) apply last,
-after ``--tiny`` and the other flags.
+capacities), ``store`` (StoreConfig; its device follows ``train.device``), ``optimizer``
+(OptimizerConfig: HybridAdam's arguments) and, optional, ``streaming`` (StreamingConfig: weight
+streaming of the blocks, docs/streaming.md). Unknown sections and fields are refused. Dotted
+``section.field=value`` overrides (YAML values, as examples/train_gpt.py takes them; also
+spelled ``--section.field value``) apply last, after ``--tiny`` and the other flags.
+
+Weight streaming (issue 29; ``streaming.enabled: true``): the plan sizes the stream
+(``tiermem plan --stream-weights on``: the resident blocks, the buffers, the streamed bytes per
+step); the streamed blocks are materialised on the host (initialised on the GPU, module by
+module: the same values as without streaming), their weights go to the store's ``streaming.tier``
+(``stream_weights(model.blocks, ...)``) and each step runs ``streaming.schedule`` (block-major:
+each streamed block crosses PCIe once per pass). ``streaming.optimizer: torch`` steps with
+torch.optim.AdamW (the host copies of streamed weights on the CPU), ``hybrid`` with HybridAdam
+(which must step the streamed weights' host copies: issue 29 phase 2). ``--gpu SIZE`` (the name
+and meaning of ``tiermem plan --gpu``) plans for a GPU of SIZE bytes and caps this process there
+(``torch.cuda.set_per_process_memory_fraction``) to stand for a smaller card.
 
 Activations: every block is checkpointed, so only block inputs stay (seq·d_model·2 bytes a
 block, 0.02 GB at 13B); offloading them (``tiermem.offload``) would save under 1 GB here.
@@ -56,8 +68,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
-from tiermem.config import (BudgetConfig, OptimizerConfig, TrainConfig,  # noqa: E402
-                            apply_overrides, from_tree, load_config)
+from tiermem.config import (BudgetConfig, OptimizerConfig, StreamingConfig,  # noqa: E402
+                            TrainConfig, apply_overrides, from_tree, load_config, parse_bytes)
 from tiermem.models import materialize_  # noqa: E402
 from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.names import short_repr  # noqa: E402
@@ -65,10 +77,14 @@ from tiermem.optim import HybridAdam  # noqa: E402
 from tiermem.plan import (H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto,  # noqa: E402
                           breadth_first_note, plan)
 from tiermem.schedule.micro_batches import forward_backward  # noqa: E402
+from tiermem.stream import plan_residency, stream_weights  # noqa: E402
 
 SECTIONS = {"model": GPTConfig, "train": TrainConfig, "budgets": BudgetConfig,
-            "store": StoreConfig, "optimizer": OptimizerConfig}
-"""The preset's sections (all required) and the config classes they are read into."""
+            "store": StoreConfig, "optimizer": OptimizerConfig, "streaming": StreamingConfig}
+"""The preset's sections and the config classes they are read into (all required but
+``streaming``)."""
+REQUIRED = ("model", "train", "budgets", "store", "optimizer")
+"""The sections a preset must have."""
 LOOP_FIELDS = ("steps", "micro_batch", "grad_accumulation_steps", "dtype", "device", "seed",
                "checkpoint", "breadth_first_blocks")
 """The ``train`` fields this loop uses (the others belong to ``tiermem demo``'s loop)."""
@@ -84,9 +100,10 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
          grad_accumulation_steps: int | None = None,
          gpu_step_fraction: float | None = None, chunk_numel: int | None = None,
          breadth_first_blocks: int | str | None = None, param_sync: str | None = None,
-         overrides: list[str] = ()) -> dict:
+         overrides: list[str] = (), gpu: str | int | None = None) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
-    ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches per optimizer step),
+    ``--gpu`` (budgets.gpu_bytes), ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches
+    per optimizer step),
     ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps),
     ``--chunk-numel`` (elements per offloaded chunk), ``--breadth-first-blocks`` and
     ``--param-sync`` applied first, then the dotted ``section.field=value`` ``overrides``.
@@ -104,6 +121,8 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
             tree[section].update(values)
     if nvme_dir is not None and isinstance(tree.get("store"), dict):
         tree["store"]["nvme_dir"] = nvme_dir
+    if gpu is not None and isinstance(tree.get("budgets"), dict):
+        tree["budgets"]["gpu_bytes"] = gpu
     if grad_accumulation_steps is not None and isinstance(tree.get("train"), dict):
         tree["train"]["grad_accumulation_steps"] = grad_accumulation_steps
     for section, name, value in (("optimizer", "gpu_step_fraction", gpu_step_fraction),
@@ -113,7 +132,7 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
         if value is not None and isinstance(tree.get(section), dict):
             tree[section][name] = value
     apply_overrides(tree, list(overrides))
-    cfg = from_tree(tree, SECTIONS, required=tuple(SECTIONS), where=where)
+    cfg = from_tree(tree, SECTIONS, required=REQUIRED, where=where)
     default = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg["train"], f.name)
@@ -125,7 +144,39 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
     if k != "auto" and k > n_layers:
         raise ValueError(f"{where}: train.breadth_first_blocks={k} exceeds model.n_layers="
                          f"{n_layers}; fix: give 0 (depth-first) to {n_layers}")
+    check_streaming(cfg, where)
     return cfg
+
+
+def check_streaming(cfg: dict, where: str) -> None:
+    """Refuse what the ``streaming`` section cannot run with (one line each).
+
+    Raises:
+        ValueError: with streaming, breadth-first blocks (block-major is their streamed form)
+            or a GPU lane (not planned with streamed weights), ``tier: nvme`` without a store
+            nvme tier; ``optimizer: torch`` with bf16 moments (torch's AdamW keeps the
+            parameters' dtype) or GPU-side state (``offload_fraction`` below 1 keeps none: the
+            torch optimizer steps each parameter where it lives).
+    """
+    st, t, o, s = cfg["streaming"], cfg["train"], cfg["optimizer"], cfg["store"]
+    if st.optimizer == "torch" and o.moments_dtype != "float32":
+        raise ValueError(f"{where}: streaming.optimizer=torch keeps torch AdamW's moments in the "
+                         f"parameters' dtype, not optimizer.moments_dtype={o.moments_dtype}; fix: "
+                         f"optimizer.moments_dtype=float32 or streaming.optimizer=hybrid")
+    if not st.enabled:
+        return
+    if t.breadth_first_blocks not in (0, "auto"):
+        raise ValueError(f"{where}: train.breadth_first_blocks={t.breadth_first_blocks} with "
+                         f"streaming.enabled: the streamed form of breadth-first is "
+                         f"streaming.schedule=block-major; fix: train.breadth_first_blocks=0")
+    if o.gpu_step_fraction:
+        raise ValueError(f"{where}: optimizer.gpu_step_fraction={o.gpu_step_fraction} with "
+                         f"streaming.enabled: the GPU lane is not planned with streamed weights; "
+                         f"fix: optimizer.gpu_step_fraction=0")
+    if st.tier == "nvme" and not s.nvme_bytes:
+        raise ValueError(f"{where}: streaming.tier=nvme needs the store's nvme tier "
+                         f"(store.nvme_bytes=0); fix: set store.nvme_bytes and store.nvme_dir, "
+                         f"or streaming.tier=cpu")
 
 
 def optimizer_kwargs(cfg: dict, store: TierStore | None) -> dict:
@@ -146,7 +197,7 @@ def make_plan(cfg: dict, rates=None):
     Raises:
         ValueError: store.cpu_bytes larger than budgets.host_bytes, or what the planner refuses.
     """
-    m, t, b, s, o = (cfg[k] for k in SECTIONS)
+    m, t, b, s, o, st = (cfg[k] for k in SECTIONS)
     host = b.host_bytes if b.host_bytes is not None else H200_HOST_BYTES
     if s.cpu_bytes > host:
         raise ValueError(f"store.cpu_bytes={s.cpu_bytes} is more than budgets.host_bytes={host}: "
@@ -161,12 +212,137 @@ def make_plan(cfg: dict, rates=None):
               param_sync=o.param_sync, breadth_first_blocks=t.breadth_first_blocks,
               host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
               chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
-              rates=rates)
+              stream_weights=st.enabled, stream_tier=st.tier, prefetch_blocks=st.prefetch_blocks,
+              stream_schedule=st.schedule, rates=rates)
     pl = plan(m.num_params(), **kw)
     note = breadth_first_note(pl, m.num_params(), kw)
     if note:  # the same flags exist here
         pl.notes.append(note)
     return pl
+
+
+class TorchAdamW:
+    """``streaming.optimizer: torch``: torch.optim.AdamW (Adam with ``optimizer.adamw: false``)
+    over every parameter where it lives (a streamed weight's host copy on the CPU), with the
+    ``optimizer`` section's lr, betas, eps, weight_decay, maximize and ``max_grad_norm``
+    (``clip_grad_norm_`` before the step), and the reporting calls of HybridAdam this loop
+    makes (no chunk flow: zeros; ``cpu_adam_s`` is the step's wall time).
+
+    Raises:
+        ValueError: the errors of torch's optimizer constructor.
+    """
+
+    def __init__(self, params, o: OptimizerConfig) -> None:
+        self.params = list(params)
+        cls = torch.optim.AdamW if o.adamw else torch.optim.Adam
+        self.opt = cls(self.params, lr=o.lr, betas=o.betas, eps=o.eps,
+                       weight_decay=o.weight_decay, maximize=o.maximize)
+        self.max_grad_norm = o.max_grad_norm
+        self.step_s = 0.0
+
+    def step(self) -> None:
+        """Clip (``max_grad_norm``) and step every parameter."""
+        t0 = time.perf_counter()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.opt.step()
+        self.step_s = time.perf_counter() - t0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``."""
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step_stats(self) -> dict:
+        """HybridAdam's step counters: zeros but the step's wall seconds."""
+        return dict(stall_s=0.0, cpu_adam_s=self.step_s, d2h_bytes=0, h2d_bytes=0,
+                    nvme_read_bytes=0, nvme_write_bytes=0, chunks=0, gpu_chunks=0)
+
+    def memory_bytes(self) -> dict:
+        """Bytes of optimizer state per tier (``gpu``: on a CUDA device, ``cpu``: host)."""
+        out = {"gpu": 0, "cpu": 0, "nvme": 0}
+        for state in self.opt.state.values():
+            for t in state.values():
+                if torch.is_tensor(t):
+                    out["gpu" if t.is_cuda else "cpu"] += t.numel() * t.element_size()
+        return out
+
+    def chunk_tiers(self) -> dict:
+        """No offloaded chunks."""
+        return {}
+
+    def synchronize(self) -> None:
+        """Nothing runs in the background."""
+
+    def close(self) -> None:
+        """Nothing to free."""
+
+
+def hybrid_steps_streams() -> bool:
+    """Whether this build's HybridAdam steps streamed weights' host copies (issue 29 phase 2:
+    the stream's optimizer link, ``WeightStream.connect``)."""
+    from tiermem.stream import WeightStream  # noqa: PLC0415
+    return hasattr(WeightStream, "connect")
+
+
+def materialize_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                      host_blocks: set[int]) -> None:
+    """Materialise ``model`` (a meta-device GPT) in ``dtype``, initialised on ``device`` module
+    by module; the blocks in ``host_blocks`` (streamed) land on the CPU, the rest on
+    ``device``. The modules are taken in ``named_modules`` order, so the values are those of
+    ``materialize_(model, device, dtype, init_device=device)``."""
+    if not host_blocks:
+        materialize_(model, device, dtype, init_device=device)  # GPU RNG: ~100x the CPU's
+        return
+    for name, child in model.named_children():
+        if name != "blocks":
+            materialize_(child, device, dtype, init_device=device)
+            continue
+        for i, block in enumerate(child):
+            materialize_(block, "cpu" if i in host_blocks else device, dtype, init_device=device)
+    materialize_(model, device, dtype, init_device=device)  # anything outside the children
+
+
+def streamed_residency(cfg: dict, pl, model: torch.nn.Module, dtype: torch.dtype):
+    """The :class:`tiermem.stream.ResidencyPlan` of the ``streaming`` section for ``model``'s
+    blocks (still on the meta device): under ``streaming.gpu_bytes``, or the plan's
+    ``stream_gpu_bytes`` when that is null.
+
+    Raises:
+        ValueError: the budget cannot hold the streaming buffers (naming the field).
+    """
+    st = cfg["streaming"]
+    sizes = [sum(p.numel() for p in b.parameters()) * dtype.itemsize for b in model.blocks]
+    gpu = st.gpu_bytes
+    if gpu is None and pl.stream is not None:
+        gpu = pl.stream.stream_gpu_bytes
+    try:
+        return plan_residency(sizes, gpu_bytes=gpu, prefetch_blocks=st.prefetch_blocks)
+    except ValueError as exc:
+        which = "streaming.gpu_bytes" if st.gpu_bytes is not None else "the plan's gpu_bytes"
+        raise ValueError(f"{which}={gpu}: {exc}") from None
+
+
+def split_dotted_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``--section.field value`` and ``--section.field=value`` (a section of :data:`SECTIONS`)
+    taken out of ``argv`` as ``section.field=value`` overrides: (the rest, the overrides).
+
+    Raises:
+        ValueError: such a flag without a value.
+    """
+    rest, overrides = [], []
+    it = iter(argv)
+    for arg in it:
+        key, eq, value = arg[2:].partition("=")
+        if arg.startswith("--") and key.split(".")[0] in SECTIONS and "." in key:
+            if not eq:
+                value = next(it, None)
+                if value is None:
+                    raise ValueError(f"{arg} needs a value (e.g. {arg} nvme, or "
+                                     f"{key}=VALUE)")
+            overrides.append(f"{key}={value}")
+        else:
+            rest.append(arg)
+    return rest, overrides
 
 
 class _GpuTimer:
@@ -232,7 +408,9 @@ def time_split_block(measured: list[dict], pl, device: torch.device) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, record: list | None = None) -> int:
+    """Plan, then train (see the module docstring); return the exit code. ``record`` (tests):
+    a list that receives each step's micro-batch losses (floats)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", metavar="SECTION.FIELD=VALUE",
                     help="dotted overrides of the preset, applied last (YAML values), e.g. "
@@ -258,11 +436,21 @@ def main(argv: list[str] | None = None) -> int:
                          "waits per module for the CPU step)")
     ap.add_argument("--nvme-dir", default=None,
                     help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
+    ap.add_argument("--gpu", default=None, metavar="SIZE",
+                    help="GPU memory capacity (as tiermem plan --gpu; replaces "
+                         "budgets.gpu_bytes), and on CUDA this process is capped there "
+                         "(torch.cuda.set_per_process_memory_fraction) to stand for that card")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv, flagged = split_dotted_flags(argv)
+    except ValueError as exc:
+        print(f"train_large: error: {exc}", file=sys.stderr)
+        return 2
     args = ap.parse_args(argv)
     try:
         cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps,
                    args.gpu_step_fraction, args.chunk_numel, args.breadth_first_blocks,
-                   args.param_sync, args.overrides)
+                   args.param_sync, args.overrides + flagged, gpu=args.gpu)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",
@@ -271,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"train_large: error: {exc}", file=sys.stderr)
         return 2
-    m, t, s, o = cfg["model"], cfg["train"], cfg["store"], cfg["optimizer"]
+    m, t, s, o, st = (cfg[k] for k in ("model", "train", "store", "optimizer", "streaming"))
     device_name = t.device if t.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
     if not args.dry_run and device_name.startswith("cuda") and not torch.cuda.is_available():
@@ -288,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         print("train_large: the plan fits (dry run, nothing trained)")
         return 0
     device = torch.device(device_name)
+    if args.gpu is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        cap = cfg["budgets"].gpu_bytes
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        print(f"train_large: GPU capped at {cap / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
+              f"(--gpu)", flush=True)
     dtype = getattr(torch, t.dtype)
     accum = t.grad_accumulation_steps
     steps = args.steps or t.steps
@@ -295,7 +489,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(m, checkpoint=t.checkpoint)
-    materialize_(model, device, dtype, init_device=device)  # GPU RNG: ~100x the CPU's
+    residency = None
+    if st.enabled:
+        try:
+            residency = streamed_residency(cfg, pl, model, dtype)
+        except ValueError as exc:
+            print(f"train_large: error: {exc}", file=sys.stderr)
+            return 2
+        if st.optimizer == "hybrid" and not hybrid_steps_streams():
+            print("train_large: error: streaming.optimizer=hybrid needs HybridAdam to step the "
+                  "streamed weights' host copies (issue 29 phase 2), which this build lacks; "
+                  "fix: streaming.optimizer=torch", file=sys.stderr)
+            return 2
+    materialize_model(model, device, dtype, set(residency.streamed) if residency else set())
     n = sum(p.numel() for p in model.parameters())
     print(f"train_large: {n / 1e9:.3f}B params materialised on {device} in {dtype} "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -307,10 +513,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train_large: error: {exc}", file=sys.stderr)
             return 2
     store = TierStore(dataclasses.replace(s, device=str(device)))
+    stream = None
+    if residency is not None:
+        t_stream = time.perf_counter()
+        stream = stream_weights(model.blocks, store=store, tier=st.tier,
+                                prefetch_blocks=st.prefetch_blocks, resident=residency.resident)
+        print(f"train_large: weights of {len(residency.streamed)} of {m.n_layers} blocks "
+              f"streamed from {st.tier} ({len(residency.resident)} resident, "
+              f"{stream.plan.buffer_blocks} buffers, prefetch {st.prefetch_blocks}, "
+              f"{st.schedule}) in {time.perf_counter() - t_stream:.1f} s", flush=True)
     t_opt = time.perf_counter()
-    opt = HybridAdam(model.parameters(), **optimizer_kwargs(cfg, store))
-    print(f"train_large: HybridAdam built in {time.perf_counter() - t_opt:.1f} s; offloaded "
-          f"chunks per tier {opt.chunk_tiers()}", flush=True)
+    if st.optimizer == "torch":
+        opt = TorchAdamW(model.parameters(), o)
+        print(f"train_large: torch.optim.{type(opt.opt).__name__} built (streaming.optimizer="
+              f"torch)", flush=True)
+    else:
+        opt = HybridAdam(model.parameters(), **optimizer_kwargs(cfg, store))
+        print(f"train_large: HybridAdam built in {time.perf_counter() - t_opt:.1f} s; offloaded "
+              f"chunks per tier {opt.chunk_tiers()}", flush=True)
     b, seq = t.micro_batch, m.seq_len
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, m.vocab, (4 * b, seq + 1), generator=gen)  # a few batches, learnable
@@ -319,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     def report(rec: dict, dt: float) -> None:
         """Print step ``rec``'s line (its optimizer work is finished: step_stats is its own)."""
         st, mem = opt.step_stats(), opt.memory_bytes()
+        streamed = "" if stream is None else (
+            f" | stream h2d {rec['stream_h2d'] / 1e9:.2f} GB in {rec['stream_fills']} fills")
         tok_s = rec["tokens"] / dt
         print(f"step {rec['step']} loss {rec['loss']:.4f} | {tok_s:,.0f} tok/s, "
               f"{6 * n * tok_s / 1e12:.2f} model TFLOP/s, {dt:.2f} s | state GB gpu "
@@ -327,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{st['d2h_bytes'] / 1e9:.2f} GB, h2d "
               f"{st['h2d_bytes'] / 1e9:.2f} GB, nvme r/w {st['nvme_read_bytes'] / 1e9:.2f}/"
               f"{st['nvme_write_bytes'] / 1e9:.2f} GB, stall {st['stall_s']:.2f} s, chunks "
-              f"{st['chunks']} ({st['gpu_chunks']} on the GPU lane)", flush=True)
+              f"{st['chunks']} ({st['gpu_chunks']} on the GPU lane){streamed}", flush=True)
         measured.append(dict(step_s=dt, tokens=rec["tokens"], gpu_s=rec["gpu_s"],
                              fwd_bwd_wall_s=rec["fwd_bwd_wall_s"], opt_wall_s=rec["opt_wall_s"],
                              **{k: st[k] for k in ("stall_s", "cpu_adam_s", "d2h_bytes",
@@ -345,9 +567,19 @@ def main(argv: list[str] | None = None) -> int:
             rows = data[((step * accum + micro) % 4) * b:][:b].to(device)
             batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         timer = _GpuTimer(device)
-        losses = forward_backward(model, batches, breadth_first_blocks=pl.breadth_first_blocks)
+        before = stream.stats() if stream is not None else None
+        if stream is not None:
+            losses = forward_backward(model, batches, block_major=st.schedule == "block-major")
+        else:
+            losses = forward_backward(model, batches,
+                                      breadth_first_blocks=pl.breadth_first_blocks)
         total = sum(loss.item() for loss in losses) / accum  # .item() syncs: the timer ran
         gpu_s = timer.seconds()
+        if record is not None:
+            record.append([loss.item() for loss in losses])
+        moved = {} if stream is None else {
+            "stream_h2d": stream.stats()["h2d_bytes"] - before["h2d_bytes"],
+            "stream_fills": stream.stats()["fills"] - before["fills"]}
         if prev is not None:  # the previous step's CPU side finished in this backward at last
             report(prev, t_step - prev["t_step"])
         t_opt = time.perf_counter()
@@ -356,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and o.param_sync == "step":
             torch.cuda.synchronize()
         prev = dict(step=step, loss=total, tokens=b * seq * accum, gpu_s=gpu_s, t_step=t_step,
-                    fwd_bwd_wall_s=t_opt - t_step, opt_wall_s=time.perf_counter() - t_opt)
+                    fwd_bwd_wall_s=t_opt - t_step, opt_wall_s=time.perf_counter() - t_opt,
+                    **moved)
     opt.synchronize()  # the last step's CPU side
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -371,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{t} {store.stats()[t]['peak_bytes'] / 2**30:.1f} GiB" for t in ("cpu", "nvme")),
           flush=True)
     opt.close()
+    if stream is not None:
+        stream.close()
     store.close()
     return 0
 

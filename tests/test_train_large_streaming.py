@@ -1,0 +1,97 @@
+"""examples/train_large.py's ``streaming`` section (issue 29): a tiny GPT trained with its
+blocks' weights streamed equals, bit for bit, the same run without streaming (8 optimizer
+steps, 2 micro-batches each, clipping, AdamW changing the weights every step), for the cpu and
+nvme homes and both schedules; the section's overrides and refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiermem.models.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = str(ROOT / "examples" / "configs" / "large" / "h200_13b_nvme.yaml")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_large_stream",
+                                                  ROOT / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _every_block_streamed_bytes(n_layers=4, prefetch=1) -> int:
+    """GPU bytes that hold only the streaming buffers: every block streamed."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layers=n_layers, d_model=64, n_heads=4, seq_len=32, vocab=128))
+    block = sum(p.numel() for p in model.blocks[0].parameters()) * 4
+    return (prefetch + 2) * block
+
+
+def _run(example, tmp_path, capsys, *extra):
+    losses: list = []
+    argv = ["--config", PRESET, "--tiny", "--nvme-dir", str(tmp_path), "--steps", "8",
+            "model.n_layers=4", "streaming.optimizer=torch", *extra]
+    assert example.main(argv, record=losses) == 0, capsys.readouterr().err[-2000:]
+    return losses, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tier,schedule", [("cpu", "block-major"), ("nvme", "depth-first"),
+                                           ("nvme", "block-major")])
+def test_streamed_training_equals_the_unstreamed_run(tmp_path, capsys, one_thread, tier,
+                                                     schedule):
+    example = _example()
+    ref, _ = _run(example, tmp_path, capsys, "streaming.enabled=false")
+    gpu = _every_block_streamed_bytes()
+    out_losses, out = _run(example, tmp_path, capsys, "--streaming.enabled", "true",
+                           f"--streaming.tier={tier}", "--streaming.schedule", schedule,
+                           f"streaming.gpu_bytes={gpu}")
+    assert "weights of 4 of 4 blocks streamed from " + tier in out
+    assert "stream h2d" in out and " 0 fills" not in out
+    assert len(ref) == 8 and all(len(step) == 2 for step in ref)  # 2 micro-batches a step
+    assert len({tuple(step) for step in ref}) == 8  # the weights change every step
+    assert out_losses == ref
+
+
+def test_dotted_flags_are_overrides(tmp_path):
+    example = _example()
+    rest, over = example.split_dotted_flags(["--config", "x.yaml", "--streaming.tier", "nvme",
+                                             "--streaming.enabled=true", "--tiny",
+                                             "--nvme-dir", "d"])
+    assert rest == ["--config", "x.yaml", "--tiny", "--nvme-dir", "d"]
+    assert over == ["streaming.tier=nvme", "streaming.enabled=true"]
+    with pytest.raises(ValueError, match="--streaming.tier needs a value"):
+        example.split_dotted_flags(["--streaming.tier"])
+    cfg = example.load(PRESET, overrides=over)
+    assert cfg["streaming"].tier == "nvme" and cfg["streaming"].enabled is True
+
+
+def test_gpu_flag_is_the_plans_capacity(capsys):
+    example = _example()
+    argv = ["--config", PRESET, "--dry-run", "--gpu", "24GiB", "streaming.enabled=true",
+            "optimizer.offload_fraction=1.0", "optimizer.moments_dtype=bfloat16",
+            "train.grad_accumulation_steps=1"]
+    code = example.main(argv)
+    out = capsys.readouterr().out
+    assert "capacity                         24.0 GiB" in out, out[-3000:]
+    assert "blocks streamed from" in out and code == 0
+
+
+@pytest.mark.parametrize("override,message", [
+    (["train.breadth_first_blocks=2"], "train.breadth_first_blocks=2 with streaming.enabled"),
+    (["optimizer.gpu_step_fraction=0.5"], "optimizer.gpu_step_fraction=0.5 with streaming"),
+    (["store.nvme_bytes=0", "streaming.tier=nvme"], "streaming.tier=nvme needs the store's"),
+    (["streaming.tier=gpu"], "streaming.tier='gpu' is not one of 'cpu', 'nvme'"),
+    (["streaming.optimizer=torch", "optimizer.moments_dtype=bfloat16"],
+     "streaming.optimizer=torch keeps torch AdamW's moments"),
+])
+def test_streaming_refusals_are_one_line_exit_2(capsys, override, message):
+    example = _example()
+    code = example.main(["--config", PRESET, "--dry-run", "streaming.enabled=true", *override])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
