@@ -32,6 +32,9 @@
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
+#   bench_hf           nvidia-h200      Trainer + AdamW vs TiermemTrainer (HybridAdam f=1.0, + act.
+#                                       offload) and the plain loop, 1.1B Llama, seq 2048: 3 runs,
+#                                       a round started only if it ends within 270 s (bounded 300 s)
 #   dist_tests         nvidia-h200-x2   tests/distributed under NCCL
 #   bench_optim_world2 nvidia-h200-x2   FSDP2 / data-parallel HybridAdam table
 #   large13, large20   nvidia-h200      examples/train_large.py presets
@@ -104,6 +107,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
       run bench_adam 90 tiermem bench adam --numel 200000000
       run bench_io 90 tiermem bench io --dir "$SPILL" --nbytes 1GiB ;;
+    bench_hf) run bench_hf 300 python3 examples/bench_hf_trainer.py ;;
     bench_graphs) run bench_graphs 240 tiermem bench graphs --steps 10 --warmup 3 --repeats 3 ;;
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \
       --steps 3 --warmup 2 --repeats 3 ;;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -55,3 +56,37 @@ def test_the_example_agrees_with_the_stock_trainer(capsys):
 def test_the_example_refuses_nvme_without_a_directory(capsys):
     assert _example().main(["--state-tier", "nvme"]) == 2
     assert "--state-tier nvme needs --nvme-dir" in capsys.readouterr().err
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_hf_trainer",
+                                                  ROOT / "examples" / "bench_hf_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+        "--kv-heads", "2", "--vocab", "128", "--seq", "16", "--batch", "2", "--steps", "1"]
+
+
+def test_the_bench_script_runs_its_rows_on_the_cpu(capsys):
+    """scripts/device_run.sh's bench_hf on a tiny Llama: every row runs, and on the CPU (one
+    kernel for both optimizers) every row's losses equal the stock Trainer's."""
+    assert _bench().main(TINY + ["--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(Trainer \+ .*|plain loop \+ .*)$", out, re.M)
+    assert len(rows) == 4 and all("0.00e+00  yes" in r for r in rows), out
+
+
+def test_the_bench_equal_loss_column_says_no_past_its_tolerance():
+    bench = _bench()
+    ref = [4.0, 3.9]
+    rows = [bench.Row("Trainer + AdamW", [bench.Run([0.1], ref, None),
+                                          bench.Run([0.1], [4.0, 3.9001], None)]),
+            bench.Row("within", [bench.Run([0.2], [4.0, 3.9004], None)]),
+            bench.Row("past", [bench.Run([0.2], [4.0, 3.9005], None)])]
+    lines = bench.table(rows, 32)  # tolerance: max(4 x 1e-4 noise, 1e-4 x 4.0) = 4e-4
+    assert "yes (tol 4.0e-04)" in lines[2] and "NO (tol 4.0e-04)" in lines[3]
+    assert bench.main(TINY + ["--warmup", "1"]) == 2
