@@ -107,7 +107,7 @@ def test_store_config_errors_name_the_field_and_the_fix():
 
 
 @pytest.mark.parametrize("cls, kwargs, exc, message", [
-    (OptimizerConfig, {"offload_fraction": 1.5}, ValueError, "optimizer.offload_fraction=1.5 is outside [0.0, 1.0]; the fraction of parameter bytes"),
+    (OptimizerConfig, {"offload_fraction": 1.5}, ValueError, "optimizer.offload_fraction=1.5 is outside [0.0, 1.0]; it is the fraction of parameter bytes"),
     (OptimizerConfig, {"offload_fraction": "half"}, TypeError, "optimizer.offload_fraction must be a number"),
     (OptimizerConfig, {"betas": [0.9, 1.0]}, ValueError, "optimizer.betas[1]=1.0 must be < 1.0"),
     (OptimizerConfig, {"betas": [0.9]}, ValueError, "optimizer.betas=[0.9] must be two numbers"),

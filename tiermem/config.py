@@ -12,112 +12,86 @@ into the dataclasses below by their users.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 
-from tiermem import _yaml
-from tiermem.names import (AUTO_BOOL, IO_BACKENDS, MODEL_DTYPES, MOMENTS_DTYPES, OFFLOAD_TIERS,
-                           PARAM_SYNCS, PLACEMENTS, POLICIES, STATE_TIERS, TIERS, check_aligned,
-                           check_bool, check_choice, check_device, check_fraction, check_int,
-                           check_number, dtype_name, parse_bytes, parse_dtype,
-                           short_repr)
-
-logger = logging.getLogger("tiermem")
+from tiermem import _yaml, options
+from tiermem.names import MOMENTS_DTYPES, TIERS, check_choice, parse_bytes, parse_dtype, short_repr
 
 __all__ = ["TIERS", "ActivationConfig", "BudgetConfig", "OptimizerConfig", "StoreConfig",
            "TrainConfig", "apply_overrides", "from_dict", "from_tree", "from_yaml", "load_config",
            "parse_bytes"]  # TIERS and parse_bytes live in tiermem.names, re-exported here
 
 
-def _warn_unused_nvme_dir(nvme_dir: str) -> None:
-    """Say that ``nvme_dir`` without ``nvme_bytes`` leaves the nvme tier off (logger and
-    ``UserWarning``): 0 is the documented off switch, so it is not refused."""
-    msg = (f"StoreConfig.nvme_dir={short_repr(nvme_dir)} is ignored because "
-           f"StoreConfig.nvme_bytes=0 (the nvme tier is off); set nvme_bytes (e.g. '64GiB') "
-           f"to spill there, or drop nvme_dir")
-    logger.warning(msg)
-    warnings.warn(msg, UserWarning, stacklevel=4)
+_STORE = options.defaults("store", "api")
+_OPTIMIZER = options.defaults("optimizer", "loop")
+_BUDGETS = options.defaults("budgets", "loop")
+_ACTIVATIONS = options.defaults("activations", "loop")
+_TRAIN = options.defaults("train", "loop")
+"""Each section's defaults, from the one definition (Note [one definition] in
+tiermem/options.py): the training loop's where they differ from the APIs'."""
+
+
+def _check(config: Any, section: str, prefix: str, user: str) -> None:
+    """Check and normalize every field of ``config`` (a section's dataclass) and its section's
+    rules, as tiermem/options.py defines them (Note [one definition]); messages name the field
+    as ``prefix + name`` and spell None ``null`` (the YAML sections), or ``None`` (StoreConfig).
+
+    Raises:
+        ValueError, TypeError: a bad value or a broken rule, naming the field and the fix.
+    """
+    who = options.Who(prefix, "None" if user == "api" else "null")
+    for name, value in options.check_section(section, who, vars(config), user).items():
+        setattr(config, name, value)
 
 
 @dataclass(kw_only=True)
 class StoreConfig:
     """Configuration of a :class:`tiermem.TierStore`. All budgets are hard limits in bytes."""
 
-    gpu_bytes: int | str = "2GiB"
+    gpu_bytes: int | str = _STORE["gpu_bytes"]
     """Budget of the ``"gpu"`` tier (on a machine without CUDA: a device tier in host memory)."""
-    cpu_bytes: int | str = "4GiB"
+    cpu_bytes: int | str = _STORE["cpu_bytes"]
     """Budget of the ``"cpu"`` tier: host memory from the (pinned, when CUDA is there) pool."""
-    nvme_bytes: int | str = 0
+    nvme_bytes: int | str = _STORE["nvme_bytes"]
     """Budget of the ``"nvme"`` tier: bytes of spill-file extents. 0 disables the tier."""
-    nvme_dir: str | None = None
+    nvme_dir: str | None = _STORE["nvme_dir"]
     """Base directory for spill files; the store makes a private (0700) subdirectory in it.
     Required when ``nvme_bytes`` > 0."""
-    device: str = "auto"
+    device: str = _STORE["device"]
     """Compute device of the ``"gpu"`` tier: ``"auto"`` (CUDA if present, else CPU), ``"cuda"``,
     ``"cuda:N"`` or ``"cpu"``."""
-    pin_memory: bool | Literal["auto"] = "auto"
+    pin_memory: bool | Literal["auto"] = _STORE["pin_memory"]
     """Pin the ``"cpu"`` tier's pool (``"auto"``: when the device is CUDA)."""
-    pool_slab_bytes: int | str = "256MiB"
+    pool_slab_bytes: int | str = _STORE["pool_slab_bytes"]
     """Size of one host-pool slab; the pool grows by slabs up to ``cpu_bytes`` and reuses
     freed blocks (pinned allocation costs ~0.5 s/GiB)."""
-    io_backend: Literal["auto", "posix", "kvikio", "aiofiles"] = "auto"
+    io_backend: Literal["auto", "posix", "kvikio", "aiofiles"] = _STORE["io_backend"]
     """NVMe I/O backend: ``"posix"`` (a thread pool doing ``pwritev``/``preadv``), ``"kvikio"``
     (kvikio's POSIX I/O on the pinned host buffers; needs kvikio and ``libcuda.so.1``) or
     ``"aiofiles"``. ``"auto"`` is always ``"posix"``: nothing is measured at run time; on the
     H200 machine the POSIX pool measured at least as fast as kvikio at 4 threads, so kvikio is
     used only when named (:func:`tiermem.store.io.make_backend` logs the choice)."""
-    io_threads: int = 4
+    io_threads: int = _STORE["io_threads"]
     """Threads of the I/O backend."""
-    io_chunk_bytes: int | str = "8MiB"
+    io_chunk_bytes: int | str = _STORE["io_chunk_bytes"]
     """Spill I/O is split into chunks of this size (each with its own checksum), done in parallel."""
-    o_direct: bool | Literal["auto"] = "auto"
+    o_direct: bool | Literal["auto"] = _STORE["o_direct"]
     """Open spill files with O_DIRECT (``"auto"``: when the filesystem supports it)."""
-    checksum: bool = True
+    checksum: bool = _STORE["checksum"]
     """Verify a CRC-32C per spill chunk on read (a corrupted file raises, never returns data)."""
-    policy: Any = "lru"
+    policy: Any = _STORE["policy"]
     """Eviction policy: ``"lru"``, ``"trace"`` or a :class:`tiermem.store.policy.Policy` instance."""
-    prefetch_lookahead: int = 0
+    prefetch_lookahead: int = _STORE["prefetch_lookahead"]
     """Accesses of the recorded step the store looks ahead after each access, prefetching them
     into free room (or over keys needed later) with :class:`tiermem.store.Prefetcher`;
     0 turns it off. Needs ``policy="trace"`` (or a ``TracePolicy`` instance)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes", "pool_slab_bytes", "io_chunk_bytes"):
-            setattr(self, name, parse_bytes(getattr(self, name), f"StoreConfig.{name}"))
-        if self.nvme_bytes > 0 and not self.nvme_dir:
-            raise ValueError(
-                f"StoreConfig.nvme_bytes={self.nvme_bytes} needs a spill directory: set "
-                f"StoreConfig.nvme_dir to a writable directory on an SSD, or nvme_bytes=0")
-        if self.nvme_dir is not None:
-            self.nvme_dir = os.fspath(self.nvme_dir)
-            if self.nvme_bytes == 0:
-                _warn_unused_nvme_dir(self.nvme_dir)
-        who = "StoreConfig."
-        check_device(who, "device", self.device)
-        check_choice(who, "pin_memory", self.pin_memory, AUTO_BOOL, "auto pins when the device "
-                     "is CUDA")
-        check_choice(who, "io_backend", self.io_backend, IO_BACKENDS, "auto is posix; kvikio "
-                     "only when named")
-        check_choice(who, "o_direct", self.o_direct, AUTO_BOOL, "auto uses O_DIRECT when the "
-                     "filesystem supports it")
-        check_int(who, "io_threads", self.io_threads, low=1, unit="threads")
-        check_aligned(who, "io_chunk_bytes", self.io_chunk_bytes, 4096, "O_DIRECT alignment")
-        check_int(who, "pool_slab_bytes", self.pool_slab_bytes, low=4096, unit="bytes")
-        check_bool(who, "checksum", self.checksum)
-        if isinstance(self.policy, str):
-            check_choice(who, "policy", self.policy, POLICIES, "or pass a "
-                         "tiermem.store.policy.Policy instance")
-        check_int(who, "prefetch_lookahead", self.prefetch_lookahead, low=0,
-                  unit="accesses looked ahead", fix="0 turns prefetch off")
-        if self.prefetch_lookahead and self.policy == "lru":
-            raise ValueError(f"StoreConfig.prefetch_lookahead={self.prefetch_lookahead} needs the "
-                             f"recorded step of the trace policy: set StoreConfig.policy='trace', "
-                             f"or prefetch_lookahead=0")
+        _check(self, "store", "StoreConfig.", "api")  # Note [one definition]
 
     def budget(self, tier: str) -> int:
         """Return the byte budget of ``tier``.
@@ -307,100 +281,63 @@ class OptimizerConfig:
         TypeError: a value of the wrong type.
     """
 
-    lr: float = 3e-3
+    lr: float = _OPTIMIZER["lr"]
     """Learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = _OPTIMIZER["betas"]
     """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
-    eps: float = 1e-8
+    eps: float = _OPTIMIZER["eps"]
     """Term added to the denominator."""
-    weight_decay: float = 0.1
+    weight_decay: float = _OPTIMIZER["weight_decay"]
     """Weight decay: decoupled (AdamW) with ``adamw``, else an L2 penalty. The examples apply
     it to matrices only (not biases, norms)."""
-    adamw: bool = True
+    adamw: bool = _OPTIMIZER["adamw"]
     """Decoupled weight decay (torch.optim.AdamW) or L2 penalty (torch.optim.Adam)."""
-    maximize: bool = False
+    maximize: bool = _OPTIMIZER["maximize"]
     """Maximize the objective."""
-    offload_fraction: float = 0.5
+    offload_fraction: float = _OPTIMIZER["offload_fraction"]
     """Fraction of parameter bytes whose fp32 master and moments live off the GPU, in
     [0.0, 1.0]; the last layers go first. 0.0 keeps everything on the GPU."""
-    state_tier: Literal["cpu", "nvme", "split"] = "cpu"
+    state_tier: Literal["cpu", "nvme", "split"] = _OPTIMIZER["state_tier"]
     """Where offloaded state lives: ``"cpu"`` (pinned RAM), ``"nvme"`` (spill files: needs
     store.nvme_bytes and store.nvme_dir, or ``nvme_dir`` without a store) or ``"split"`` (RAM up
     to the store's cpu budget, the rest on NVMe: needs a store with nvme_bytes)."""
-    nvme_dir: str | None = None
+    nvme_dir: str | None = _OPTIMIZER["nvme_dir"]
     """Spill directory of HybridAdam's private store (``state_tier="nvme"`` without a store);
     with a store, set ``store.nvme_dir`` instead."""
-    overlap: bool = True
+    overlap: bool = _OPTIMIZER["overlap"]
     """Step offloaded chunks on the CPU during backward, as their gradients land."""
-    chunk_numel: int | None = None
+    chunk_numel: int | None = _OPTIMIZER["chunk_numel"]
     """Elements per offloaded chunk (unit of the CPU step and NVMe I/O), >= 1024; null: sized
     from the model (1/32 of the offloaded elements, within [2^16, 2^24])."""
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = _OPTIMIZER["max_grad_norm"]
     """Clip gradients to this global 2-norm inside ``step()``; None: no clipping."""
-    grad_accumulation_steps: int | None = None
+    grad_accumulation_steps: int | None = _OPTIMIZER["grad_accumulation_steps"]
     """Backward passes per ``step()``; null: the training loop's count (both examples pass
     ``train.grad_accumulation_steps``; set it here only where nothing else does)."""
-    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    moments_dtype: Literal["float32", "bfloat16"] = _OPTIMIZER["moments_dtype"]
     """Dtype of the Adam moments, on the GPU side and the offloaded side alike: ``"float32"``
     (exact torch semantics; 12 bytes of offloaded state per param, 8 on the GPU side plus 4 for
     the fp32 master of a non-fp32 param) or ``"bfloat16"`` (8 bytes per offloaded param, 4 + 4
     on the GPU side; moments rounded to bf16 after each update). Masters stay fp32."""
-    cpu_threads: int | None = None
+    cpu_threads: int | None = _OPTIMIZER["cpu_threads"]
     """Threads of the CPU step; None: torch's thread count (less one with overlap on CUDA)."""
-    nvme_lookahead_chunks: int = 2
+    nvme_lookahead_chunks: int = _OPTIMIZER["nvme_lookahead_chunks"]
     """Chunks of NVMe-resident state read ahead of the CPU step (``state_tier="nvme"``)."""
-    data_parallel: bool | None = None
+    data_parallel: bool | None = _OPTIMIZER["data_parallel"]
     """Shard the state across the ranks (ZeRO-1/2); null: on when a process group is passed."""
-    bucket_numel: int = 1 << 23
+    bucket_numel: int = _OPTIMIZER["bucket_numel"]
     """Elements per gradient-reduce bucket with ``data_parallel``."""
-    param_sync: Literal["step", "forward"] = "step"
+    param_sync: Literal["step", "forward"] = _OPTIMIZER["param_sync"]
     """When the updated offloaded params are waited for: in ``step()`` or in the next forward."""
-    placement: Literal["trace", "given"] = "trace"
+    placement: Literal["trace", "given"] = _OPTIMIZER["placement"]
     """Which elements keep their state on the GPU: by the first backward's gradient order
     (``"trace"``) or by the order the params were given in (``"given"``)."""
-    gpu_step_fraction: float = 0.0
+    gpu_step_fraction: float = _OPTIMIZER["gpu_step_fraction"]
     """Share of the offloaded chunks the GPU steps by streaming their state through it, in
     [0.0, 1.0] (1.0 is fastest at full offload when PCIe is not busy with activations)."""
 
     def __post_init__(self) -> None:
-        who = "optimizer."
-        check_number(who, "lr", self.lr, low=0.0)
-        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2):
-            raise ValueError(f"optimizer.betas={short_repr(self.betas)} must be two numbers, "
-                             f"e.g. [0.9, 0.95]")
-        self.betas = tuple(self.betas)
-        for i, beta in enumerate(self.betas):
-            check_number(who, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
-        check_number(who, "eps", self.eps, low=0.0)
-        check_number(who, "weight_decay", self.weight_decay, low=0.0)
-        check_bool(who, "adamw", self.adamw)
-        check_bool(who, "maximize", self.maximize)
-        check_fraction(who, "offload_fraction", self.offload_fraction,
-                       "the fraction of parameter bytes whose optimizer state leaves the GPU")
-        check_choice(who, "state_tier", self.state_tier, STATE_TIERS,
-                     "cpu is pinned RAM, nvme spill files, split RAM first and the rest on NVMe")
-        if self.nvme_dir is not None:
-            self.nvme_dir = os.fspath(self.nvme_dir)
-        check_bool(who, "overlap", self.overlap)
-        if self.chunk_numel is not None:
-            check_int(who, "chunk_numel", self.chunk_numel, low=1024, unit="elements",
-                      fix="or null to size it from the model")
-        if self.max_grad_norm is not None:
-            check_number(who, "max_grad_norm", self.max_grad_norm, low=0.0, low_open=True,
-                         fix="or null for no clipping")
-        if self.grad_accumulation_steps is not None:
-            check_int(who, "grad_accumulation_steps", self.grad_accumulation_steps, low=1)
-        self.moments_dtype = dtype_name(who, "moments_dtype", self.moments_dtype, MOMENTS_DTYPES)
-        if self.cpu_threads is not None:
-            check_int(who, "cpu_threads", self.cpu_threads, low=1, unit="threads")
-        check_int(who, "nvme_lookahead_chunks", self.nvme_lookahead_chunks, low=0, unit="chunks")
-        if self.data_parallel is not None:
-            check_bool(who, "data_parallel", self.data_parallel)
-        check_int(who, "bucket_numel", self.bucket_numel, low=1, unit="elements")
-        check_choice(who, "param_sync", self.param_sync, PARAM_SYNCS)
-        check_choice(who, "placement", self.placement, PLACEMENTS)
-        check_fraction(who, "gpu_step_fraction", self.gpu_step_fraction,
-                       "the share of the offloaded chunks the GPU steps")
+        _check(self, "optimizer", "optimizer.", "loop")  # Note [one definition]
 
     def kwargs(self, *, store: Any = None, process_group: Any = None,
                grad_accumulation_steps: int | None = None) -> dict:
@@ -450,17 +387,15 @@ class BudgetConfig:
         ValueError, TypeError: a size that is not a byte count (naming the field).
     """
 
-    gpu_bytes: int | str | None = None
+    gpu_bytes: int | str | None = _BUDGETS["gpu_bytes"]
     """GPU memory; null: the planner's default (an H200's 141 GB)."""
-    host_bytes: int | str | None = None
+    host_bytes: int | str | None = _BUDGETS["host_bytes"]
     """Host RAM; null: the planner's default (128 GiB)."""
-    nvme_bytes: int | str | None = None
+    nvme_bytes: int | str | None = _BUDGETS["nvme_bytes"]
     """Disk for spill files; null: the planner's default (64 GiB)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpu_bytes", "host_bytes", "nvme_bytes"):
-            if getattr(self, name) is not None:
-                setattr(self, name, parse_bytes(getattr(self, name), f"budgets.{name}"))
+        _check(self, "budgets", "budgets.", "loop")  # Note [one definition]
 
     def kwargs(self) -> dict:
         """Keyword arguments for :func:`tiermem.plan.plan`: the capacities set (bytes)."""
@@ -471,47 +406,27 @@ class BudgetConfig:
 class ActivationConfig:
     """The ``activations`` section: :func:`tiermem.offload.offload_activations`'s arguments."""
 
-    enabled: bool = True
+    enabled: bool = _ACTIVATIONS["enabled"]
     """Offload saved activations at all (False: they stay on the device)."""
-    tier: Literal["cpu", "nvme"] = "cpu"
+    tier: Literal["cpu", "nvme"] = _ACTIVATIONS["tier"]
     """``"cpu"`` (pinned host memory) or ``"nvme"`` (needs store.nvme_bytes and nvme_dir)."""
-    num_layers: int | None = None
+    num_layers: int | None = _ACTIVATIONS["num_layers"]
     """Offload the first N blocks, in [0, n_layers); None: chosen by measurement (``layers="auto"``:
     the blocks whose copies hide behind compute, see ``offload_activations``)."""
-    prefetch_depth: int = 1
+    prefetch_depth: int = _ACTIVATIONS["prefetch_depth"]
     """Layers reloaded ahead of the one backward is in (>= 1)."""
-    min_offload_bytes: int = 1024
+    min_offload_bytes: int = _ACTIVATIONS["min_offload_bytes"]
     """Saved tensors smaller than this many bytes stay on the device."""
-    offload_weights: bool = False
+    offload_weights: bool = _ACTIVATIONS["offload_weights"]
     """Also offload parameters and buffers that autograd saves."""
-    double_buffering: bool = False
+    double_buffering: bool = _ACTIVATIONS["double_buffering"]
     """Reload into two persistent device buffer sets (needs prefetch_depth=1)."""
-    max_kept_bytes: int | str | None = None
+    max_kept_bytes: int | str | None = _ACTIVATIONS["max_kept_bytes"]
     """With num_layers null: at most this many bytes of block activations stay on the device
     (``"8GiB"``); null: bounded by the device memory left unused (CUDA) or not at all (CPU)."""
 
     def __post_init__(self) -> None:
-        if self.max_kept_bytes is not None:
-            self.max_kept_bytes = parse_bytes(self.max_kept_bytes, "activations.max_kept_bytes")
-            if self.num_layers is not None:
-                raise ValueError(f"activations.max_kept_bytes bounds the automatic choice of "
-                                 f"layers; with activations.num_layers={self.num_layers} set it "
-                                 f"to null (or set num_layers to null)")
-        who = "activations."
-        check_bool(who, "enabled", self.enabled)
-        check_choice(who, "tier", self.tier, OFFLOAD_TIERS, "cpu is pinned host memory, nvme "
-                     "spill files")
-        if self.num_layers is not None:
-            check_int(who, "num_layers", self.num_layers, low=0, unit="blocks",
-                      fix="or null to choose by measurement")
-        check_int(who, "prefetch_depth", self.prefetch_depth, low=1, unit="layers")
-        check_int(who, "min_offload_bytes", self.min_offload_bytes, low=0, unit="bytes")
-        check_bool(who, "offload_weights", self.offload_weights)
-        check_bool(who, "double_buffering", self.double_buffering)
-        if self.double_buffering and self.prefetch_depth != 1:
-            raise ValueError(f"activations.double_buffering=True needs activations."
-                             f"prefetch_depth=1 (got {self.prefetch_depth}): two buffer sets hold "
-                             f"the layer in use and the one loading")
+        _check(self, "activations", "activations.", "loop")  # Note [one definition]
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``offload_activations`` (everything but blocks and store)."""
@@ -524,56 +439,44 @@ class ActivationConfig:
 class TrainConfig:
     """The ``train`` section: the loop of examples/train_gpt.py and ``tiermem demo``."""
 
-    steps: int = 30
+    steps: int = _TRAIN["steps"]
     """Optimizer steps."""
-    micro_batch: int = 8
+    micro_batch: int = _TRAIN["micro_batch"]
     """Sequences per micro-batch."""
-    grad_accumulation_steps: int = 1
+    grad_accumulation_steps: int = _TRAIN["grad_accumulation_steps"]
     """Micro-batches (backward passes) per optimizer step."""
-    seq_len: int | None = None
+    seq_len: int | None = _TRAIN["seq_len"]
     """Tokens per sequence; None: the model's ``seq_len``."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = _TRAIN["dtype"]
     """Parameter dtype. float32 compares bit-for-bit with the baseline; bfloat16 keeps fp32
     masters in the optimizer, and the two runs' losses drift apart by rounding (float16 would
     need loss scaling and is not offered)."""
-    device: str = "auto"
+    device: str = _TRAIN["device"]
     """``"auto"`` (CUDA if present), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    seed: int = 0
+    seed: int = _TRAIN["seed"]
     """Seed of the model init and of the data."""
-    checkpoint: bool = False
+    checkpoint: bool = _TRAIN["checkpoint"]
     """Run each block under activation checkpointing (both runs)."""
-    breadth_first_blocks: int | Literal["auto"] = 0
+    breadth_first_blocks: int | Literal["auto"] = _TRAIN["breadth_first_blocks"]
     """examples/train_large.py only (``tiermem demo`` takes 0): blocks run for every
     micro-batch of a step before the rest of the first one, so the next forward can start while
     HybridAdam (``param_sync="forward"``) still steps the later blocks (Note [breadth-first
     blocks] in tiermem/schedule/micro_batches.py); 0: depth-first; ``"auto"``: the most that
     the plan fits on the GPU. Same gradients, more memory."""
-    baseline: bool = True
+    baseline: bool = _TRAIN["baseline"]
     """After the offloaded run, train the same model without offload and compare."""
-    tolerance: float = 1e-6
+    tolerance: float = _TRAIN["tolerance"]
     """Largest accepted |loss difference| against the baseline (absolute)."""
-    markov_branching: int = 4
+    markov_branching: int = _TRAIN["markov_branching"]
     """Likely successors per token in the generated Markov chain (lower: easier to learn)."""
-    log_every: int = 1
+    log_every: int = _TRAIN["log_every"]
     """Print the per-step line every N steps (0: never)."""
-    progress: bool = True
+    progress: bool = _TRAIN["progress"]
     """Show a tqdm progress bar."""
 
     def __post_init__(self) -> None:
-        who = "train."
-        for name, low in (("steps", 1), ("micro_batch", 1), ("grad_accumulation_steps", 1),
-                          ("seed", 0), ("markov_branching", 1), ("log_every", 0)):
-            check_int(who, name, getattr(self, name), low=low)
-        if self.breadth_first_blocks != "auto":
-            check_int(who, "breadth_first_blocks", self.breadth_first_blocks, low=0,
-                      unit="blocks", fix="give 0 (depth-first), a count of blocks, or 'auto'")
-        if self.seq_len is not None:
-            check_int(who, "seq_len", self.seq_len, low=1, unit="tokens")
-        self.dtype = dtype_name(who, "dtype", self.dtype, MODEL_DTYPES)
-        check_device(who, "device", self.device)
-        for name in ("checkpoint", "baseline", "progress"):
-            check_bool(who, name, getattr(self, name))
-        check_number(who, "tolerance", self.tolerance, low=0.0)
+        _check(self, "train", "train.", "loop")  # Note [one definition]
+
 
 # ------------------------------------------------------------------ weight streaming (issue 29)
 STREAM_TIERS = ("cpu", "nvme")

@@ -80,6 +80,7 @@ from typing import Any, Iterable
 
 import torch
 
+from tiermem import options
 from tiermem._graphs import refuse_capture
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
@@ -100,6 +101,9 @@ from tiermem.optim.step_state import StepState, new_stats
 from tiermem.optim.streamed import stand_ins, streamed_mode
 from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
+
+_D = options.defaults("optimizer", "api")
+"""HybridAdam's defaults, from the one definition (Note [one definition] in tiermem/options.py)."""
 
 
 class HybridAdam(torch.optim.Optimizer):
@@ -168,9 +172,10 @@ class HybridAdam(torch.optim.Optimizer):
     ``nvme_dir/rank{r}``.
 
     Raises:
-        ValueError: a value out of range or not one of the choices (the arguments are checked by
-            the helpers of :mod:`tiermem.names`, as :class:`tiermem.config.OptimizerConfig`
-            checks the same fields), NVMe without a spill directory, params on several devices
+        ValueError: a value out of range or not one of the choices (each argument's default and
+            check are defined once in :mod:`tiermem.options`, which
+            :class:`tiermem.config.OptimizerConfig` uses too), NVMe without a spill directory,
+            params on several devices
             or on another device than ``store``, or a store without room, ``data_parallel``
             without torch.distributed or with FSDP2 params, ranks passing different params,
             each naming the field and the fix.
@@ -178,18 +183,22 @@ class HybridAdam(torch.optim.Optimizer):
             included), or a param that is not a floating-point leaf tensor.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, adamw: bool = True,
-                 maximize: bool = False, offload_fraction: float = 1.0, state_tier: str = "cpu",
-                 store: TierStore | None = None, nvme_dir: str | None = None, overlap: bool = True,
-                 chunk_numel: int | None = None, max_grad_norm: float | None = None,
-                 grad_accumulation_steps: int = 1,
-                 moments_dtype: torch.dtype | str = torch.float32,
-                 cpu_threads: int | None = None,
-                 nvme_lookahead_chunks: int = 2, data_parallel: bool | None = None,
-                 process_group: Any = None, bucket_numel: int = 1 << 23,
-                 param_sync: str = "step", placement: str = "trace",
-                 gpu_step_fraction: float = 0.0) -> None:
+    def __init__(self, params: Iterable, lr: float = _D["lr"],
+                 betas: tuple[float, float] = _D["betas"], eps: float = _D["eps"],
+                 weight_decay: float = _D["weight_decay"], *, adamw: bool = _D["adamw"],
+                 maximize: bool = _D["maximize"], offload_fraction: float = _D["offload_fraction"],
+                 state_tier: str = _D["state_tier"], store: TierStore | None = None,
+                 nvme_dir: str | None = _D["nvme_dir"], overlap: bool = _D["overlap"],
+                 chunk_numel: int | None = _D["chunk_numel"],
+                 max_grad_norm: float | None = _D["max_grad_norm"],
+                 grad_accumulation_steps: int = _D["grad_accumulation_steps"],
+                 moments_dtype: torch.dtype | str = _D["moments_dtype"],
+                 cpu_threads: int | None = _D["cpu_threads"],
+                 nvme_lookahead_chunks: int = _D["nvme_lookahead_chunks"],
+                 data_parallel: bool | None = _D["data_parallel"], process_group: Any = None,
+                 bucket_numel: int = _D["bucket_numel"], param_sync: str = _D["param_sync"],
+                 placement: str = _D["placement"],
+                 gpu_step_fraction: float = _D["gpu_step_fraction"]) -> None:
         offload_fraction, moments_dtype, gpu_step_fraction = check_arguments(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
             maximize=maximize, offload_fraction=offload_fraction, state_tier=state_tier,
