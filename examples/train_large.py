@@ -39,7 +39,8 @@ module: the same values as without streaming), their weights go to the store's `
 (``stream_weights(model.blocks, ...)``) and each step runs ``streaming.schedule`` (block-major:
 each streamed block crosses PCIe once per pass). ``streaming.optimizer: torch`` steps with
 torch.optim.AdamW (the host copies of streamed weights on the CPU), ``hybrid`` with HybridAdam
-(which must step the streamed weights' host copies: issue 29 phase 2). ``--gpu SIZE`` (the name
+(built after the stream, it steps the streamed weights' host copies: Note [streamed
+write-back] in tiermem/optim/streamed.py). ``--gpu SIZE`` (the name
 and meaning of ``tiermem plan --gpu``) plans for a GPU of SIZE bytes and caps this process there
 (``torch.cuda.set_per_process_memory_fraction``) to stand for a smaller card.
 
@@ -278,10 +279,11 @@ class TorchAdamW:
 
 
 def hybrid_steps_streams() -> bool:
-    """Whether this build's HybridAdam steps streamed weights' host copies (issue 29 phase 2:
-    the stream's optimizer link, ``WeightStream.connect``)."""
-    from tiermem.stream import WeightStream  # noqa: PLC0415
-    return hasattr(WeightStream, "connect")
+    """Whether this build's HybridAdam steps streamed weights' host copies (issue 29 items
+    2-3: ``tiermem.optim.streamed``, Note [streamed write-back]); it must be built after the
+    stream, as :func:`main` does."""
+    import importlib.util  # noqa: PLC0415
+    return importlib.util.find_spec("tiermem.optim.streamed") is not None
 
 
 def materialize_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,

@@ -33,24 +33,27 @@ def _every_block_streamed_bytes(n_layers=4, prefetch=1) -> int:
     return (prefetch + 2) * block
 
 
-def _run(example, tmp_path, capsys, *extra):
+def _run(example, tmp_path, capsys, *extra, optimizer="torch"):
     losses: list = []
     argv = ["--config", PRESET, "--tiny", "--nvme-dir", str(tmp_path), "--steps", "8",
-            "model.n_layers=4", "streaming.optimizer=torch", *extra]
+            "model.n_layers=4", f"streaming.optimizer={optimizer}", *extra]
     assert example.main(argv, record=losses) == 0, capsys.readouterr().err[-2000:]
     return losses, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("tier,schedule", [("cpu", "block-major"), ("nvme", "depth-first"),
-                                           ("nvme", "block-major")])
-def test_streamed_training_equals_the_unstreamed_run(tmp_path, capsys, one_thread, tier,
-                                                     schedule):
+@pytest.mark.parametrize("optimizer,tier,schedule", [
+    ("torch", "cpu", "block-major"), ("torch", "nvme", "depth-first"),
+    ("torch", "nvme", "block-major"),
+    # HybridAdam (the preset's: all state offloaded, split RAM + NVMe, clipping at 1.0)
+    ("hybrid", "cpu", "block-major"), ("hybrid", "nvme", "depth-first")])
+def test_streamed_training_equals_the_unstreamed_run(tmp_path, capsys, one_thread, optimizer,
+                                                     tier, schedule):
     example = _example()
-    ref, _ = _run(example, tmp_path, capsys, "streaming.enabled=false")
+    ref, _ = _run(example, tmp_path, capsys, "streaming.enabled=false", optimizer=optimizer)
     gpu = _every_block_streamed_bytes()
     out_losses, out = _run(example, tmp_path, capsys, "--streaming.enabled", "true",
                            f"--streaming.tier={tier}", "--streaming.schedule", schedule,
-                           f"streaming.gpu_bytes={gpu}")
+                           f"streaming.gpu_bytes={gpu}", optimizer=optimizer)
     assert "weights of 4 of 4 blocks streamed from " + tier in out
     assert "stream h2d" in out and " 0 fills" not in out
     assert len(ref) == 8 and all(len(step) == 2 for step in ref)  # 2 micro-batches a step
