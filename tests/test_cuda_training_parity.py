@@ -44,6 +44,11 @@ Note [training parity]: what a user would trust, on the device users run it on.
   attention backend than a depth-first forward: Note [block-major schedule]). The tolerance must
   fail: the ``stale_block1`` row fills blocks[1] with the weights of the step before and must go
   red. Counts are exact: 2 fills per streamed block per step, 1 for the last forward.
+  ``hybrid`` rows step the streamed weights with HybridAdam (offload fraction 1, its
+  ``max_grad_norm`` for ``clip``; Note [streamed write-back] in tiermem/optim/streamed.py):
+  the gradients reach it through the stream's hand-off, and it writes the host copies the next
+  pass streams. Their reference is the same model without a stream, built from the same seed,
+  stepped by the same HybridAdam (its worker copying the new weights back to the GPU).
 """
 
 from __future__ import annotations
@@ -126,11 +131,12 @@ class StreamRow(NamedTuple):
     clip: float | None = None  # clip_grad_norm_ max norm
     resident: tuple[int, ...] = ()  # blocks kept on the GPU (the rest streamed)
     stale: bool = False  # blocks[1] filled with the weights of the step before: must go red
+    hybrid: bool = False  # HybridAdam (offload_fraction 1) steps the streamed weights
 
     @property
     def reference_key(self) -> tuple:
         """What the reference depends on (not the tier, not the fault)."""
-        return ("stream", self.micro, self.ckpt, self.clip, self.resident)
+        return ("stream", self.micro, self.ckpt, self.clip, self.resident, self.hybrid)
 
 
 STREAM_MICRO = 4
@@ -141,7 +147,10 @@ STREAM = {
     "checkpoint_clip": StreamRow(ckpt=True, clip=1.0),
     "block_major_clip": StreamRow(micro=STREAM_MICRO, clip=1.0),
     "block_major_resident_4_5": StreamRow(micro=STREAM_MICRO, resident=(4, 5)),
-}  # 4 references (tier and fault share one): 18 eight-step runs (scripts/device_run.sh)
+    "hybrid_cpu": StreamRow(hybrid=True),
+    "hybrid_nvme": StreamRow(tier="nvme", hybrid=True),
+    "hybrid_block_major_clip": StreamRow(micro=STREAM_MICRO, clip=1.0, hybrid=True),
+}  # 6 references (tier and fault share one): 27 eight-step runs (scripts/device_run.sh)
 STREAM_ROWS = sorted(STREAM, key=lambda n: str(STREAM[n].reference_key))  # grouped (host memory)
 
 
@@ -378,10 +387,11 @@ def _train_streamed(row: StreamRow, spill_dir, stream: bool) -> tuple[Run, dict]
     model = _model(torch.bfloat16, row.ckpt)
     on_host = {id(p) for i, block in enumerate(model.blocks) if i not in row.resident
                for p in block.parameters()}
-    masters = {} if stream else {id(p): p.detach().to("cpu", copy=True)
-                                 for p in model.parameters() if id(p) in on_host}
+    masters = {} if stream or row.hybrid else {id(p): p.detach().to("cpu", copy=True)
+                                               for p in model.parameters() if id(p) in on_host}
     params = [masters.get(id(p), p) for p in model.parameters()]
-    optimizer = torch.optim.AdamW(params, **HP, fused=True)  # fused on the CPU and the GPU
+    if not row.hybrid:
+        optimizer = torch.optim.AdamW(params, **HP, fused=True)  # fused on the CPU and the GPU
     store = handle = None
     snapshot: dict = {}
     if stream:
@@ -392,6 +402,9 @@ def _train_streamed(row: StreamRow, spill_dir, stream: bool) -> tuple[Run, dict]
         if row.stale:  # blocks[1] gets last step's weights from step 1 on
             handle._fetcher.fault = lambda block, p, src: (snapshot.get(p.name, src)
                                                            if block.index == 1 else src)
+    if row.hybrid:  # after the stream: HybridAdam steps its host copies
+        optimizer = HybridAdam(params, **HP, offload_fraction=1.0, max_grad_norm=row.clip,
+                               grad_accumulation_steps=row.micro)
     losses = []
     for step in range(STEPS):
         if row.micro == 1:
@@ -406,7 +419,7 @@ def _train_streamed(row: StreamRow, spill_dir, stream: bool) -> tuple[Run, dict]
                 p.grad = None
         if step == 0:  # before any chaos: differences here are the kernels' noise alone
             grads0 = flat(q.grad for q in params)
-        if row.clip is not None:
+        if row.clip is not None and not row.hybrid:
             torch.nn.utils.clip_grad_norm_(params, row.clip)
         if row.stale:
             snapshot = {name: q.detach().clone() for name, q in model.blocks[1].named_parameters()}
@@ -419,9 +432,13 @@ def _train_streamed(row: StreamRow, spill_dir, stream: bool) -> tuple[Run, dict]
         losses.append(loss.detach())
     with torch.no_grad():  # the final params, seen through the loss of one more batch
         losses.append(model(*_batch(STEPS))[1])
+    if row.hybrid:
+        optimizer.synchronize()
     if DEVICE == "cuda":
         torch.cuda.synchronize()  # test only: read the results
     run = Run(torch.stack(losses).double().cpu(), flat(params), grads0)
+    if row.hybrid:
+        optimizer.close()  # before the stream's close
     stats: dict = {}
     if stream:
         stats = dict(handle.stats(), streamed_params=sum(
