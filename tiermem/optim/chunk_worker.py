@@ -127,6 +127,8 @@ class ChunkWorker:
         lane = item in self._lane.chunks  # done when its write-back is (see GpuLane.reap)
         try:
             if lane:
+                while self._step.is_restep(item) and self._lane.pending:
+                    self._lane.reap(block=True)  # its speculative write-back precedes the restore
                 self._lane.step(*item)
             else:
                 copies = self._copy_grads(*item)
@@ -136,7 +138,7 @@ class ChunkWorker:
                     pass
                 if nxt is not None and nxt is not _STOP and nxt not in self._lane.chunks:
                     try:
-                        self._copy_grads(*nxt)  # its D2H runs while this chunk steps
+                        self._copy_grads(*nxt, block=False)  # its D2H runs while this steps
                     except BaseException:
                         pass  # raised again, and reported, when that chunk is stepped
                 self._step_chunk(*item, copies)
@@ -150,19 +152,24 @@ class ChunkWorker:
         self._lane.reap(block=False)
         return nxt
 
-    def _copy_grads(self, g: int, c: int) -> tuple[torch.Tensor, dict[int, bool], Any]:
+    def _copy_grads(self, g: int, c: int, block: bool = True) -> tuple | None:
         """Issue the D2H copy of chunk ``c``'s gradients into the group's next gradient slot
-        (once per chunk and step; worker thread only).
+        (once per chunk and step, and again for a step after a rollback: Note [speculative
+        step] in speculate.py; worker thread only).
 
         Returns ``(host gradient of the chunk, {local tensor: has a gradient}, the last copy's
-        event or None)``.
+        event or None)``, or None when ``block`` is False and the gradients may not be read yet.
         """
-        done = self._copies.get((g, c))
+        key = (g, c, self._step.is_restep((g, c)))
+        done = self._copies.get(key)
         if done is not None:
             return done
         group = self._layout.groups[g]
         chunk: Chunk = group.plan.chunks[c]
-        refs, waits = self._step.chunk_grads(g, chunk)
+        got = self._step.chunk_grads(g, chunk, block=block)
+        if got is None:
+            return None
+        refs, waits = got
         slot = group.grad_next
         group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
         buf = group.grad_ring[slot][:chunk.numel]
@@ -180,7 +187,7 @@ class ChunkWorker:
         last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
         self._step.add_stats(d2h_bytes=nbytes)
         done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
-        self._copies[(g, c)] = done
+        self._copies[key] = done
         return done
 
     def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
@@ -195,6 +202,7 @@ class ChunkWorker:
         key = group.chunk_keys[c]
         blob = layout.store.get(key, "cpu", hold=True)
         try:
+            self._step.prepare_state((g, c), blob)  # Note [speculative step]: copy or restore
             master, exp_avg, exp_avg_sq = state_views(blob, chunk.numel, layout.moments_dtype)
             self._read_ahead.after(g, c)
             lo = chunk.flat_start

@@ -183,6 +183,7 @@ class GpuLane:
         blob = layout.store.get(key, "cpu", hold=True)
         loaded = None
         try:
+            self._step.prepare_state((g, c), blob)  # Note [speculative step]: copy or restore
             self._read_ahead.after(g, c)
             slot = self._next
             self._next = (slot + 1) % LANE_SLOTS

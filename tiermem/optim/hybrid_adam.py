@@ -82,6 +82,7 @@ import torch
 
 from tiermem import options
 from tiermem._graphs import refuse_capture
+from tiermem.names import parse_bytes
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
 from tiermem.optim.forward_sync import wait_for_module
@@ -94,6 +95,7 @@ from tiermem.optim.layout import WIDE_BATCH_NUMEL, Group, StateLayout, private_s
 from tiermem.optim.lifetime import OWNERS, call_weak_forward, release
 from tiermem.optim.partition import auto_chunk_numel, plan_group
 from tiermem.optim.read_ahead import ReadAhead
+from tiermem.optim.speculate import Speculation
 from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step)
@@ -133,6 +135,9 @@ class HybridAdam(torch.optim.Optimizer):
             step overlapping backward).
         max_grad_norm: clip gradients to this global 2-norm in ``step()`` (correct for grads
             already copied off the GPU); ``None``: no clipping.
+        rollback_bytes: host RAM (bytes, or ``"4GiB"``) for pre-step copies of chunk state, so
+            that with ``max_grad_norm`` chunks step during backward and are rolled back when the
+            norm clips (Note [speculative step] in ``speculate.py``); 0: they wait for the norm.
         grad_accumulation_steps: backward passes per optimizer step; gradients are copied off
             the GPU only in the last one.
         moments_dtype: dtype of the Adam moments, on the GPU side and the offloaded side
@@ -198,7 +203,8 @@ class HybridAdam(torch.optim.Optimizer):
                  data_parallel: bool | None = _D["data_parallel"], process_group: Any = None,
                  bucket_numel: int = _D["bucket_numel"], param_sync: str = _D["param_sync"],
                  placement: str = _D["placement"],
-                 gpu_step_fraction: float = _D["gpu_step_fraction"]) -> None:
+                 gpu_step_fraction: float = _D["gpu_step_fraction"],
+                 rollback_bytes: int | str = 0) -> None:
         offload_fraction, moments_dtype, gpu_step_fraction = check_arguments(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
             maximize=maximize, offload_fraction=offload_fraction, state_tier=state_tier,
@@ -208,6 +214,7 @@ class HybridAdam(torch.optim.Optimizer):
             nvme_lookahead_chunks=nvme_lookahead_chunks, data_parallel=data_parallel,
             process_group=process_group, bucket_numel=bucket_numel, param_sync=param_sync,
             placement=placement, gpu_step_fraction=gpu_step_fraction)
+        rollback_bytes = parse_bytes(rollback_bytes, "HybridAdam: rollback_bytes")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
@@ -260,6 +267,10 @@ class HybridAdam(torch.optim.Optimizer):
         self._arrived: dict[tuple[int, int], int] = {}  # (g, i) -> arrival rank, under _step.lock
         self._state_ready = False
         self._read_ahead = ReadAhead(self._layout, self._step)
+        self._spec = self._step.speculation = Speculation(  # Note [speculative step]
+            self._layout, self._step, self._read_ahead, rollback_bytes=rollback_bytes,
+            clipping=max_grad_norm is not None, overlap=overlap,
+            one_process=self._mode.one_process, who=self._who)
         # Note [gpu lane]: offloaded chunks the GPU steps by streaming their state through it
         self._lane = GpuLane(self._layout, self._step, self._read_ahead, self.param_groups,
                              self.gpu_step_fraction, self._copier.cuda)
@@ -421,6 +432,7 @@ class HybridAdam(torch.optim.Optimizer):
             self._step.compute_allowed.set()
         else:
             self._step.compute_allowed.clear()  # the CPU step needs the global norm first
+            self._spec.begin_step(self._state_ready)  # or speculates: Note [speculative step]
         with self._step.stats_lock:
             self._step.stats = new_stats()
             self._moved0 = dict(self._store.stats()["moved_bytes"])
@@ -438,7 +450,9 @@ class HybridAdam(torch.optim.Optimizer):
         store's nvme->cpu / cpu->nvme traffic during the step (all of the store's traffic, if
         it is shared);
         ``stall_s``: time ``step()`` waited for the CPU worker after stepping the GPU side;
-        ``step_s``: wall time of ``step()``; ``chunks``: offloaded chunks stepped.
+        ``step_s``: wall time of ``step()``; ``chunks``: offloaded chunks stepped (a re-step
+        after a rollback counts again); ``speculated_chunks`` / ``rolled_back_chunks`` /
+        ``rollback_held_bytes``: Note [speculative step] (``speculate.py``).
         """
         with self._step.stats_lock:
             return dict(self._last_stats)
@@ -498,12 +512,9 @@ class HybridAdam(torch.optim.Optimizer):
             self._begin_step()
             raise
         self._mode.ship_rest(self, self._ship_rest)
-        if self.max_grad_norm is not None:
-            self._clip(self.max_grad_norm)  # no gradient has been copied yet (the copies wait)
-            if self._copier.cuda:
-                clip_event = torch.cuda.Event()
-                clip_event.record(self._copier.consumer_stream())  # D2H copies clipped grads
-                self._step.clip_event = clip_event
+        if self.max_grad_norm is not None:  # clip, or keep or roll back the speculative steps
+            self._spec.settle(self._mode, self._groups, self.device, self.max_grad_norm,
+                              self._copier, self._worker.enqueue)  # Note [speculative step]
         self._step.compute_allowed.set()
         with self._watch.writing((g.index, pc.param) for g in self._groups  # Note [param changes]
                                  for pc in g.plan.gpu_pieces):
@@ -654,17 +665,6 @@ class HybridAdam(torch.optim.Optimizer):
         for k in idx:
             if g.gpu_views[k] is not g.gpu_masters[k]:
                 g.gpu_views[k].copy_(g.gpu_masters[k])
-
-    def _clip(self, max_norm: float) -> None:
-        """Clip all grads in place to ``max_norm`` like ``torch.nn.utils.clip_grad_norm_`` (on
-        the caller's stream, no host synchronisation).
-
-        Distributed: every rank clips by the norm of the whole averaged gradient
-        (``grads_and_norm`` of :mod:`tiermem.optim.dist_modes`)."""
-        grads, total = self._mode.grads_and_norm(self._groups, self.device)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Not supported after backward with overlap: pass ``max_grad_norm`` instead.

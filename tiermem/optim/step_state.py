@@ -34,7 +34,8 @@ def new_stats() -> dict:
         Nothing.
     """
     return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
-            "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0}
+            "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0,
+            "speculated_chunks": 0, "rolled_back_chunks": 0, "rollback_held_bytes": 0}
 
 
 def _copy_hp(group: dict) -> dict:
@@ -101,6 +102,9 @@ class StepState:
     """Written by the caller (:meth:`abandon`, :meth:`reset`) before setting
     ``compute_allowed``, read by the worker after waiting on it: the step was refused, step no
     chunk of it."""
+    speculation: Any = None
+    """Set once by HybridAdam: its :class:`~tiermem.optim.speculate.Speculation`, which admits
+    chunks before ``step()`` has the norm (Note [speculative step] in speculate.py)."""
     stats_lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``stats``."""
     stats: dict = field(default_factory=new_stats)
@@ -144,21 +148,32 @@ class StepState:
         with self.lock:
             self.errors.clear()
 
-    def chunk_grads(self, g: int, chunk: Chunk) -> tuple[dict[int, tuple | None], list]:
+    def chunk_grads(self, g: int, chunk: Chunk, block: bool = True
+                    ) -> tuple[dict[int, tuple | None], list] | None:
         """Chunk ``chunk`` of group ``g``'s gradients once they may be read: ``({local tensor:
         (flat gradient, event) or None}, the events a copy or step of them must wait for)`` --
-        the clip's, with clipping, else each gradient's own. Blocks until ``step()`` has
-        clipped (clipping). Worker thread.
+        the clip's, with clipping, else each gradient's own. With clipping, blocks until
+        ``step()`` has clipped unless the chunk is admitted to a speculative step (Note
+        [speculative step] in speculate.py); with ``block=False`` returns None instead of
+        blocking. Worker thread.
 
         Raises:
             RuntimeError: ``step()`` abandoned the step (:meth:`abandon`).
         """
-        self.compute_allowed.wait()  # with clipping: step() has clipped the GPU gradients
+        early = False
+        if not self.compute_allowed.is_set():
+            with self.lock:
+                early = self.speculation is not None and self.speculation.admit(
+                    (g, chunk.index))
+            if not early:
+                if not block:
+                    return None
+                self.compute_allowed.wait()  # with clipping: step() has clipped the gradients
         if self.abandoned:
             raise RuntimeError("HybridAdam: this step was refused by step(); chunk not stepped")
         with self.lock:
             refs = {pc.param: self.grad_refs.get((g, pc.param)) for pc in chunk.pieces}
-        if self.clip_event is not None:
+        if self.clip_event is not None and not early:
             return refs, [self.clip_event]  # the clipped gradients are complete here
         return refs, list(dict.fromkeys(ref[1] for ref in refs.values()
                                         if ref is not None and ref[1] is not None))
@@ -191,6 +206,24 @@ class StepState:
             # change the live values, between the check and the copy
         check_group("HybridAdam", g, hp)  # Note [finite hyper-parameters]: before any use
         return hp
+
+    def prepare_state(self, item: tuple[int, int], blob: Any) -> None:
+        """Chunk ``item``'s state blob is held in RAM, about to be stepped (worker): the
+        speculation keeps or restores its copy (Note [speculative step] in speculate.py).
+
+        Raises:
+            Nothing.
+        """
+        if self.speculation is not None:
+            self.speculation.prepare(item, blob)
+
+    def is_restep(self, item: tuple[int, int]) -> bool:
+        """Whether chunk ``item`` is queued again after a rollback, not yet restored (worker).
+
+        Raises:
+            Nothing.
+        """
+        return self.speculation is not None and self.speculation.is_restep(item)
 
     def add_stats(self, **deltas: float) -> None:
         """Add ``deltas`` (seconds, bytes, chunks) to this step's counters (any thread).

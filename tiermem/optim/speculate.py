@@ -1,0 +1,288 @@
+"""HybridAdam's speculative CPU step under gradient clipping (Note [speculative step]): the
+rollback store (pre-step copies of chunk state within ``rollback_bytes``), the decision at the
+end of backward, and the switch that turns speculation off while steps keep clipping (Note
+[speculation switch]).
+
+Note [speculative step]: with ``max_grad_norm`` the offloaded chunks cannot be stepped before
+the global norm is known (Note [hybrid step] in hybrid_adam.py), so without speculation the CPU
+step starts only in ``step()``. With ``rollback_bytes > 0`` (one process, ``overlap=True``) a
+chunk whose gradients are complete before ``step()`` has the norm is *admitted* by the worker
+when a rollback slot is free (one slot holds the largest chunk's state blob: fp32 master and
+both moments): it copies the chunk's state blob into the slot, then steps the chunk exactly as
+without clipping (coefficient 1: the gradients as backward left them). Chunks that find no free
+slot wait for the norm, as without speculation. ``step()`` computes the norm and torch's
+coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` on the caller's stream, as
+``clip_grad_norm_`` does, and reads it (one host synchronisation: the end of backward):
+- coefficient exactly 1 (the norm is finite and at most ``max_norm`` less the 1e-6): clipping
+  would multiply every gradient by 1, which changes no bit, so the speculative steps stand and
+  the waiting chunks read the gradients unclipped: bit-identical to clipping first;
+- otherwise (clipped, or a norm of inf/nan, whose coefficient is 0/nan as in torch): admission
+  closes, ``step()`` waits until every admitted chunk has been issued (its gradients read: the
+  caller's stream waits on those reads before it scales the gradients in place), clips exactly
+  as without speculation, and re-queues the admitted chunks; the worker restores each one's
+  state blob from its slot (master and moments; a lane chunk after its write-back finished)
+  and steps it again with the clipped gradients, writing its params anew. Step counts advance
+  only once the step completes, so they need no restore. The result is today's clipped step,
+  bit for bit.
+The cost: a memcpy of the chunk's state (12 B/param with fp32 moments, 8 with bf16) per admitted
+chunk and step, ``rollback_bytes`` of host RAM (pageable: only the CPU reads it), one host
+synchronisation on the norm in ``step()``, and on a clipped step the admitted chunks stepped
+twice (the second time after backward, serialised like the non-speculative path). Speculation
+is one process only: with ``data_parallel`` or FSDP2 chunks wait for the all-reduced norm
+(logged), and HybridAdam steps chunks in forward order whenever a step does not speculate.
+
+Note [speculation switch]: a clipped step costs a rollback and a second CPU step of every
+admitted chunk, so speculation pays only while clipping is rare. Every step's outcome (clipped:
+the coefficient is not exactly 1) is recorded, also on steps that did not speculate (their
+coefficient is copied to the host without a synchronisation and read when the next step
+begins). A step speculates when at most ``SWITCH_MAX_CLIPPED`` of the last ``SWITCH_WINDOW``
+steps clipped: two clipped steps in four turn it off (a run that always clips rolls back at
+most two steps), and it comes back once three of the last four did not clip.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable
+
+import torch
+
+from tiermem._log import logger
+from tiermem.optim.layout import StateLayout, chunk_state_bytes, state_numel
+from tiermem.optim.step_state import StepState
+
+SWITCH_WINDOW = 4
+"""Steps whose outcome decides whether the next step speculates (Note [speculation switch])."""
+
+SWITCH_MAX_CLIPPED = 1
+"""The most clipped steps among the last ``SWITCH_WINDOW`` with which a step still speculates."""
+
+
+class SpeculationSwitch:
+    """Note [speculation switch]: whether the next step speculates, from recent outcomes."""
+
+    def __init__(self) -> None:
+        """Raises: Nothing."""
+        self._recent: collections.deque = collections.deque(maxlen=SWITCH_WINDOW)
+
+    def record(self, clipped: bool) -> None:
+        """Record one step's outcome (``clipped``: its coefficient was not exactly 1).
+
+        Raises:
+            Nothing.
+        """
+        self._recent.append(bool(clipped))
+
+    def on(self) -> bool:
+        """Whether the next step speculates.
+
+        Raises:
+            Nothing.
+        """
+        return sum(self._recent) <= SWITCH_MAX_CLIPPED
+
+
+class Speculation:
+    """The rollback store and this step's admissions (Note [speculative step]).
+
+    Threads: the caller (``begin_step``, ``settle``), the worker (``admit`` via
+    ``StepState.chunk_grads``, ``prepare``, ``is_restep``). ``_admitted``, ``_decided`` and
+    ``_restore`` are under the step's lock; ``_saved`` is the worker's.
+
+    Attributes:
+        enabled: speculation can happen (``rollback_bytes > 0``, clipping, overlap, one process).
+        active: this step speculates (caller writes it in :meth:`begin_step`, worker idle).
+        switch: the :class:`SpeculationSwitch`.
+    """
+
+    def __init__(self, layout: StateLayout, step: StepState, read_ahead: Any, *,
+                 rollback_bytes: int, clipping: bool, overlap: bool, one_process: bool,
+                 who: str) -> None:
+        """Args: the optimizer's layout, step state and read-ahead, and its ``rollback_bytes``,
+        whether it clips, overlaps and runs in one process, its error prefix. Logs why
+        speculation is off when ``rollback_bytes`` was given in vain.
+
+        Raises:
+            Nothing.
+        """
+        self._layout = layout
+        self._step = step
+        self._read_ahead = read_ahead
+        self.budget_bytes = rollback_bytes
+        self.enabled = rollback_bytes > 0 and clipping and overlap and one_process
+        if rollback_bytes > 0 and clipping and not self.enabled:
+            why = ("data parallel and FSDP2 reduce the norm over the ranks" if overlap
+                   else "overlap=False steps every chunk in step()")
+            logger.info("%s: rollback_bytes=%d but the step does not speculate (%s): chunks "
+                        "wait for the gradient norm (Note [speculative step])", who,
+                        rollback_bytes, why)
+        self.active = False
+        self.switch = SpeculationSwitch()
+        self._slots: list[torch.Tensor] = []
+        self._admitted: dict[tuple[int, int], int] = {}  # item -> slot
+        self._decided = False
+        self._restore: set[tuple[int, int]] = set()
+        self._saved: set[tuple[int, int]] = set()
+        self._outcome: tuple | None = None  # (host coefficient, event or None)
+        self._lock = threading.Lock()  # _saved: worker writes, the stats read
+
+    def held_bytes(self) -> int:
+        """Host bytes of the rollback slots allocated (0 until the first speculating step).
+
+        Raises:
+            Nothing.
+        """
+        return sum(s.numel() * s.element_size() for s in self._slots)
+
+    def _alloc(self) -> None:
+        """Allocate ``rollback_bytes // (largest chunk's state bytes)`` slots, at most one per
+        chunk (caller's thread, at the first step with state)."""
+        chunks = [c for g in self._layout.groups for c in g.plan.chunks]
+        if not chunks:
+            return
+        numel = state_numel(max(c.numel for c in chunks), self._layout.moments_dtype)
+        n = min(len(chunks), self.budget_bytes // chunk_state_bytes(
+            max(c.numel for c in chunks), self._layout.moments_dtype))
+        self._slots = [torch.empty(numel, dtype=torch.float32) for _ in range(n)]
+        if not n:
+            logger.info("HybridAdam: rollback_bytes=%d holds no chunk's state (%d bytes "
+                        "each): no step speculates", self.budget_bytes,
+                        chunk_state_bytes(max(c.numel for c in chunks),
+                                          self._layout.moments_dtype))
+
+    def begin_step(self, ready: bool) -> None:
+        """Start a step (caller's thread, worker idle): record the last step's deferred outcome,
+        decide whether this one speculates (Note [speculation switch]) and set the stepping
+        order to match (backward order when it does: Note [stepping order]).
+
+        Args:
+            ready: the optimizer's state is allocated (trace placement: after the first step).
+
+        Raises:
+            Nothing.
+        """
+        if not self.enabled:
+            return
+        if self._outcome is not None:
+            coef, event = self._outcome
+            if event is not None:
+                event.synchronize()  # the coefficient's copy to the host (long done)
+            self.switch.record(float(coef) != 1.0)
+            self._outcome = None
+        if ready and not self._slots:
+            self._alloc()
+        with self._step.lock:
+            self._admitted.clear()
+            self._restore.clear()
+            self._decided = False
+        self._saved.clear()
+        self.active = ready and bool(self._slots) and self.switch.on()
+        if self._layout.backward_order != self.active:
+            self._layout.backward_order = self.active  # hooks ship as gradients land
+            self._read_ahead.plan_changed()
+
+    def admit(self, item: tuple[int, int]) -> bool:
+        """Whether chunk ``item`` may be stepped before the norm is known: a rollback slot is
+        free and ``step()`` has not decided yet (worker thread, under the step's lock).
+
+        Raises:
+            Nothing.
+        """
+        if item in self._admitted:
+            return True
+        if not self.active or self._decided or len(self._admitted) >= len(self._slots):
+            return False
+        self._admitted[item] = len(self._admitted)
+        return True
+
+    def is_restep(self, item: tuple[int, int]) -> bool:
+        """Whether chunk ``item`` is queued again after a rollback and not yet restored (worker).
+
+        Raises:
+            Nothing.
+        """
+        with self._step.lock:
+            return item in self._restore
+
+    def prepare(self, item: tuple[int, int], blob: torch.Tensor) -> None:
+        """Chunk ``item``'s state blob is held in RAM and about to be stepped (worker): keep a
+        copy of it when the chunk was admitted, restore it when it is stepped again after a
+        rollback.
+
+        Raises:
+            Nothing.
+        """
+        with self._step.lock:
+            slot = self._admitted.get(item)
+            restore = item in self._restore
+            if restore:
+                self._restore.discard(item)
+        if slot is None:
+            return
+        copy = self._slots[slot][:blob.numel()]
+        if restore:
+            blob.copy_(copy)  # Note [speculative step]: master and moments as before the step
+        elif item not in self._saved:
+            copy.copy_(blob)
+            with self._lock:
+                self._saved.add(item)
+
+    def settle(self, mode: Any, groups: list, device: torch.device, max_norm: float,
+               copier: Any, enqueue: Callable[[tuple[int, int]], None]) -> int | None:
+        """Clip like ``torch.nn.utils.clip_grad_norm_`` by the global norm (on the caller's
+        stream), or let the speculative steps stand (Note [speculative step]); with a rollback,
+        re-queue the admitted chunks. Caller's thread, in ``step()``; ``compute_allowed`` is
+        set by the caller afterwards. Returns the chunks rolled back (None: the step did not
+        speculate).
+
+        Raises:
+            Nothing of its own.
+        """
+        step = self._step
+        grads, total = mode.grads_and_norm(groups, device)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        consumer = copier.consumer_stream()
+        items: list[tuple[int, int]] = []
+        if self.active:
+            clipped = float(coef) != 1.0  # a host sync: waits for the end of backward
+            self.switch.record(clipped)
+            with step.idle:
+                self._decided = True
+                admitted = list(self._admitted)
+                while clipped and any(i not in step.chunk_h2d for i in admitted) \
+                        and not step.errors:
+                    step.idle.wait()  # an admitted chunk is still reading unclipped gradients
+                items = [i for i in admitted if i in step.chunk_h2d] if clipped else []
+                events = [step.chunk_h2d[i] for i in items]
+            held = self.held_bytes()
+            step.add_stats(speculated_chunks=len(admitted), rolled_back_chunks=len(items),
+                           rollback_held_bytes=held)
+            if not clipped:
+                return 0  # the coefficient is 1: clipping would change no gradient
+            for event in events if consumer is not None else ():
+                if event is not None:
+                    consumer.wait_event(event)  # the speculative reads precede the scaling
+        elif self.enabled:  # the switch learns this step's outcome at the next step
+            event = None
+            host = coef.detach().to("cpu", non_blocking=True)
+            if copier.cuda:
+                event = torch.cuda.Event()
+                event.record(consumer)  # the coefficient's copy to the host
+            self._outcome = (host, event)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        if copier.cuda:
+            clip_event = torch.cuda.Event()
+            clip_event.record(consumer)  # D2H copies and the lane read clipped grads
+            step.clip_event = clip_event
+        if not items:
+            return 0 if self.active else None
+        with step.lock:
+            for item in items:  # Note [forward sync]: the forward waits for the new step
+                step.chunk_h2d.pop(item, None)
+                step.queued.discard(item)
+            self._restore.update(items)
+        for item in items:
+            enqueue(item)
+        return len(items)
