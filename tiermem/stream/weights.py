@@ -38,6 +38,10 @@ for ``tier="nvme"`` a host tensor whose store copy on NVMe is rewritten at the n
 when it changed: ``param._version`` moved, ``param.data`` was replaced, or an optimizer stepped
 it) and ``param.grad`` the host gradient (Note [host gradients] in tiermem/stream/grads.py), so a
 torch optimizer steps the host copies in place and the next forward streams the new weights.
+HybridAdam instead connects to the stream (:meth:`WeightStream.connect`): it gets each gradient
+from the stream as it lands on the host (Note [streamed gradient hand-off]), writes the new
+weights into ``host_copy(param)`` even during a pass, and says so with ``mark_changed`` (Note
+[streamed write-back] in tiermem/optim/streamed.py); its steps never set the version guess.
 A pass is one forward of the blocks in order, then (when autograd recorded it) its backward:
 a block called twice or out of order in a forward, a second forward while the previous one's
 graph is alive and not yet back-propagated, an optimizer step over streamed parameters during a
