@@ -231,3 +231,67 @@ def test_refusals(stores, one_thread):
         stream.close()
     opt.close()
     stream.close()
+
+
+class _Event:
+    """A fake CUDA event: the copy it marks happens when it completes."""
+
+    def __init__(self, copy):
+        self.copy, self.done = copy, False
+
+    def complete(self):
+        if not self.done:
+            self.copy()
+            self.done = True
+
+
+class _Copies:
+    """StreamCopies as HostGrads sees it on CUDA, with copies landing when the test says."""
+
+    cuda = True
+
+    def __init__(self):
+        self.events = []
+
+    def grad_out(self, dst, src):
+        self.events.append(_Event(lambda: dst.copy_(src)))
+        return self.events[-1]
+
+    @staticmethod
+    def finished(event):
+        return event.done
+
+    @staticmethod
+    def landed(event):
+        event.complete()
+
+
+class _Entry:
+    def __init__(self, name):
+        self.name, self.acc, self.staging = name, None, None
+
+
+def test_cuda_hand_off_waits_for_the_landing_and_keeps_backward_order():
+    """Note [streamed gradient hand-off] on the CUDA path (fake events): a gradient is handed
+    over only once its copies (and a staged micro-batch's add) have landed, in take order."""
+    from tiermem.stream.grads import HostGrads
+
+    copies = _Copies()
+    grads = HostGrads(copies, pin=False)
+    told = []
+    grads.sink = lambda e, passes: told.append((e.name, passes, e.acc.clone()))
+    a, b, c = _Entry("a"), _Entry("b"), _Entry("c")
+    ga, gb, gc = torch.full((3,), 1.5), torch.full((3,), 2.5), torch.full((3,), 3.5)
+    grads.take(a, ga)
+    grads.take(b, gb, passes=4)
+    assert told == []  # nothing landed
+    copies.events[0].complete()  # a's copy lands; b's has not
+    grads.take(c, gc)
+    assert [t[0] for t in told] == ["a"] and torch.equal(told[0][2], ga)
+    copies.events[2].complete()  # c landed before b: still told after b
+    grads.take(a, ga)  # a second micro-batch of a: staged, added once landed
+    assert [t[0] for t in told] == ["a"]
+    grads.flush()
+    assert [(t[0], t[1]) for t in told] == [("a", 1), ("b", 4), ("c", 1), ("a", 1)]
+    assert torch.equal(told[1][2], gb) and torch.equal(told[2][2], gc)
+    assert torch.equal(told[3][2], ga + ga)  # told after the staged add
