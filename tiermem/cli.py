@@ -22,6 +22,7 @@ BENCHES = {
     "activations": "tiermem.bench.activations",
     "lora": "tiermem.bench.lora",
     "graphs": "tiermem.bench.graphs",
+    "stream": "tiermem.bench.stream",
 }
 BENCH_HELP = {
     "transfer": "TierStore H2D / D2H copies against raw pinned copy_ (needs CUDA for real "
@@ -35,6 +36,8 @@ BENCH_HELP = {
             "without offload and checkpointing, two sequence lengths (needs peft)",
     "graphs": "step time with the forward+backward in a CUDA graph, torch AdamW and "
               "HybridAdam, against eager (needs CUDA)",
+    "stream": "step time of the reference GPT with every block's weights streamed against "
+              "resident, torch AdamW and HybridAdam, each row with its parity (--gpu caps)",
 }
 COMMANDS = {
     "demo": ("tiermem.demo", "train a small GPT with offloading and compare with no offload"),
