@@ -209,8 +209,8 @@ class Link:
 
 def on_host_grad(opt: Any, g: int, i: int, grad: torch.Tensor, passes: int) -> None:
     """A streamed weight's host gradient, complete for ``passes`` more backward passes: count
-    it, and ship it when it is the step's last, like HybridAdam's ``_on_grad`` (Note [stepping
-    order], Note [trace placement]).
+    it, and ship it when it is the step's last, like HybridAdam's ``_on_grad``
+    (Note [stepping order], Note [trace placement]).
 
     Raises:
         the errors of HybridAdam's ``_ship``.

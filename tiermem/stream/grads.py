@@ -11,9 +11,9 @@ without streaming (``grad = new`` then ``grad += new``: the same elementwise IEE
 same dtype and order), so accumulation over micro-batches is bit-identical. On CUDA the copy
 runs on the D2H stream into pinned memory (the first one straight into the host gradient,
 later ones into a per-parameter pinned staging tensor), and the adds run on the host when the
-pass ends (with HybridAdam connected, as soon as the copies have landed: Note [streamed
-gradient hand-off]), in the order the copies were issued (or, when a pass takes one parameter's gradient
-again before it ends, before its staging tensor is reused). On the CPU the gradient autograd
+pass ends (with HybridAdam connected, as soon as the copies have landed:
+Note [streamed gradient hand-off]), in the order the copies were issued (or, when a pass takes
+one parameter's gradient again before it ends, before its staging tensor is reused). On the CPU the gradient autograd
 made is kept as the host gradient (no copy) and later ones are added at once.
 
 Note [streamed gradient hand-off]: ``HostGrads.take`` is the one place a streamed weight's

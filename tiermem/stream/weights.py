@@ -254,8 +254,8 @@ class WeightStream:
 
     def mark_changed(self, param: nn.Parameter) -> None:
         """Say that ``param``'s host copy was written (by a connected optimizer): with
-        ``tier="nvme"`` the store's copy is rewritten at the next pass start (Note [streamed
-        write-back]); with ``tier="cpu"`` the host copy is what the fills read already.
+        ``tier="nvme"`` the store's copy is rewritten at the next pass start
+        (Note [streamed write-back]); with ``tier="cpu"`` the host copy is what the fills read.
 
         Raises:
             ValueError: ``param`` is not streamed by this stream.
