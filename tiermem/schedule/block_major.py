@@ -261,34 +261,62 @@ def block_major_forward_backward(model: torch.nn.Module,
                     for m in range(n_micro):
                         saved.put(i, m, xs[m])
                         xs[m] = block(xs[m])
-            order = [(i, m) for i in reversed(range(n_blocks)) for m in range(n_micro)]
-            if order:
-                saved.prefetch(*order[0])  # during the head
-            grads = []
-            for m, (_, targets) in enumerate(batches):
-                h = xs[m].detach().requires_grad_(True)
-                xs[m] = None
-                _, loss = model.output(h, targets)
-                (loss / n_micro).backward()
-                grads.append(h.grad)
-                losses.append(loss.detach())
-            for k, (i, m) in enumerate(order):
-                if k + 1 < len(order):
-                    saved.prefetch(*order[k + 1])
-                x = saved.get(i, m).detach().requires_grad_(True)
-                y = model.blocks[i](x)
-                torch.autograd.backward(y, grads[m])
-                if x.grad is None:
-                    raise RuntimeError(f"block_major_forward_backward: blocks[{i}]'s output "
-                                       f"does not depend on its input (no input gradient)")
-                grads[m] = x.grad
-                del x, y
-                saved.drop(i, m)
-            for m, (idx, _) in enumerate(batches):
-                e = model.embed(idx)
-                if e.requires_grad:
-                    torch.autograd.backward(e, grads[m])
-                grads[m] = None
+            with _bypass_offload():  # Note [block-major offload]
+                order = [(i, m) for i in reversed(range(n_blocks)) for m in range(n_micro)]
+                if order:
+                    saved.prefetch(*order[0])  # during the head
+                grads = []
+                for m, (_, targets) in enumerate(batches):
+                    h = xs[m].detach().requires_grad_(True)
+                    xs[m] = None
+                    _, loss = model.output(h, targets)
+                    (loss / n_micro).backward()
+                    grads.append(h.grad)
+                    losses.append(loss.detach())
+                for k, (i, m) in enumerate(order):
+                    if k + 1 < len(order):
+                        saved.prefetch(*order[k + 1])
+                    x = saved.get(i, m).detach().requires_grad_(True)
+                    y = model.blocks[i](x)
+                    torch.autograd.backward(y, grads[m])
+                    if x.grad is None:
+                        raise RuntimeError(f"block_major_forward_backward: blocks[{i}]'s output "
+                                           f"does not depend on its input (no input gradient)")
+                    grads[m] = x.grad
+                    del x, y
+                    saved.drop(i, m)
+                for m, (idx, _) in enumerate(batches):
+                    e = model.embed(idx)
+                    if e.requires_grad:
+                        torch.autograd.backward(e, grads[m])
+                    grads[m] = None
     finally:
         saved.close()
     return losses
+
+
+def _bypass_offload() -> Any:
+    """Saved-tensor hooks that keep every saved tensor on the device, with autograd's
+    in-place check, when an activation offload context is active (Note [block-major offload]);
+    a no-op context otherwise.
+
+    Note [block-major offload]: under ``offload_activations`` (tiermem/offload/) a block-major
+    step gives the offloader nothing worth moving: the forward phase runs under ``no_grad``
+    (nothing is saved), and every tensor the head, a block's recomputation or the embeddings
+    save is unpacked by the backward that follows it at once, while the saved block inputs are
+    the schedule's own (``saved_store``). Offloading them would copy each recomputed block's
+    activations to the host and straight back, every micro-batch. So the schedule's backward
+    phase runs under its own ``saved_tensors_hooks`` (innermost hooks win) that keep each
+    tensor as ``Kept`` does (detached, its version checked on unpack: Note [saved versions] in
+    tiermem/offload/versions.py); the offloader's counters stay at 0 offloaded.
+
+    Raises:
+        nothing.
+    """
+    from tiermem.offload.context import active_offloader  # noqa: PLC0415
+    from tiermem.offload.versions import BACKWARD, Kept  # noqa: PLC0415
+
+    if active_offloader() is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: Kept(t.detach(), BACKWARD),
+                                                    Kept.unpack)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Sequence
 
@@ -51,6 +52,11 @@ def block_params(blocks: Sequence[nn.Module]) -> list[list[tuple[str, nn.Paramet
                              f"close() that one first")
         pairs = list(block.named_parameters())
         for name, p in pairs:
+            if type(p.data).__name__ == "DTensor" or type(block).__name__.startswith("FSDP"):
+                raise ValueError(f"{who}blocks[{i}].{name} is sharded (a DTensor: FSDP2's "
+                                 f"fully_shard or tensor parallel); weight streaming moves "
+                                 f"whole parameters and does not compose with FSDP2: stream an "
+                                 f"unsharded model on one process")
             if p.is_meta:
                 raise ValueError(f"{who}blocks[{i}].{name} is on the meta device (no data to "
                                  f"stream); materialize the model first (module.to_empty("
@@ -129,3 +135,83 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nothing.
     """
     return torch.empty(0, dtype=dtype, device=device)
+
+
+def select_frozen(per_block: list[list[tuple[str, nn.Parameter]]], frozen_only: Any
+                  ) -> list[list[tuple[str, nn.Parameter]]]:
+    """The pairs to stream: all of them, or with ``frozen_only`` the weights that do not
+    require grad (a frozen base; LoRA adapters stay ordinary parameters).
+
+    Raises:
+        TypeError: ``frozen_only`` not a bool.
+    """
+    if not isinstance(frozen_only, bool):
+        raise TypeError(f"stream_weights: frozen_only={short_repr(frozen_only)} must be a bool "
+                        f"(True: stream only the weights with requires_grad=False)")
+    if not frozen_only:
+        return per_block
+    return [[(n, p) for n, p in pairs if not p.requires_grad] for pairs in per_block]
+
+
+def check_grad_flags(entries: Sequence[Any], hooked: set[int]) -> None:
+    """Refuse a streamed weight made trainable after ``stream_weights``: the stream hooks the
+    gradients of the weights that required grad when it began, and another weight's gradient
+    would be left on the device and lost.
+
+    Raises:
+        ValueError: naming the weight and the fix.
+    """
+    for p in entries:
+        if p.param.requires_grad and id(p.param) not in hooked:
+            raise ValueError(
+                f"weight streaming: blocks[{p.block.index}].{p.name} requires grad now but was "
+                f"frozen when stream_weights() began (its gradient would be lost); close() the "
+                f"stream and stream again after changing requires_grad")
+
+
+def check_composition(modules: Sequence[nn.Module], blocks: Sequence[Any]) -> None:
+    """At each pass start, refuse what a stream does not compose with (docs/streaming.md,
+    "What it refuses"): a streamed parameter replaced after ``stream_weights`` (FSDP2's
+    ``fully_shard`` swaps in sharded parameters), a forward inside DistributedDataParallel,
+    ``offload_activations(offload_weights=True)`` over streamed blocks.
+
+    Raises:
+        RuntimeError: one line naming the wrapper or option and the fix.
+    """
+    for module, block in zip(modules, blocks):
+        for p in block.params:
+            try:
+                now = module.get_parameter(p.name)
+            except AttributeError:
+                now = None
+            if now is not p.param:
+                what = "gone" if now is None else f"a new {type(now.data).__name__} parameter"
+                fsdp = type(module).__name__.startswith("FSDP") or type(now.data).__name__ \
+                    == "DTensor"
+                raise RuntimeError(
+                    f"weight streaming: blocks[{block.index}].{p.name} is no longer the "
+                    f"parameter stream_weights() streams ({what}"
+                    + (", swapped in by FSDP2's fully_shard" if fsdp else "")
+                    + "); FSDP2/FSDP shard parameters a stream moves whole: weight streaming "
+                      "does not compose with them: train on one process with the stream, or "
+                      "close() it before wrapping")
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is not None and ddp.DistributedDataParallel._get_active_ddp_module() is not None:
+        raise RuntimeError(
+            "weight streaming: streamed blocks run inside a DistributedDataParallel forward; "
+            "DDP all-reduces gradients on the device that a stream takes to the host, so data "
+            "parallel with weight streaming is not supported: train on one process, or keep "
+            "these blocks out of stream_weights()")
+    from tiermem.offload.context import active_offloader  # noqa: PLC0415  (light)
+
+    off = active_offloader()
+    if off is not None and off.policy.offload_weights:
+        ours = {id(m) for m, b in zip(modules, blocks) if b.streamed}
+        hit = [i for i, m in enumerate(off.blocks)
+               if id(m) in ours and off.policy.offloads_layer(i)]
+        if hit:
+            raise RuntimeError(
+                f"weight streaming: offload_activations(offload_weights=True) covers streamed "
+                f"block {hit[0]} of its blocks; the stream frees and refetches those weights "
+                f"already (offloading them too copies each twice more): pass "
+                f"offload_weights=False")

@@ -66,10 +66,14 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tiermem.stream.blocks import Block, Fetcher, Param
-from tiermem.stream.checks import STREAMED_BLOCKS, block_params, check_options, placeholder
+from tiermem.stream.checks import (STREAMED_BLOCKS, block_params, check_composition,
+                                   check_grad_flags, check_options, placeholder,
+                                   select_frozen)
+from tiermem.stream.compose import eager as _eager
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
 from tiermem.stream.major import BlockMajorPass
+from tiermem.stream.release import BackwardRelease
 from tiermem.stream.residency import ResidencyPlan, buffer_blocks_for, plan_residency
 
 logger = logging.getLogger("tiermem")
@@ -101,6 +105,7 @@ class _Pass:
     grad_blocks: list[int] = field(default_factory=list)  # blocks with backward hooks
     token: Any = None               # weakref to the _PassToken of the hooks
     backward_started: bool = False
+    release: BackwardRelease = field(default_factory=BackwardRelease)  # Note [backward release]
 
     def graph_alive(self) -> bool:
         return self.token is not None and self.token() is not None
@@ -121,7 +126,8 @@ def _pre_backward(ref: Any, i: int, token: Any) -> None:
 
 def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
                    prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
-                   resident: Sequence[int] | None = None) -> "WeightStream":
+                   resident: Sequence[int] | None = None,
+                   frozen_only: bool = False) -> "WeightStream":
     """Stream the weights of ``blocks`` through ``store`` (Note [weight streaming]).
 
     Args:
@@ -137,6 +143,8 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
             buffers, Note [resident blocks]); the last blocks that fit stay resident. None:
             stream every block (unless ``resident`` names some).
         resident: indices of blocks to keep on the device instead (not with ``gpu_bytes``).
+        frozen_only: stream only the weights that do not require grad (a frozen base under
+            LoRA adapters); the trainable ones stay ordinary parameters where they are.
 
     Returns:
         A :class:`WeightStream` (a context manager; ``close()`` makes the parameters ordinary
@@ -148,7 +156,7 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
         TierFullError: the store has no room for the weights (nothing is changed).
     """
     return WeightStream(blocks, store=store, tier=tier, prefetch_blocks=prefetch_blocks,
-                        gpu_bytes=gpu_bytes, resident=resident)
+                        gpu_bytes=gpu_bytes, resident=resident, frozen_only=frozen_only)
 
 
 class WeightStream:
@@ -160,8 +168,8 @@ class WeightStream:
 
     def __init__(self, blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
                  prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
-                 resident: Sequence[int] | None = None) -> None:
-        per_block = block_params(blocks)
+                 resident: Sequence[int] | None = None, frozen_only: bool = False) -> None:
+        per_block = select_frozen(block_params(blocks), frozen_only)
         n = len(per_block)
         gpu_bytes, resident = check_options(store, tier, prefetch_blocks, gpu_bytes, resident, n)
         sizes = [sum(p.numel() * p.element_size() for _, p in pairs) for pairs in per_block]
@@ -391,15 +399,19 @@ class WeightStream:
     def _install_hooks(self) -> None:
         ref = weakref.ref(self)
         for i, module in enumerate(self._modules):
+            # Note [compiled blocks]: the hooks run eagerly, never traced
             self._hooks.append(module.register_forward_pre_hook(
-                lambda m, args, i=i: ref()._pre_forward(i)))
+                _eager(lambda m, args, kwargs, i=i: ref()._pre_forward(i, (args, kwargs))),
+                with_kwargs=True))
             self._hooks.append(module.register_forward_hook(
-                lambda m, args, out, i=i: ref()._post_forward(i, out), always_call=True))
+                _eager(lambda m, args, out, i=i: ref()._post_forward(i, out)),
+                always_call=True))
             for p in self._blocks[i].params:
                 if p.trainable:
                     self._hooks.append(p.param.register_post_accumulate_grad_hook(
                         lambda param, p=p: ref()._after_accumulate(p)))
         ids = {id(p.param) for b in self._blocks for p in b.params}
+        self._hooked = {id(p.param) for b in self._blocks for p in b.params if p.trainable}
 
         def streams(opt: Any) -> bool:
             return any(id(q) in ids for g in opt.param_groups for q in g["params"])
@@ -432,6 +444,8 @@ class WeightStream:
         if self._link is not None:
             self._link.before_pass()  # the optimizer's writes of the host copies are complete
         entries = [p for b in self._blocks for p in b.params]
+        check_grad_flags(entries, self._hooked)
+        check_composition(self._modules, self._blocks)
         taken = []
         for p in entries:  # checks first: a refusal changes nothing
             data = p.param.data
@@ -500,12 +514,18 @@ class WeightStream:
 
     # ------------------------------------------------------------------ hooks
 
-    def _pre_forward(self, i: int) -> None:
+    def _pre_forward(self, i: int, inputs: Any = ()) -> None:
         if self._major is not None:
             self._major.pre_forward(i)
             return
         block = self._blocks[i]
         if _in_backward():  # a checkpointed block's recomputation (Note [weight streaming])
+            if self._pass is None or i not in self._pass.grad_blocks:
+                raise RuntimeError(
+                    f"weight streaming: blocks[{i}] ran inside a backward but its forward "
+                    f"recorded no graph in this pass (torch.utils.checkpoint with "
+                    f"use_reentrant=True runs it under no_grad, then again in the backward); "
+                    f"checkpoint streamed blocks with use_reentrant=False")
             if block.streamed:
                 self._fetcher.ready(block)
             return
@@ -534,6 +554,10 @@ class WeightStream:
         ps.current = i
         if block.streamed:
             self._fetcher.ready(block)
+            if torch.is_grad_enabled():  # Note [backward release]
+                ref, pref = weakref.ref(self), weakref.ref(ps)
+                ps.release.watch_inputs(block, inputs,
+                                        lambda j: ref() and ref()._input_grad(pref, j))
         self._prefetch([j for j in range(i + 1, len(self._blocks)) if self._blocks[j].streamed])
 
     def _post_forward(self, i: int, out: Any) -> None:
@@ -582,6 +606,7 @@ class WeightStream:
                     lambda: ref()._end_of_backward())
             if self._blocks[i].streamed:
                 self._fetcher.ready(self._blocks[i])
+                ps.release.reached(self._blocks[i])
             self._prefetch([j for j in reversed(ps.grad_blocks)
                             if j < i and self._blocks[j].streamed])
         except BaseException:
@@ -599,9 +624,20 @@ class WeightStream:
             grad = p.param.grad
             p.param.grad = None
             self._grads.take(p, grad)
-            block = p.block
-            block.accumulated += 1
-            if block.accumulated == block.n_trainable:
+            if ps.release.accumulated(p):  # Note [backward release]
+                self._fetcher.release(p.block)
+        except BaseException:
+            self._end_pass()
+            raise
+
+    def _input_grad(self, pass_ref: Any, i: int) -> None:
+        """An input of blocks[i] has its gradient (Note [backward release])."""
+        ps = self._pass
+        if ps is None or ps is not pass_ref() or not ps.backward_started:
+            return  # a graph of an ended pass, or a backward outside a pass
+        try:
+            block = self._blocks[i]
+            if ps.release.input_grad(block):
                 self._fetcher.release(block)
         except BaseException:
             self._end_pass()
