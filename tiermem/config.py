@@ -479,12 +479,9 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------ weight streaming (issue 29)
-STREAM_TIERS = ("cpu", "nvme")
-"""``streaming.tier``: the streamed weights' home (pinned RAM, or NVMe behind RAM staging)."""
-STREAM_SCHEDULES = ("block-major", "depth-first")
-"""``streaming.schedule``: how a step's micro-batches visit the streamed blocks."""
-STREAM_OPTIMIZERS = ("hybrid", "torch")
-"""``streaming.optimizer``: HybridAdam or torch.optim.AdamW (examples/train_large.py)."""
+STREAM_TIERS, STREAM_SCHEDULES, STREAM_OPTIMIZERS = (
+    options.STREAM_TIERS, options.STREAM_SCHEDULES, options.STREAM_OPTIMIZERS)
+_STREAMING = options.defaults("streaming", "loop")
 
 
 @dataclass(kw_only=True)
@@ -497,21 +494,21 @@ class StreamingConfig:
         ValueError, TypeError: a bad value, naming the field and the fix.
     """
 
-    enabled: bool = False
+    enabled: bool = _STREAMING["enabled"]
     """Stream the blocks' weights (False: every weight stays on the GPU)."""
-    tier: Literal["cpu", "nvme"] = "cpu"
+    tier: Literal["cpu", "nvme"] = _STREAMING["tier"]
     """The streamed weights' home: ``"cpu"`` (the store's pinned RAM) or ``"nvme"`` (the
     store's NVMe tier, read through its RAM staging; needs store.nvme_bytes and nvme_dir)."""
-    prefetch_blocks: int = 1
+    prefetch_blocks: int = _STREAMING["prefetch_blocks"]
     """Streamed blocks fetched ahead of the running one (the GPU holds this + 2 blocks)."""
-    gpu_bytes: int | str | None = None
+    gpu_bytes: int | str | None = _STREAMING["gpu_bytes"]
     """GPU bytes for the blocks' weights: the resident blocks (the last ones that fit) plus the
     streaming buffers (Note [resident blocks]); null: the plan's choice (``tiermem plan``'s
     ``stream_weights(..., gpu_bytes=...)``)."""
-    schedule: Literal["block-major", "depth-first"] = "block-major"
+    schedule: Literal["block-major", "depth-first"] = _STREAMING["schedule"]
     """``"block-major"``: each streamed block crosses PCIe once per pass whatever the number of
     micro-batches (Note [block-major schedule]); ``"depth-first"``: once per micro-batch."""
-    optimizer: Literal["hybrid", "torch"] = "hybrid"
+    optimizer: Literal["hybrid", "torch"] = _STREAMING["optimizer"]
     """The optimizer of examples/train_large.py, with or without streaming: ``"hybrid"``
     (HybridAdam, the ``optimizer`` section) or ``"torch"`` (torch.optim.AdamW on the
     parameters, streamed ones on their host copies, with the section's lr, betas, eps,
@@ -519,16 +516,4 @@ class StreamingConfig:
     docs/streaming.md and a comparison run."""
 
     def __post_init__(self) -> None:
-        from tiermem.names import check_bool as _bool, check_choice as _choice  # noqa: PLC0415
-        from tiermem.names import check_int as _int  # noqa: PLC0415
-        who = "streaming."
-        _bool(who, "enabled", self.enabled)
-        _choice(who, "tier", self.tier, STREAM_TIERS, "cpu is pinned RAM, nvme the store's "
-                "spill files")
-        _int(who, "prefetch_blocks", self.prefetch_blocks, low=0, unit="blocks")
-        if self.gpu_bytes is not None:
-            self.gpu_bytes = parse_bytes(self.gpu_bytes, "streaming.gpu_bytes")
-        _choice(who, "schedule", self.schedule, STREAM_SCHEDULES, "block-major fetches each "
-                "streamed block once per pass")
-        _choice(who, "optimizer", self.optimizer, STREAM_OPTIMIZERS, "hybrid is HybridAdam, "
-                "torch is torch.optim.AdamW")
+        _check(self, "streaming", "streaming.", "loop")  # Note [one definition]

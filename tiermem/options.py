@@ -31,11 +31,19 @@ from tiermem.names import (AUTO_BOOL, IO_BACKENDS, MODEL_DTYPES, MOMENTS_DTYPES,
 
 logger = logging.getLogger("tiermem")
 
-USERS = ("api", "loop", "plan", "tune")
+USERS = ("api", "loop", "plan", "plan-cli", "tune")
 """Who takes a field: ``api`` (HybridAdam, offload_activations, StoreConfig/TierStore: the
 library's defaults), ``loop`` (the training loop's YAML sections: OptimizerConfig,
 ActivationConfig, TrainConfig, BudgetConfig of tiermem demo and the examples), ``plan``
-(``tiermem.plan.plan`` and ``tiermem plan``), ``tune`` (``tiermem tune``)."""
+(``tiermem.plan.plan`` and ``tiermem plan``), ``plan-cli`` (``tiermem plan`` where its
+default differs from ``plan()``'s), ``tune`` (``tiermem tune``)."""
+
+STREAM_TIERS = ("cpu", "nvme")
+"""``streaming.tier``: the streamed weights' home (pinned RAM, or NVMe behind RAM staging)."""
+STREAM_SCHEDULES = ("block-major", "depth-first")
+"""``streaming.schedule``: how a step's micro-batches visit the streamed blocks."""
+STREAM_OPTIMIZERS = ("hybrid", "torch")
+"""``streaming.optimizer``: HybridAdam or torch.optim.AdamW (examples/train_large.py)."""
 
 GB, GiB = 10**9, 2**30
 H200_GPU_BYTES = 141 * GB
@@ -99,18 +107,22 @@ class Option:
         return f"{self.section}.{self.name}"
 
     def default_for(self, user: str) -> Any:
-        """The default of ``user`` (one of :data:`USERS`)."""
+        """The default of ``user`` (one of :data:`USERS`; ``plan-cli`` falls back to
+        ``plan``'s)."""
+        if user == "plan-cli" and user not in self.defaults:
+            user = "plan"
         return self.defaults.get(user, self.default)
 
-    def __call__(self, who: Who, value: Any, user: str = "api") -> Any:
-        """Check ``value`` for ``user``; return it normalized.
+    def __call__(self, who: Who, value: Any, user: str = "api", name: str | None = None) -> Any:
+        """Check ``value`` for ``user``; return it normalized. ``name``: what the user calls
+        the field, where it differs (``plan(activation_tier=...)`` is ``activations.tier``).
 
         Raises:
             ValueError, TypeError: a bad value, naming ``who.prefix + name`` and the fix.
         """
         if value is None and (self.none or self.default_for(user) is None):
             return None
-        return self.check(who, self.name, value)
+        return self.check(who, name or self.name, value)
 
 
 # ------------------------------------------------------------------ checks
@@ -152,6 +164,12 @@ def _aligned_bytes(align: int, why: str) -> Check:
     return check
 
 
+def _kept_bytes(who: Who, name: str, v: Any) -> int:
+    if isinstance(v, str):
+        v = parse_bytes(v, f"{who.prefix}{name}")
+    return check_int(who.prefix, name, v, low=0, unit="bytes")
+
+
 def _slab_bytes(who: Who, name: str, v: Any) -> int:
     return check_int(who.prefix, name, parse_bytes(v, f"{who.prefix}{name}"), low=4096,
                      unit="bytes")
@@ -190,7 +208,7 @@ def _blocks_or_auto(who: Who, name: str, v: Any) -> int | str:
 
 # ------------------------------------------------------------------ the fields
 
-_O, _A, _S, _B, _T = "optimizer", "activations", "store", "budgets", "train"
+_O, _A, _S, _B, _T, _W = "optimizer", "activations", "store", "budgets", "train", "streaming"
 _APL = ("api", "loop", "plan")
 _LOOP_PLAN = ("loop", "plan")
 _ALL = ("api", "loop", "plan", "tune")
@@ -253,7 +271,7 @@ _FIELDS = [
     Option(_A, "min_offload_bytes", 1024, _int(0, "bytes"), bad=-1),
     Option(_A, "offload_weights", False, _bool, bad=1),
     Option(_A, "double_buffering", False, _bool, bad="yes"),
-    Option(_A, "max_kept_bytes", None, _bytes, none="is no bound but the device's memory",
+    Option(_A, "max_kept_bytes", None, _kept_bytes, none="is no bound but the device's memory",
            bad="lots"),
     # ---- store: StoreConfig (TierStore); the budgets are the tiers' hard limits in bytes
     Option(_S, "gpu_bytes", "2GiB", _bytes, bad="lots"),
@@ -302,6 +320,22 @@ _FIELDS = [
     Option(_T, "markov_branching", 4, _int(1), users=("loop",), bad=0),
     Option(_T, "log_every", 1, _int(0), users=("loop",), bad=-1),
     Option(_T, "progress", True, _bool, users=("loop",), bad=1),
+    # ---- streaming: weight streaming of examples/train_large.py (stream_weights' arguments);
+    # plan: enabled "auto" streams only when the GPU cannot hold every weight, tier "auto" is
+    # RAM if the run fits so, schedule "auto" is block-major (docs/streaming.md)
+    Option(_W, "enabled", False, _bool, {"plan-cli": "auto"}, users=_LOOP_PLAN, bad=1),
+    Option(_W, "tier", "cpu", _choice(STREAM_TIERS, "cpu is pinned RAM, nvme the store's spill "
+                                                    "files"), {"plan": "auto"},
+           users=_LOOP_PLAN, bad="gpu"),
+    Option(_W, "prefetch_blocks", 1, _int(0, "blocks"), users=_LOOP_PLAN, bad=-1),
+    Option(_W, "gpu_bytes", None, _bytes, none="is the plan's choice", users=("loop",),
+           bad="lots"),
+    Option(_W, "schedule", "block-major", _choice(STREAM_SCHEDULES, "block-major fetches each "
+                                                  "streamed block once per pass"),
+           {"plan": "auto"}, users=_LOOP_PLAN, bad="random"),
+    Option(_W, "optimizer", "hybrid", _choice(STREAM_OPTIMIZERS, "hybrid is HybridAdam, torch "
+                                              "is torch.optim.AdamW"), users=("loop",),
+           bad="sgd"),
 ]
 
 OPTIONS: dict[str, Option] = {o.dotted: o for o in _FIELDS}
@@ -323,13 +357,14 @@ def default(dotted: str, user: str = "api") -> Any:
     return OPTIONS[dotted].default_for(user)
 
 
-def check(dotted: str, who: Who, value: Any, user: str = "api") -> Any:
-    """Check one field's value for ``user``; return it normalized.
+def check(dotted: str, who: Who, value: Any, user: str = "api", name: str | None = None) -> Any:
+    """Check one field's value for ``user``; return it normalized (``name``: what ``user``
+    calls the field, where it differs).
 
     Raises:
         ValueError, TypeError: a bad value (naming the field and the fix).
     """
-    return OPTIONS[dotted](who, value, user)
+    return OPTIONS[dotted](who, value, user, name)
 
 
 # ------------------------------------------------------------------ cross-field rules
@@ -373,12 +408,21 @@ def _lookahead_rule(who: Who, v: dict) -> None:
                          f"or prefetch_lookahead=0")
 
 
-RULES: dict[str, list[Callable[[Who, dict], None]]] = {
-    _A: [_double_buffering_rule, _kept_bytes_rule],
-    _S: [_spill_dir_rule, _lookahead_rule],
+RULES: dict[str, dict[str, Callable[[Who, dict], None]]] = {
+    _A: {"double_buffering": _double_buffering_rule, "max_kept_bytes": _kept_bytes_rule},
+    _S: {"nvme_dir": _spill_dir_rule, "prefetch_lookahead": _lookahead_rule},
 }
-"""Section -> its cross-field rules, each ``rule(who, values)`` (values: field -> normalized
-value; a rule reads only the fields it names, with their defaults when absent)."""
+"""Section -> its cross-field rules by name, each ``rule(who, values)`` (values: field ->
+normalized value; a rule reads only the fields it names, with their defaults when absent)."""
+
+
+def check_rule(name: str, rule: str, who: Who, values: dict[str, Any]) -> None:
+    """Apply one rule of section ``name`` (a user that checks the fields in another order).
+
+    Raises:
+        ValueError: the rule is broken (naming the fields and the fix).
+    """
+    RULES[name][rule](who, values)
 
 
 def check_section(name: str, who: Who, values: dict[str, Any], user: str = "api",
@@ -395,6 +439,6 @@ def check_section(name: str, who: Who, values: dict[str, Any], user: str = "api"
         if field_name in values:
             out[field_name] = option(who, values[field_name], user)
     if rules:
-        for rule in RULES.get(name, ()):
+        for rule in RULES.get(name, {}).values():
             rule(who, out)
     return out

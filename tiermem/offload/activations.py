@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Hashable
 import torch
 from torch import nn
 
+from tiermem import options
 from tiermem._graphs import refuse_capture
 from tiermem.offload.calibration import (_CALIBRATION_FORWARD, _Calibration, copy_rates,
                                          plan_layers)
@@ -41,6 +42,10 @@ from tiermem.offload.records import _Record, _Saved
 from tiermem.offload.rules import LayerPolicy, check_arguments, resolve_layers
 from tiermem.offload.versions import BACKWARD, Kept, check_version, version_tracker
 from tiermem.store import TierFullError, TierStore
+
+_D = options.defaults("activations", "api")
+"""The arguments' defaults, from the one definition (Note [one definition] in
+tiermem/options.py)."""
 
 __all__ = ["ActivationOffloader", "offload_activations", "LayerPolicy", "resolve_layers",
            "default_store_config", "available_host_bytes", "active_offloader", "mark_storage",
@@ -58,10 +63,13 @@ class ActivationOffloader:
     _regions_only: ClassVar[bool] = False  # tiermem.offload.tensors.TensorOffloader: no blocks
 
     def __init__(self, blocks: Sequence[nn.Module], *, store: TierStore | None = None,
-                 tier: str = "cpu", num_layers: int | None = None,
-                 layers: Iterable[int] | str | None = None, prefetch_depth: int = 1,
-                 min_offload_bytes: int = 1024, offload_weights: bool = False,
-                 double_buffering: bool = False, max_kept_bytes: int | None = None) -> None:
+                 tier: str = _D["tier"], num_layers: int | None = _D["num_layers"],
+                 layers: Iterable[int] | str | None = None,
+                 prefetch_depth: int = _D["prefetch_depth"],
+                 min_offload_bytes: int = _D["min_offload_bytes"],
+                 offload_weights: bool = _D["offload_weights"],
+                 double_buffering: bool = _D["double_buffering"],
+                 max_kept_bytes: int | None = _D["max_kept_bytes"]) -> None:
         blocks, auto = check_arguments(blocks, store, tier, num_layers, layers, prefetch_depth,
                                        min_offload_bytes, offload_weights, double_buffering,
                                        max_kept_bytes, self._regions_only)
@@ -512,11 +520,13 @@ class ActivationOffloader:
 
 
 def offload_activations(blocks: Sequence[nn.Module], *, store: TierStore | None = None,
-                        tier: str = "cpu", num_layers: int | None = None,
-                        layers: Iterable[int] | str | None = None, prefetch_depth: int = 1,
-                        min_offload_bytes: int = 1024, offload_weights: bool = False,
-                        double_buffering: bool = False,
-                        max_kept_bytes: int | None = None) -> ActivationOffloader:
+                        tier: str = _D["tier"], num_layers: int | None = _D["num_layers"],
+                        layers: Iterable[int] | str | None = None,
+                        prefetch_depth: int = _D["prefetch_depth"],
+                        min_offload_bytes: int = _D["min_offload_bytes"],
+                        offload_weights: bool = _D["offload_weights"],
+                        double_buffering: bool = _D["double_buffering"],
+                        max_kept_bytes: int | None = _D["max_kept_bytes"]) -> ActivationOffloader:
     """Offload the activations autograd saves inside chosen blocks; use as a context manager.
 
     ::

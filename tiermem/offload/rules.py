@@ -97,7 +97,7 @@ from typing import Hashable
 
 from torch import nn
 
-from tiermem.names import OFFLOAD_TIERS, check_bool, check_choice, check_int
+from tiermem import options
 from tiermem.store import TierStore
 
 
@@ -212,17 +212,15 @@ def check_arguments(blocks: Sequence[nn.Module], store: TierStore | None, tier: 
     for i, b in enumerate(blocks):
         if not isinstance(b, nn.Module):
             raise TypeError(f"{where}: blocks[{i}] is a {type(b).__name__}, not an nn.Module")
-    check_choice(f"{where}: ", "tier", tier, OFFLOAD_TIERS,
-                 "'cpu' is pinned host memory, 'nvme' spill files")
-    check_int(f"{where}: ", "prefetch_depth", prefetch_depth, low=1,
-              unit="layers reloaded ahead of the one backward is in")
-    check_int(f"{where}: ", "min_offload_bytes", min_offload_bytes, low=0, unit="bytes")
-    check_bool(f"{where}: ", "offload_weights", offload_weights)
-    check_bool(f"{where}: ", "double_buffering", double_buffering)
-    if double_buffering and prefetch_depth != 1:
-        raise ValueError(f"{where}: double_buffering=True has two buffer sets (the layer in "
-                         f"use and the one loading), so prefetch_depth={prefetch_depth} "
-                         f"cannot work; pass prefetch_depth=1 or double_buffering=False")
+    # Note [one definition] in tiermem/options.py: the activations section's checks and rules
+    # (num_layers is checked against the blocks by resolve_layers)
+    options.check_section("activations", options.Who(f"{where}: "), dict(
+        tier=tier, prefetch_depth=prefetch_depth, min_offload_bytes=min_offload_bytes,
+        offload_weights=offload_weights,
+        double_buffering=double_buffering, max_kept_bytes=max_kept_bytes), "api",
+        rules=False)
+    options.check_rule("activations", "double_buffering", options.Who(f"{where}: "),
+                       dict(double_buffering=double_buffering, prefetch_depth=prefetch_depth))
     if store is not None and not isinstance(store, TierStore):
         raise TypeError(f"{where}: store must be a tiermem.TierStore, got "
                         f"{type(store).__name__}")
@@ -239,10 +237,7 @@ def check_arguments(blocks: Sequence[nn.Module], store: TierStore | None, tier: 
                          f"measured compute and transfer) or block indices")
     if auto and num_layers is not None:
         raise TypeError(f"{where}: pass num_layers={num_layers!r} or layers='auto', not both")
-    if max_kept_bytes is not None:
-        check_int(f"{where}: ", "max_kept_bytes", max_kept_bytes, low=0,
-                  unit="bytes of block activations allowed to stay on the device")
-    if max_kept_bytes is not None and not auto:
-        raise ValueError(f"{where}: max_kept_bytes bounds the automatic choice; with explicit "
-                         f"num_layers/layers drop it, or pass layers='auto'")
+    options.check_rule("activations", "max_kept_bytes", options.Who(f"{where}: "),
+                       dict(max_kept_bytes=max_kept_bytes, num_layers=num_layers,
+                            layers=layers))
     return blocks, auto

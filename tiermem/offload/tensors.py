@@ -31,10 +31,15 @@ from typing import Iterable
 
 from torch import nn
 
+from tiermem import options
 from tiermem.offload.activations import ActivationOffloader
 from tiermem.offload.context import _in_backward, active_offloader
 from tiermem.offload.marks import MARK, mark_storage
 from tiermem.store import TierStore
+
+_D = options.defaults("activations", "api")
+"""The arguments' defaults, from the one definition (Note [one definition] in
+tiermem/options.py)."""
 
 _NOOP = object()  # an entry with nothing to do (in backward, or under foreign hooks)
 
@@ -50,8 +55,9 @@ class TensorOffloader(ActivationOffloader):
 
     _regions_only = True
 
-    def __init__(self, *, store: TierStore | None = None, tier: str = "cpu",
-                 prefetch_depth: int = 1, min_offload_bytes: int = 1024) -> None:
+    def __init__(self, *, store: TierStore | None = None, tier: str = _D["tier"],
+                 prefetch_depth: int = _D["prefetch_depth"],
+                 min_offload_bytes: int = _D["min_offload_bytes"]) -> None:
         super().__init__([], store=store, tier=tier, layers=[], prefetch_depth=prefetch_depth,
                          min_offload_bytes=min_offload_bytes)
         # per entry: the offloader the region opened on (None: this one; _NOOP: none)
@@ -89,8 +95,9 @@ class TensorOffloader(ActivationOffloader):
         super().__exit__(*exc)
 
 
-def offload_tensors(*, store: TierStore | None = None, tier: str = "cpu",
-                    prefetch_depth: int = 1, min_offload_bytes: int = 1024) -> TensorOffloader:
+def offload_tensors(*, store: TierStore | None = None, tier: str = _D["tier"],
+                    prefetch_depth: int = _D["prefetch_depth"],
+                    min_offload_bytes: int = _D["min_offload_bytes"]) -> TensorOffloader:
     """Offload every tensor autograd saves inside the returned context (a region).
 
     Inside an active :func:`~tiermem.offload.offload_activations` context the region uses that
@@ -172,8 +179,8 @@ class ModuleRegions:
 
 
 def offload_in_modules(modules: Iterable[nn.Module], *, store: TierStore | None = None,
-                       tier: str = "cpu", prefetch_depth: int = 1,
-                       min_offload_bytes: int = 1024) -> ModuleRegions:
+                       tier: str = _D["tier"], prefetch_depth: int = _D["prefetch_depth"],
+                       min_offload_bytes: int = _D["min_offload_bytes"]) -> ModuleRegions:
     """Offload every tensor autograd saves inside a call of any of ``modules``: one
     :func:`offload_tensors` region, entered by a forward pre-hook and left by an always-called
     forward hook of each module (nested calls nest). Alone it offloads nothing else; inside an

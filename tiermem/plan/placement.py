@@ -23,20 +23,53 @@ import math
 
 import torch
 
-from tiermem.config import parse_bytes
-from tiermem.names import (MOMENTS_DTYPES, OFFLOAD_TIERS, PARAM_SYNCS, STATE_TIERS,
-                           check_choice, check_fraction, check_int, dtype_name)
+from tiermem import options
+from tiermem.names import check_int, dtype_name
 from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS,
                                   gpu_side_state_bytes, lane_slot_bytes, state_numel)
 from tiermem.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, head_bytes,
                                  host_buffer_bytes, largest_chunk,
                                  moe_activation_bytes_per_block, short_dtype)
-from tiermem.plan.rates import H200_GPU_BYTES, H200_HOST_BYTES, H200_NVME_BYTES, MachineRates
+from tiermem.plan.rates import MachineRates
 from tiermem.plan.result import Item, Plan, add_notes, overflow
 from tiermem.plan.shapes import GiB
 from tiermem.plan.streaming import (check_stream_args, gpu_breakdown, non_block_params,
                                     place_stream, schedule_for)
-from tiermem.plan.timing import LANE_MEANING, check_max_grad_norm, step_time
+from tiermem.plan.timing import step_time
+
+
+FIELDS = {
+    "moments_dtype": "optimizer.moments_dtype", "offload_fraction": "optimizer.offload_fraction",
+    "state_tier": "optimizer.state_tier", "chunk_numel": "optimizer.chunk_numel",
+    "nvme_lookahead_chunks": "optimizer.nvme_lookahead_chunks",
+    "gpu_step_fraction": "optimizer.gpu_step_fraction",
+    "max_grad_norm": "optimizer.max_grad_norm", "param_sync": "optimizer.param_sync",
+    "offload_layers": "activations.num_layers", "activation_tier": "activations.tier",
+    "prefetch_depth": "activations.prefetch_depth",
+    "gpu_bytes": "budgets.gpu_bytes", "host_bytes": "budgets.host_bytes",
+    "nvme_bytes": "budgets.nvme_bytes", "gpu_reserve_bytes": "budgets.gpu_reserve_bytes",
+    "host_reserve_bytes": "budgets.host_reserve_bytes",
+    "checkpoint": "train.checkpoint", "grad_accumulation_steps": "train.grad_accumulation_steps",
+    "breadth_first_blocks": "train.breadth_first_blocks",
+    "stream_weights": "streaming.enabled", "stream_tier": "streaming.tier",
+    "prefetch_blocks": "streaming.prefetch_blocks", "stream_schedule": "streaming.schedule",
+}
+"""Each :func:`plan` keyword that is a configuration field -> its dotted name: its default and
+check come from there (Note [one definition] in tiermem/options.py; ``"auto"`` and None are
+the planner's choice where its default says so). The other keywords describe the model
+(``num_params``, ``model``, the shape, ``dtype``: the planner also sizes float16) and the
+machine (``rates``, ``eager_attention``), no configuration field."""
+_D = {kw: options.default(dotted, "plan") for kw, dotted in FIELDS.items()}
+_WHO = options.Who("plan: ")
+
+
+def _field(keyword: str, value):
+    """``plan(keyword=value)`` checked as its configuration field; the value normalized.
+
+    Raises:
+        ValueError, TypeError: a bad value, naming the keyword and the fix.
+    """
+    return options.check(FIELDS[keyword], _WHO, value, "plan", keyword)
 
 
 def _moe_shape(n_experts, top_k, d_expert) -> bool:
@@ -60,16 +93,22 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          d_model: int | None = None, n_heads: int | None = None, vocab: int = 32000,
          seq: int = 2048, batch: int = 1, mlp_ratio: int = 4, n_experts: int | None = None,
          top_k: int | None = None, d_expert: int | None = None, dtype=None,
-         moments_dtype="fp32", gpu_bytes=H200_GPU_BYTES, host_bytes=H200_HOST_BYTES,
-         nvme_bytes=H200_NVME_BYTES, offload_fraction: float | None = None,
-         state_tier: str = "auto", offload_layers: int | None = None,
-         activation_tier: str = "cpu", checkpoint: bool = False, prefetch_depth: int = 1,
-         eager_attention: bool = False, gpu_reserve_bytes=None, host_reserve_bytes=8 * GiB,
-         chunk_numel: int | None = None, nvme_lookahead_chunks: int = 2,
-         grad_accumulation_steps: int = 1, gpu_step_fraction: float = 0.0,
-         max_grad_norm: float | None = None, param_sync: str = "step",
-         breadth_first_blocks: int | str = 0, stream_weights: bool | str = False,
-         stream_tier: str = "auto", prefetch_blocks: int = 1, stream_schedule: str = "auto",
+         moments_dtype=_D["moments_dtype"], gpu_bytes=_D["gpu_bytes"],
+         host_bytes=_D["host_bytes"], nvme_bytes=_D["nvme_bytes"],
+         offload_fraction: float | None = _D["offload_fraction"],
+         state_tier: str = _D["state_tier"], offload_layers: int | None = _D["offload_layers"],
+         activation_tier: str = _D["activation_tier"], checkpoint: bool = _D["checkpoint"],
+         prefetch_depth: int = _D["prefetch_depth"], eager_attention: bool = False,
+         gpu_reserve_bytes=_D["gpu_reserve_bytes"], host_reserve_bytes=_D["host_reserve_bytes"],
+         chunk_numel: int | None = _D["chunk_numel"],
+         nvme_lookahead_chunks: int = _D["nvme_lookahead_chunks"],
+         grad_accumulation_steps: int = _D["grad_accumulation_steps"],
+         gpu_step_fraction: float = _D["gpu_step_fraction"],
+         max_grad_norm: float | None = _D["max_grad_norm"], param_sync: str = _D["param_sync"],
+         breadth_first_blocks: int | str = _D["breadth_first_blocks"],
+         stream_weights: bool | str = _D["stream_weights"], stream_tier: str = _D["stream_tier"],
+         prefetch_blocks: int = _D["prefetch_blocks"],
+         stream_schedule: str = _D["stream_schedule"],
          rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
@@ -207,9 +246,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     d_model = check_int("plan: ", "d_model", d_model)
     n_heads = check_int("plan: ", "n_heads", n_heads or max(1, d_model // 128))
     for name, value in (("vocab", vocab), ("seq", seq), ("batch", batch),
-                        ("mlp_ratio", mlp_ratio), ("prefetch_depth", prefetch_depth),
-                        ("grad_accumulation_steps", grad_accumulation_steps)):
+                        ("mlp_ratio", mlp_ratio)):
         check_int("plan: ", name, value)
+    prefetch_depth = _field("prefetch_depth", prefetch_depth)
+    grad_accumulation_steps = _field("grad_accumulation_steps", grad_accumulation_steps)
+    checkpoint = _field("checkpoint", checkpoint)
     if rates is not None and not isinstance(rates, MachineRates):
         raise TypeError(f"plan: rates must be a tiermem.plan.MachineRates, got "
                         f"{type(rates).__name__}")
@@ -227,34 +268,28 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                              f"top_k) experts of d_expert={d_expert}); give the total count, "
                              f"or check n_experts and d_expert")
         active = n - skipped
-    if chunk_numel is not None:
-        check_int("plan: ", "chunk_numel", chunk_numel)
-    check_int("plan: ", "nvme_lookahead_chunks", nvme_lookahead_chunks, low=0)
+    chunk_numel = _field("chunk_numel", chunk_numel)
+    nvme_lookahead_chunks = _field("nvme_lookahead_chunks", nvme_lookahead_chunks)
     # one spelling from here on: the canonical name (inputs, notes) and the torch.dtype (sizes)
     dtype = dtype_name("plan: ", "dtype", "bfloat16" if dtype is None else dtype, PARAM_DTYPES)
-    moments_dtype = dtype_name("plan: ", "moments_dtype", moments_dtype, MOMENTS_DTYPES)
+    moments_dtype = _field("moments_dtype", moments_dtype)
     param_dt, moments_dt = getattr(torch, dtype), getattr(torch, moments_dtype)
     p = param_dt.itemsize
-    cap = {"gpu": parse_bytes(gpu_bytes, "gpu_bytes"),
-           "host": parse_bytes(host_bytes, "host_bytes"),
-           "nvme": parse_bytes(nvme_bytes, "nvme_bytes")}
+    cap = {"gpu": _field("gpu_bytes", gpu_bytes), "host": _field("host_bytes", host_bytes),
+           "nvme": _field("nvme_bytes", nvme_bytes)}
     if cap["gpu"] == 0:
         raise ValueError("gpu_bytes=0: the plan needs a GPU capacity")
     gpu_reserve = (GiB + cap["gpu"] // 20) if gpu_reserve_bytes is None else \
-        parse_bytes(gpu_reserve_bytes, "gpu_reserve_bytes")
-    host_reserve = parse_bytes(host_reserve_bytes, "host_reserve_bytes")
-    if offload_fraction is not None:
-        check_fraction("plan: ", "offload_fraction", offload_fraction,
-                       "the optimizer state off the GPU, or None: the least that fits")
-    gpu_step_fraction = check_fraction("plan: ", "gpu_step_fraction", gpu_step_fraction,
-                                       LANE_MEANING)
-    check_max_grad_norm("plan: ", max_grad_norm)
-    check_choice("plan: ", "param_sync", param_sync, PARAM_SYNCS)
+        _field("gpu_reserve_bytes", gpu_reserve_bytes)
+    host_reserve = _field("host_reserve_bytes", host_reserve_bytes)
+    offload_fraction = _field("offload_fraction", offload_fraction)  # None: the least that fits
+    gpu_step_fraction = _field("gpu_step_fraction", gpu_step_fraction)
+    max_grad_norm = _field("max_grad_norm", max_grad_norm)
+    param_sync = _field("param_sync", param_sync)
+    breadth_first_blocks = _field("breadth_first_blocks", breadth_first_blocks)
     auto_blocks = breadth_first_blocks == "auto"
     if auto_blocks:
         breadth_first_blocks = 0  # the placement is chosen without them, then the most that fit
-    check_int("plan: ", "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks",
-              fix=f"give 0 (depth-first) to {n_layers}, or 'auto'")
     if breadth_first_blocks > n_layers:
         raise ValueError(f"plan: breadth_first_blocks={breadth_first_blocks} exceeds "
                          f"n_layers={n_layers}; give 0 (depth-first) to {n_layers}")
@@ -268,9 +303,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                          f"the blocks (embeddings, head) plus one per block: nothing to stream; "
                          f"check num_params, vocab and d_model")
     block_params = (n - outside) // n_layers
-    check_choice("plan: ", "state_tier", state_tier, ("auto",) + STATE_TIERS,
-                 "auto: RAM if it fits, else split")
-    check_choice("plan: ", "activation_tier", activation_tier, OFFLOAD_TIERS)
+    if state_tier != "auto":  # auto: RAM if it fits, else split
+        state_tier = _field("state_tier", state_tier)
+    activation_tier = _field("activation_tier", activation_tier)
     if offload_layers is not None and (isinstance(offload_layers, bool) or not isinstance(
             offload_layers, int) or not 0 <= offload_layers < n_layers):
         raise ValueError(f"offload_layers={offload_layers!r} must be an int in [0, {n_layers}) "

@@ -20,16 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem import options
 from tiermem.names import check_number, resolve_device
 from tiermem.plan.shapes import GB, GiB, PRESETS
 from tiermem.schedule.layers import best_time_s, copy_bandwidths, disk_bandwidths
 
-H200_GPU_BYTES = 141 * GB
-"""Default GPU capacity: one H200 (141 GB)."""
-H200_HOST_BYTES = 128 * GiB
-"""Default host RAM: the H200 machine's 128 GiB."""
-H200_NVME_BYTES = 64 * GiB
-"""Default NVMe capacity: the H200 machine's 64 GiB disk."""
+H200_GPU_BYTES = options.H200_GPU_BYTES  # budgets.gpu_bytes, plan's default
+H200_HOST_BYTES = options.H200_HOST_BYTES  # budgets.host_bytes
+H200_NVME_BYTES = options.H200_NVME_BYTES  # budgets.nvme_bytes
 
 
 REFERENCE_TOKENS = 8 * 2048

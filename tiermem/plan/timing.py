@@ -52,8 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.names import (MOMENTS_DTYPES, OFFLOAD_TIERS, PARAM_SYNCS, check_choice,
-                           check_fraction, check_int, check_number, dtype_name)
+from tiermem import options
+from tiermem.names import OFFLOAD_TIERS, check_choice, check_int
 from tiermem.optim.layout import state_numel
 from tiermem.plan.rates import MachineRates
 from tiermem.plan.shapes import GiB
@@ -154,21 +154,14 @@ class StepTime:
     stream_tier: str | None = None
 
 
-LANE_MEANING = ("it is HybridAdam's share of the offloaded chunks the GPU steps by streaming "
-                 "their state through it (0.0: the CPU steps all)")
-"""What ``gpu_step_fraction`` is, for its range errors (as HybridAdam words it)."""
-
-
-def check_max_grad_norm(who: str, value) -> None:
-    """Refuse a ``max_grad_norm`` that is not None or a number > 0, as HybridAdam does.
+def _field(dotted: str, who: str, value, name: str | None = None):
+    """``value`` checked as the configuration field ``dotted`` (Note [one definition] in
+    tiermem/options.py), named ``name`` in the message; normalized.
 
     Raises:
-        TypeError: not a number (a bool included); ValueError: nan or not above 0.
+        ValueError, TypeError: a bad value.
     """
-    if value is not None:
-        check_number(who, "max_grad_norm", value, low=0.0, low_open=True,
-                     fix="HybridAdam's gradient clipping norm, or None for no clipping "
-                         "(command line: --max-grad-norm)")
+    return options.check(dotted, options.Who(who), value, "plan", name)
 
 
 def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
@@ -283,11 +276,11 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         raise ValueError(f"{who}streamed_bytes={streamed_bytes} must be whole params of "
                          f"param_bytes={param_bytes} among the offloaded_params="
                          f"{offloaded_params} (a streamed weight is stepped on the host)")
-    moments = dtype_name(who, "moments_dtype", moments_dtype, MOMENTS_DTYPES)
-    check_choice(who, "activation_tier", activation_tier, OFFLOAD_TIERS)
-    share = check_fraction(who, "gpu_step_fraction", gpu_step_fraction, LANE_MEANING)
-    check_max_grad_norm(who, max_grad_norm)
-    check_choice(who, "param_sync", param_sync, PARAM_SYNCS)
+    moments = _field("optimizer.moments_dtype", who, moments_dtype)
+    _field("activations.tier", who, activation_tier, "activation_tier")
+    share = _field("optimizer.gpu_step_fraction", who, gpu_step_fraction)
+    _field("optimizer.max_grad_norm", who, max_grad_norm)
+    _field("optimizer.param_sync", who, param_sync)
     check_int(who, "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks")
     if breadth_first_blocks:
         check_int(who, "n_layers", n_layers)
