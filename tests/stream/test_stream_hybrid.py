@@ -64,11 +64,13 @@ class Run:
 
     def __init__(self, cfg, stores, streamed, seed=0):
         self.cfg = cfg
-        self.model = make_model(cfg.get("dtype", torch.float32), seed=seed)
+        self.model = make_model(cfg.get("dtype", torch.float32), seed=seed,
+                                checkpoint=cfg.get("ckpt", False))
         nvme = cfg["tier"] == "nvme" or cfg["state_tier"] != "cpu"
         self.store = stores(nvme)
         self.stream = stream_weights(self.model.blocks, store=self.store, tier=cfg["tier"],
-                                     prefetch_blocks=1) if streamed else None
+                                     prefetch_blocks=cfg.get("prefetch", 1),
+                                     resident=cfg.get("resident")) if streamed else None
         self.opt = _optimizer(self.model, cfg, stores(cfg["state_tier"] != "cpu"))
 
     def step(self, step):
@@ -118,6 +120,8 @@ CASES = {
     "nvme-f1-nvmestate": _cfg("nvme", "nvme", 1.0, 1, None, False),
     "nvme-f05-acc2-clip-split": _cfg("nvme", "split", 0.5, 2, 0.5, False),
     "nvme-f1-acc2-major-clip": _cfg("nvme", "cpu", 1.0, 2, 0.5, True),
+    "cpu-ckpt-resident3-prefetch0": _cfg("cpu", "cpu", 0.5, 1, None, False, ckpt=True,
+                                         resident=(3,), prefetch=0),
     "cpu-bf16-lane-forward": _cfg("cpu", "cpu", 1.0, 2, None, False, dtype=torch.bfloat16,
                                   lane=0.5, sync="forward"),
 }
