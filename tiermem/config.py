@@ -335,6 +335,10 @@ class OptimizerConfig:
     gpu_step_fraction: float = _OPTIMIZER["gpu_step_fraction"]
     """Share of the offloaded chunks the GPU steps by streaming their state through it, in
     [0.0, 1.0] (1.0 is fastest at full offload when PCIe is not busy with activations)."""
+    rollback_bytes: int | str = _OPTIMIZER["rollback_bytes"]
+    """Host RAM (bytes or ``"4GiB"``) for pre-step copies of chunk state: with
+    ``max_grad_norm`` chunks step during backward and are rolled back when the norm clips
+    (Note [speculative step] in tiermem/optim/speculate.py); 0: they wait for the norm."""
 
     def __post_init__(self) -> None:
         _check(self, "optimizer", "optimizer.", "loop")  # Note [one definition]

@@ -237,6 +237,8 @@ _FIELDS = [
            none="sizes it from the model", users=_APL, bad=1000),
     Option(_O, "max_grad_norm", None, _number(0.0, low_open=True, fix="or {none} for no clipping"),
            none="is no clipping", users=_APL, bad=0),
+    # Note [speculative step] in tiermem/optim/speculate.py: 0 keeps every chunk waiting
+    Option(_O, "rollback_bytes", 0, _bytes, bad=-1),
     # loop: null is "the training loop's count" (train.grad_accumulation_steps)
     Option(_O, "grad_accumulation_steps", 1, _int(1, fix="the backward passes per step()"),
            {"loop": None}, bad=0),

@@ -536,6 +536,7 @@ _CONFIG_CASES = {
     "param_sync": (["step", "forward"], "later", "param_sync"),
     "placement": (["trace", "given"], "random", "placement"),
     "gpu_step_fraction": ([0.0, 0.5, 1], 2, "gpu_step_fraction"),
+    "rollback_bytes": ([0, 4096, "1MiB"], -1, "rollback_bytes"),
 }
 
 

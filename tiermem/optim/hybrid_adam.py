@@ -204,7 +204,7 @@ class HybridAdam(torch.optim.Optimizer):
                  bucket_numel: int = _D["bucket_numel"], param_sync: str = _D["param_sync"],
                  placement: str = _D["placement"],
                  gpu_step_fraction: float = _D["gpu_step_fraction"],
-                 rollback_bytes: int | str = 0) -> None:
+                 rollback_bytes: int | str = _D["rollback_bytes"]) -> None:
         offload_fraction, moments_dtype, gpu_step_fraction = check_arguments(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
             maximize=maximize, offload_fraction=offload_fraction, state_tier=state_tier,
