@@ -211,7 +211,9 @@ def make_plan(cfg: dict, rates=None):
               grad_accumulation_steps=t.grad_accumulation_steps,
               gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
               param_sync=o.param_sync, breadth_first_blocks=t.breadth_first_blocks,
-              host_reserve_bytes=max(8 << 30, host - s.cpu_bytes),  # RAM = the store's budget
+              # RAM = the store's budget; streaming keeps the streamed weights' host gradients
+              # outside the store, so there the plan counts all RAM but 8 GiB
+              host_reserve_bytes=8 << 30 if st.enabled else max(8 << 30, host - s.cpu_bytes),
               chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
               stream_weights=st.enabled, stream_tier=st.tier, prefetch_blocks=st.prefetch_blocks,
               stream_schedule=st.schedule, rates=rates)

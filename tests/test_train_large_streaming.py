@@ -98,3 +98,31 @@ def test_streaming_refusals_are_one_line_exit_2(capsys, override, message):
     code = example.main(["--config", PRESET, "--dry-run", "streaming.enabled=true", *override])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("preset,quoted", [
+    ("h200_8b_stream_24gib", ["27 of 32 blocks streamed", "23.6 of 24.0 GiB of GPU",
+                              "step 5.18 s", "to 5.66 s", "6,324 to 5,794 tokens/s"]),
+    ("h200_70b_stream_nvme", ["60 of 80 blocks streamed from NVMe", "128.5 of 131.3 GiB of GPU",
+                              "step 697 s", "to 747 s", "47 to 44 tokens/s"]),
+])
+def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
+    """The streamed presets plan as their comments say (a change to the planner must be
+    carried into the comment), with the stream's resident blocks and home."""
+    example = _example()
+    path = ROOT / "examples" / "configs" / "large" / f"{preset}.yaml"
+    pl = example.make_plan(example.load(str(path)))
+    comment = " ".join(ln.lstrip("# ").strip() for ln in path.read_text().splitlines()
+                       if ln.startswith("#"))
+    for text in quoted:
+        assert text in comment, text
+    st = pl.step_time
+    assert pl.fits and pl.stream is not None
+    n_streamed = int(quoted[0].split()[0])
+    assert len(pl.stream.streamed) == n_streamed
+    gib = 2 ** 30
+    assert f"{pl.used['gpu'] / gib:.1f} of" in comment
+    floor = f"{st.overlapped_s:.2f} s" if st.overlapped_s < 100 else f"{st.overlapped_s:.0f} s"
+    assert f"step {floor}" in comment
+    assert f"{st.tokens_per_s_overlapped:,.0f} to {st.tokens_per_s_serial:,.0f} tokens/s" \
+        in comment
