@@ -335,3 +335,47 @@ def test_a_parameter_shared_by_two_streamed_blocks_is_refused(store):
                                          r"blocks\[0\].fc.weight \(tied weights across blocks\)"):
         stream_weights(model.blocks, store=store)
     assert len(store) == 0
+
+
+class _Scaled(nn.Module):
+    """``x + fc(x) * scale`` with ``scale`` passed in (a parameter of the model, not the block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8).requires_grad_(False)
+
+    def forward(self, x, scale):
+        return x + self.fc(self.norm(x)) * scale
+
+
+def test_a_parameter_passed_into_the_blocks_gathers_no_hooks(store):
+    """A block input that is a Parameter outlives every pass: the release's input hooks are
+    not put on it (one per pass would pile up), and training stays exact."""
+    def build():
+        torch.manual_seed(3)
+        blocks = nn.ModuleList(_Scaled() for _ in range(3))
+        return blocks, nn.Parameter(torch.ones(8))
+
+    def loop(stream):
+        blocks, scale = build()
+        opt = torch.optim.AdamW([*blocks.parameters(), scale], lr=1e-2)
+        h = stream_weights(blocks, store=store, prefetch_blocks=0) if stream else None
+        losses = []
+        for step in range(STEPS):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            for b in blocks:
+                x = b(x, scale)
+            loss = x.square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses, scale, h
+
+    ref, _, _ = loop(False)
+    out, scale, h = loop(True)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert not scale._backward_hooks
+    assert h.stats()["peak_blocks"] <= h.plan.buffer_blocks
+    h.close()

@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tiermem.stream.blocks import Block, Param
@@ -77,7 +78,10 @@ class BackwardRelease:
         Raises:
             nothing beyond torch's errors.
         """
-        ts = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        # a Parameter passed in lives on: a hook per pass on it would pile up (the block then
+        # waits for the end of the backward when it has frozen weights and no other input)
+        ts = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad
+              and not isinstance(t, nn.Parameter)]
         i = block.index
         self._inputs[i] = self._pending[i] = len(ts)
         for t in ts:
