@@ -105,6 +105,14 @@ OPT = {
     # as examples/train_large.py runs the 20B RAM preset (with breadth_first below)
     "hybrid_fwd_sync_clip": dict(offload_fraction=0.5, param_sync="forward", max_grad_norm=1.0),
 }
+# speculative clipping (issue 30, Note [speculative step] in tiermem/optim/speculate.py):
+# (a) a norm that never clips, (b) one that always does, (c) the preset's 1.0 (the first steps
+# clip, later ones not); each row's reference is the same optimizer without speculation
+# (rollback_bytes=0) and without activation offload, so speculation must be exact
+SPEC = {f"hybrid_spec_{name}": dict(offload_fraction=0.5, max_grad_norm=norm, rollback_bytes="4GiB")
+        for name, norm in (("never", 1e6), ("always", 1e-3), ("clip", 1.0))}
+SPEC_COUNTS: dict[str, list] = {}  # row -> [chunks speculated, chunks rolled back] of its run
+ALL_OPT = {**OPT, **SPEC, **{f"{n}_ref": dict(kw, rollback_bytes=0) for n, kw in SPEC.items()}}
 # breadth-first micro-batches (Note [breadth-first blocks]): each step's batch as BATCH
 # micro-batches of one row, the first BF_BLOCKS blocks run for both before the rest; the
 # reference runs the same schedule without activation offload
@@ -117,7 +125,8 @@ ROWS = ([(act, opt, "bf16") for act in ACT if act not in ("checkpoint_nvme", "re
                                                "checkpoint_all", "double_buffering")]
         + [("noncontiguous", opt, "bf16") for opt in OPT if opt not in ("adamw", "hybrid_f0.5")]
         + [("checkpoint_nvme", "hybrid_nvme", "bf16"), ("auto", "hybrid_f1_lane_bf16m", "bf16"),
-           ("regions", "adamw", "bf16"), ("regions", "hybrid_f0.5", "bf16")])
+           ("regions", "adamw", "bf16"), ("regions", "hybrid_f0.5", "bf16")]
+        + [("noncontiguous", name, "bf16") for name in SPEC])
 ROWS.sort(key=lambda r: (r[1], r[2], ACT[r[0]][1]))  # grouped by reference (host memory)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -202,7 +211,7 @@ def _model(dtype: torch.dtype, checkpoint: bool) -> GPT:
 
 
 def _optimizer(name: str, model: GPT, spill_dir, opt_store, micro_batches: int = 1):
-    kw = OPT[name]
+    kw = ALL_OPT[name]
     if kw is None:
         return torch.optim.AdamW(model.parameters(), **HP, fused=True)
     kw = dict(kw, grad_accumulation_steps=micro_batches)
@@ -251,6 +260,11 @@ def _train(act, opt, dtype, ckpt, spill_dir, act_store, opt_store, compile_="",
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        if opt in SPEC and act is not None:  # the step is complete (param_sync="step")
+            st = optimizer.step_stats()
+            counts = SPEC_COUNTS.setdefault(opt, [0, 0])
+            counts[0] += st["speculated_chunks"]
+            counts[1] += st["rolled_back_chunks"]
     with torch.no_grad():  # the final params, seen through the loss of one more batch
         losses.append(run_model(*_batch(STEPS))[1])
     if isinstance(optimizer, HybridAdam):
@@ -317,10 +331,16 @@ def reference(opt: str, dtype: str, ckpt: bool, compile_: str = "", bf: int | No
 @pytest.mark.parametrize("act,opt,dtype", ROWS, ids=["-".join(r) for r in ROWS])
 def test_training_parity(act, opt, dtype, spill_dir, act_store, opt_store):
     fixtures = dict(spill_dir=spill_dir, act_store=act_store, opt_store=opt_store)
-    ref = reference(opt, dtype, ACT[act][1], **fixtures)
+    ref = reference(opt + "_ref" if opt in SPEC else opt, dtype, ACT[act][1], **fixtures)
     got = _train(act, opt, dtype, ACT[act][1], **fixtures)
     assert got.offloaded > 0, f"{act}: nothing was offloaded"
     assert_parity(got, ref, f"{act}/{opt}/{dtype}")
+    if opt in SPEC:  # the rows speculated, and (b) rolled back (Note [speculation switch])
+        speculated, rolled = SPEC_COUNTS.pop(opt)
+        print(f"{opt}: {speculated} chunks speculated, {rolled} rolled back over {STEPS} steps")
+        assert speculated > 0, opt
+        if opt != "hybrid_spec_clip":  # (c): whether 1.0 clips is the model's business
+            assert (rolled > 0) == (opt == "hybrid_spec_always"), (opt, rolled)
 
 
 @pytest.mark.parametrize("act,opt", BF_ROWS, ids=["-".join(r) for r in BF_ROWS])
