@@ -26,7 +26,9 @@ when the post-accumulate-grad hooks of all its trainable streamed parameters hav
 backward node that reads a weight is an op that had the weight as an input, so its gradient
 reaches that weight's AccumulateGrad only after the node has run; AccumulateGrad itself reads
 only the parameter's shape and strides, which is why ``param.data`` is the full tensor until
-then. Whatever is still on the device (unused or frozen parameters) is released by a callback
+then. A block with frozen weights, or weights that get no gradient in this backward (an idle
+MoE expert), also waits for the gradients of its inputs (Note [backward release] in
+tiermem/stream/release.py). Whatever is still on the device then is released by a callback
 queued on the autograd engine, which runs when the backward ends. Checkpointed blocks
 (``torch.utils.checkpoint``, ``use_reentrant=False``) run their forward again inside the
 backward, after the pre-backward hook has filled the block: the recomputation finds the weights
