@@ -32,6 +32,13 @@
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
+#   bench_stream       nvidia-h200      reference GPT, every block's weights streamed from pinned
+#                                       RAM vs resident, torch AdamW and HybridAdam (offload 1.0),
+#                                       16k tokens per step, GPU capped at 64 GiB, 3 runs, each row
+#                                       with its parity and the PCIe floor (bounded 420 s; not yet
+#                                       timed: ~3-4 min estimated)
+#   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
+#                                       streamed rows block-major), bounded 420 s, not yet timed
 #   bench_hf           nvidia-h200      Trainer + AdamW vs TiermemTrainer (HybridAdam f=1.0, + act.
 #                                       offload) and the plain loop, 1.1B Llama, seq 2048: 3 runs,
 #                                       a round started only if it ends within 270 s (bounded 300 s)
@@ -109,6 +116,10 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       run bench_io 90 tiermem bench io --dir "$SPILL" --nbytes 1GiB ;;
     bench_hf) run bench_hf 300 python3 examples/bench_hf_trainer.py ;;
     bench_graphs) run bench_graphs 240 tiermem bench graphs --steps 10 --warmup 3 --repeats 3 ;;
+    bench_stream) run bench_stream 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
+      --warmup 1 --repeats 3 --gpu 64GiB ;;
+    bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
+      --micro-batches 4 --steps 3 --warmup 1 --repeats 3 --gpu 64GiB ;;
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \
       --steps 3 --warmup 2 --repeats 3 ;;
     dist_tests) nvidia-smi -L; run dist_tests 420 "${PYTEST[@]}" tests/distributed ;;
