@@ -545,6 +545,10 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
         st, mem = opt.step_stats(), opt.memory_bytes()
         streamed = "" if stream is None else (
             f" | stream h2d {rec['stream_h2d'] / 1e9:.2f} GB in {rec['stream_fills']} fills")
+        if st.get("rollback_held_bytes"):  # Note [speculative step] (tiermem/optim/speculate.py)
+            streamed += (f" | clip speculation {st['speculated_chunks']} chunks, "
+                         f"{st['rolled_back_chunks']} rolled back, "
+                         f"{st['rollback_held_bytes'] / 1e9:.2f} GB held")
         tok_s = rec["tokens"] / dt
         print(f"step {rec['step']} loss {rec['loss']:.4f} | {tok_s:,.0f} tok/s, "
               f"{6 * n * tok_s / 1e12:.2f} model TFLOP/s, {dt:.2f} s | state GB gpu "

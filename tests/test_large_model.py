@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,19 @@ def test_train_large_tiny_runs_two_steps_on_cpu(tmp_path):
                 "read + write"):
         assert any(ln.strip().startswith(row) for ln in block), row
     assert out[at + 13].startswith("train_large: done")
+
+
+def test_train_large_step_lines_report_the_clip_speculation():
+    """Issue 30: with optimizer.rollback_bytes the 20B RAM preset (which clips) reports on each
+    step line the chunks speculated and rolled back and the RAM held (Note [speculative step])."""
+    r = _run_example("--config", str(ROOT / "examples/configs/large/h200_20b_ram.yaml"), "--tiny",
+                     "--steps", "3", "optimizer.rollback_bytes=64MiB")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 3 and "clip speculation" not in lines[0]  # step 0 records the order
+    for line in lines[1:]:
+        assert re.search(r"clip speculation [1-9]\d* chunks, \d+ rolled back, [0-9.]+ GB held",
+                         line), line
 
 
 def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):
