@@ -126,3 +126,27 @@ def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
     assert f"step {floor}" in comment
     assert f"{st.tokens_per_s_overlapped:,.0f} to {st.tokens_per_s_serial:,.0f} tokens/s" \
         in comment
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tier,schedule", [("cpu", "block-major"), ("nvme", "depth-first")])
+def test_streamed_training_on_cuda_trains_as_unstreamed(tmp_path, capsys, tier, schedule):
+    """On CUDA (torch's default kernels, fp32): the tiny preset with every block streamed and
+    HybridAdam stepping the host copies, GPU capped by --gpu, trains as the unstreamed run
+    within 4x that run's own run-to-run noise (tiermem.bench.parity); NOT YET RUN ON A GPU."""
+    from tiermem.bench.parity import noise_of, verdict
+    example = _example()
+    cuda = ["train.device=cuda", "--gpu", "8GiB"]
+
+    def flat(losses):
+        return [x for step in losses for x in step]
+
+    ref = [flat(_run(example, tmp_path, capsys, "streaming.enabled=false", *cuda,
+                     optimizer="hybrid")[0]) for _ in range(2)]
+    got, out = _run(example, tmp_path, capsys, "streaming.enabled=true",
+                    f"streaming.tier={tier}", f"streaming.schedule={schedule}",
+                    f"streaming.gpu_bytes={_every_block_streamed_bytes()}", *cuda,
+                    optimizer="hybrid")
+    assert "GPU capped at 8.0 GiB" in out and "weights of 4 of 4 blocks streamed" in out
+    result = verdict(flat(got), ref[0], noise_of(ref[0], ref[1]))
+    assert not result.startswith("WRONG"), result
