@@ -13,8 +13,9 @@ runs on the D2H stream into pinned memory (the first one straight into the host 
 later ones into a per-parameter pinned staging tensor), and the adds run on the host when the
 pass ends (with HybridAdam connected, as soon as the copies have landed:
 Note [streamed gradient hand-off]), in the order the copies were issued (or, when a pass takes
-one parameter's gradient again before it ends, before its staging tensor is reused). On the CPU the gradient autograd
-made is kept as the host gradient (no copy) and later ones are added at once.
+one parameter's gradient again before it ends, before its staging tensor is reused). On the CPU
+the gradient autograd made is kept as the host gradient (no copy) and later ones are added at
+once.
 
 Note [streamed gradient hand-off]: ``HostGrads.take`` is the one place a streamed weight's
 gradient lands on the host, so it is also where an optimizer that steps the host copies
@@ -107,13 +108,9 @@ class HostGrads:
     def _tell(self) -> None:
         """Hand the sink, in take order, each told parameter whose copies have all landed."""
         busy = {id(item.entry) for item in self._pending}
-        keep = []
-        for entry, passes in self._told:
-            if id(entry) in busy or keep:  # keep the order: nothing after a busy one goes
-                keep.append((entry, passes))
-            else:
-                self.sink(entry, passes)
-        self._told = keep
+        while self._told and id(self._told[0][0]) not in busy:  # the order: none passes a busy one
+            entry, passes = self._told.pop(0)  # taken first: a sink that raises is not told twice
+            self.sink(entry, passes)
 
     def _land(self, entry: Any) -> None:
         """Wait for ``entry``'s gradient copies in flight and add them, in issue order (a
