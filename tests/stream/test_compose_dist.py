@@ -5,7 +5,6 @@ gloo group on the CPU stands for the real ones (tests/distributed start multi-pr
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from _stream_train import batches, make_model
 
