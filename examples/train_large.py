@@ -40,9 +40,10 @@ module: the same values as without streaming), their weights go to the store's `
 each streamed block crosses PCIe once per pass). ``streaming.optimizer: torch`` steps with
 torch.optim.AdamW (the host copies of streamed weights on the CPU), ``hybrid`` with HybridAdam
 (built after the stream, it steps the streamed weights' host copies: Note [streamed
-write-back] in tiermem/optim/streamed.py). ``--gpu SIZE`` (the name
-and meaning of ``tiermem plan --gpu``) plans for a GPU of SIZE bytes and caps this process there
-(``torch.cuda.set_per_process_memory_fraction``) to stand for a smaller card.
+write-back] in tiermem/optim/streamed.py). ``--gpu-bytes SIZE`` (the
+name and meaning of ``tiermem plan --gpu-bytes``; ``--gpu``, deprecated, still works) plans for
+a GPU of SIZE bytes and caps this process there (``torch.cuda.set_per_process_memory_fraction``)
+to stand for a smaller card.
 
 Activations: every block is checkpointed, so only block inputs stay (seq·d_model·2 bytes a
 block, 0.02 GB at 13B); offloading them (``tiermem.offload``) would save under 1 GB here.
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import resource
 import statistics
 import sys
@@ -67,7 +69,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiermem import StoreConfig, TierStore  # noqa: E402
+from tiermem import StoreConfig, TierStore, flags  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
 from tiermem.config import (BudgetConfig, OptimizerConfig, StreamingConfig,  # noqa: E402
                             TrainConfig, apply_overrides, from_tree, load_config, parse_bytes)
@@ -103,8 +105,8 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
          breadth_first_blocks: int | str | None = None, param_sync: str | None = None,
          overrides: list[str] = (), gpu: str | int | None = None) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
-    ``--gpu`` (budgets.gpu_bytes), ``--nvme-dir``, ``--grad-accumulation-steps`` (micro-batches
-    per optimizer step),
+    ``--gpu-bytes`` (budgets.gpu_bytes), ``--nvme-dir``, ``--grad-accumulation-steps``
+    (micro-batches per optimizer step),
     ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps),
     ``--chunk-numel`` (elements per offloaded chunk), ``--breadth-first-blocks`` and
     ``--param-sync`` applied first, then the dotted ``section.field=value`` ``overrides``.
@@ -422,28 +424,29 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML preset (examples/configs/large/...)")
     ap.add_argument("--dry-run", action="store_true", help="only plan; exit 0 fits, 1 does not")
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
-    ap.add_argument("--steps", type=int, default=None, help="override train.steps")
-    ap.add_argument("--grad-accumulation-steps", type=int, default=None,
-                    help="override train.grad_accumulation_steps (micro-batches per optimizer "
-                         "step; the plan prints from how many the GPU bounds the step)")
-    ap.add_argument("--gpu-step-fraction", type=float, default=None,
-                    help="override optimizer.gpu_step_fraction (share of the offloaded chunks "
-                         "the GPU steps by streaming their state, 0..1; the plan's step "
-                         "time counts its PCIe traffic)")
-    ap.add_argument("--chunk-numel", type=int, default=None,
-                    help="override optimizer.chunk_numel (elements per offloaded chunk)")
-    ap.add_argument("--breadth-first-blocks", type=blocks_or_auto, default=None,
-                    help="override train.breadth_first_blocks (blocks run for every "
-                         "micro-batch first; 0: depth-first; auto: the most the plan fits)")
-    ap.add_argument("--param-sync", default=None,
-                    help="override optimizer.param_sync (step or forward: the next forward "
-                         "waits per module for the CPU step)")
-    ap.add_argument("--nvme-dir", default=None,
-                    help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
-    ap.add_argument("--gpu", default=None, metavar="SIZE",
-                    help="GPU memory capacity (as tiermem plan --gpu; replaces "
-                         "budgets.gpu_bytes), and on CUDA this process is capped there "
-                         "(torch.cuda.set_per_process_memory_fraction) to stand for that card")
+    add = functools.partial(flags.add, ap, "train_large")  # None: the preset's (flags.py)
+    add("--steps", type=int, help="override train.steps")
+    add("--grad-accumulation-steps", type=int,
+        help="override train.grad_accumulation_steps (micro-batches per optimizer "
+        "step; the plan prints from how many the GPU bounds the step)")
+    add("--gpu-step-fraction", type=float,
+        help="override optimizer.gpu_step_fraction (share of the offloaded chunks "
+        "the GPU steps by streaming their state, 0..1; the plan's step "
+        "time counts its PCIe traffic)")
+    add("--chunk-numel", type=int,
+        help="override optimizer.chunk_numel (elements per offloaded chunk)")
+    add("--breadth-first-blocks", type=blocks_or_auto,
+        help="override train.breadth_first_blocks (blocks run for every "
+        "micro-batch first; 0: depth-first; auto: the most the plan fits)")
+    add("--param-sync",
+        help="override optimizer.param_sync (step or forward: the next forward "
+        "waits per module for the CPU step)")
+    add("--nvme-dir",
+        help="spill directory (replaces store.nvme_dir; made 0700 if missing)")
+    add("--gpu-bytes", dest="gpu", metavar="SIZE",
+        help="GPU memory capacity (as tiermem plan --gpu-bytes; replaces "
+        "budgets.gpu_bytes), and on CUDA this process is capped there "
+        "(torch.cuda.set_per_process_memory_fraction) to stand for that card")
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         argv, flagged = split_dotted_flags(argv)
@@ -485,7 +488,7 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
         cap = cfg["budgets"].gpu_bytes
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
         print(f"train_large: GPU capped at {cap / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
-              f"(--gpu)", flush=True)
+              f"(--gpu-bytes)", flush=True)
     dtype = getattr(torch, t.dtype)
     accum = t.grad_accumulation_steps
     steps = args.steps or t.steps

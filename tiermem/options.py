@@ -400,7 +400,7 @@ def _spill_dir_rule(who: Who, v: dict) -> None:
                f"{who.prefix}nvme_bytes=0 (the nvme tier is off); set nvme_bytes (e.g. "
                f"'64GiB') to spill there, or drop nvme_dir")
         logger.warning(msg)  # 0 is the documented off switch: a warning, not an error
-        warnings.warn(msg, UserWarning, stacklevel=5)
+        warnings.warn(msg, UserWarning, stacklevel=6)  # the caller of StoreConfig(...)
 
 
 def _lookahead_rule(who: Who, v: dict) -> None:

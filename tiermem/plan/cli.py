@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
 
+from tiermem import flags
 from tiermem.names import PARAM_SYNCS
 from tiermem.plan.placement import breadth_first_note, plan
 from tiermem.plan.rates import MachineRates
@@ -101,70 +103,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16",
                    help="parameter dtype: bf16, fp32 or fp16, or their long names (bfloat16, "
                         "...) (default bf16)")
-    p.add_argument("--moments-dtype", default="fp32",
-                   help="dtype of the Adam moments, on the GPU and offloaded alike: fp32 or "
-                        "bf16, or their long names (default fp32)")
-    p.add_argument("--gpu", default="141GB",
-                   help="GPU capacity (default 141GB = 131.3 GiB: one H200; output is in GiB)")
-    p.add_argument("--host", default="128GiB", help="host RAM (default 128GiB)")
-    p.add_argument("--nvme", default="64GiB", help="NVMe space for spill files (default 64GiB)")
-    p.add_argument("--gpu-reserve", default=None,
-                   help="GPU bytes kept free (default 1GiB + 5%% of --gpu)")
-    p.add_argument("--host-reserve", default="8GiB", help="host bytes kept free (default 8GiB)")
-    p.add_argument("--offload-fraction", type=_fraction, default=None, metavar="F|auto",
-                   help="optimizer state off the GPU, 0..1 (default auto: the least that fits)")
-    p.add_argument("--state-tier", default="auto", choices=["auto", "cpu", "nvme", "split"],
-                   help="where offloaded state lives (default auto: RAM, else split RAM + NVMe)")
-    p.add_argument("--offload-layers", type=_layers, default=None, metavar="K|auto",
-                   help="blocks whose activations are offloaded (default auto)")
-    p.add_argument("--activation-tier", default="cpu", choices=["cpu", "nvme"],
-                   help="where offloaded activations go (default cpu)")
-    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="blocks reloaded ahead (1)")
+    add = functools.partial(flags.add, p, "plan")  # default and field: tiermem/flags.py
+    add("--moments-dtype", help="dtype of the Adam moments, on the GPU and offloaded alike: fp32 "
+        "or bf16, or their long names (default %(default)s)")
+    add("--gpu-bytes", metavar="SIZE",
+        help="GPU capacity (default %(default)s = 141GB: one H200; output is in GiB)")
+    add("--host-bytes", metavar="SIZE", help="host RAM (default %(default)s)")
+    add("--nvme-bytes", metavar="SIZE", help="NVMe space for spill files (default %(default)s)")
+    add("--gpu-reserve", help="GPU bytes kept free (default 1GiB + 5%% of --gpu-bytes)")
+    add("--host-reserve", help="host bytes kept free (default %(default)s)")
+    add("--offload-fraction", type=_fraction, metavar="F|auto",
+        help="optimizer state off the GPU, 0..1 (default auto: the least that fits)")
+    add("--state-tier", choices=["auto", "cpu", "nvme", "split"],
+        help="where offloaded state lives (default auto: RAM, else split RAM + NVMe)")
+    add("--offload-layers", type=_layers, metavar="K|auto",
+        help="blocks whose activations are offloaded (default auto)")
+    add("--activation-tier", choices=["cpu", "nvme"],
+        help="where offloaded activations go (default %(default)s)")
+    add("--checkpoint", action="store_true", help="activation checkpointing")
+    add("--prefetch-depth", type=int, help="blocks reloaded ahead (%(default)s)")
     p.add_argument("--eager-attention", action="store_true",
                    help="attention saves its softmax (no flash/efficient SDPA kernel)")
-    p.add_argument("--gpu-step-fraction", type=_share, default=0.0, metavar="S",
-                   help="share of the offloaded chunks HybridAdam's GPU lane steps "
-                        "(optimizer.gpu_step_fraction), 0..1, for the time per step: that share "
-                        "crosses PCIe as state both ways instead of being stepped by the CPU "
-                        "(default 0: the CPU steps all)")
-    p.add_argument("--max-grad-norm", type=_norm, default=None, metavar="X",
-                   help="HybridAdam's gradient clipping norm (optimizer.max_grad_norm), for the "
-                        "time per step: with it the optimizer phase cannot overlap backward (it "
-                        "waits for the global norm), so the floor step is the GPU's time plus "
-                        "the whole optimizer phase (default: no clipping)")
-    p.add_argument("--grad-accumulation-steps", type=int, default=1, metavar="N",
-                   help="micro-batches per optimizer step, for the time per step: tokens per "
-                        "step = batch x seq x N (default 1; the memory depends on it only with "
-                        "--breadth-first-blocks)")
-    p.add_argument("--param-sync", choices=PARAM_SYNCS, default="step",
-                   help="HybridAdam's param_sync (optimizer.param_sync), for the time per "
-                        "step: with 'forward' and --max-grad-norm the next forward runs beside "
-                        "the optimizer's tail (default: step)")
-    p.add_argument("--breadth-first-blocks", type=blocks_or_auto, default=0, metavar="K",
-                   help="blocks run for every micro-batch first (train.breadth_first_blocks), "
-                        "or 'auto': the most that fit; their saved inputs count on the GPU, and "
-                        "with --param-sync forward their forward runs beside the optimizer's "
-                        "tail (default 0)")
+    add("--gpu-step-fraction", type=_share, metavar="S",
+        help="share of the offloaded chunks HybridAdam's GPU lane steps "
+        "(optimizer.gpu_step_fraction), 0..1, for the time per step: that share "
+        "crosses PCIe as state both ways instead of being stepped by the CPU "
+        "(default %(default)s: the CPU steps all)")
+    add("--max-grad-norm", type=_norm, metavar="X",
+        help="HybridAdam's gradient clipping norm (optimizer.max_grad_norm), for the "
+        "time per step: with it the optimizer phase cannot overlap backward (it "
+        "waits for the global norm), so the floor step is the GPU's time plus "
+        "the whole optimizer phase (default: no clipping)")
+    add("--grad-accumulation-steps", type=int, metavar="N",
+        help="micro-batches per optimizer step, for the time per step: tokens per "
+        "step = batch x seq x N (default %(default)s; the memory depends on it only with "
+        "--breadth-first-blocks)")
+    add("--param-sync", choices=PARAM_SYNCS,
+        help="HybridAdam's param_sync (optimizer.param_sync), for the time per "
+        "step: with 'forward' and --max-grad-norm the next forward runs beside "
+        "the optimizer's tail (default: %(default)s)")
+    add("--breadth-first-blocks", type=blocks_or_auto, metavar="K",
+        help="blocks run for every micro-batch first (train.breadth_first_blocks), "
+        "or 'auto': the most that fit; their saved inputs count on the GPU, and "
+        "with --param-sync forward their forward runs beside the optimizer's "
+        "tail (default %(default)s)")
     stream = p.add_argument_group(
         "weight streaming", "issue 29: the blocks' weights live on the host and reach the GPU "
         "block by block (docs/streaming.md; Note [streaming plan] in tiermem/plan/streaming.py); "
         "predictions: no streaming run has been measured on a GPU yet")
-    stream.add_argument("--stream-weights", choices=sorted(_STREAM), default="auto",
-                        help="stream the blocks' weights: on, off, or auto: only when the GPU "
-                             "cannot hold every weight (default auto)")
-    stream.add_argument("--stream-tier", default="auto", choices=["auto", "cpu", "nvme"],
-                        help="the streamed weights' home: pinned RAM (cpu), NVMe, or auto: RAM "
-                             "if the run fits so, else NVMe (default auto)")
-    stream.add_argument("--prefetch-blocks", type=int, default=1, metavar="P",
-                        help="streamed blocks fetched ahead; the GPU holds P + 2 blocks' "
-                             "buffers (default 1)")
-    stream.add_argument("--stream-schedule", default="auto",
-                        choices=["auto", "block-major", "depth-first"],
-                        help="block-major moves each streamed block once per pass whatever the "
-                             "micro-batches (and keeps every micro-batch's activations); "
-                             "depth-first once per micro-batch (default auto: block-major with "
-                             "--grad-accumulation-steps > 1)")
+    add_s = functools.partial(flags.add, stream, "plan")
+    add_s("--stream-weights", choices=sorted(_STREAM),
+          help="stream the blocks' weights: on, off, or auto: only when the GPU "
+          "cannot hold every weight (default %(default)s)")
+    add_s("--stream-tier", choices=["auto", "cpu", "nvme"],
+          help="the streamed weights' home: pinned RAM (cpu), NVMe, or auto: RAM "
+          "if the run fits so, else NVMe (default %(default)s)")
+    add_s("--prefetch-blocks", type=int, metavar="P",
+          help="streamed blocks fetched ahead; the GPU holds P + 2 blocks' "
+          "buffers (default %(default)s)")
+    add_s("--stream-schedule", choices=["auto", "block-major", "depth-first"],
+          help="block-major moves each streamed block once per pass whatever the "
+          "micro-batches (and keeps every micro-batch's activations); "
+          "depth-first once per micro-batch (default %(default)s: block-major with "
+          "--grad-accumulation-steps > 1)")
     rates = p.add_argument_group(
         "machine rates", "what the time per optimizer step is predicted from (defaults: the "
         "H200 machine, one run each, docs/results/*.log; docs/sizing.md)")
@@ -247,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             seq=args.seq or (shape.seq_len if shape else 2048),
             batch=args.batch or (shape.micro_batch if shape else 1),
             mlp_ratio=shape.mlp_ratio if shape else 4,
-            dtype=args.dtype, moments_dtype=args.moments_dtype, gpu_bytes=args.gpu,
-            host_bytes=args.host, nvme_bytes=args.nvme, gpu_reserve_bytes=args.gpu_reserve,
+            dtype=args.dtype, moments_dtype=args.moments_dtype, gpu_bytes=args.gpu_bytes,
+            host_bytes=args.host_bytes, nvme_bytes=args.nvme_bytes,
+            gpu_reserve_bytes=args.gpu_reserve,
             host_reserve_bytes=args.host_reserve, offload_fraction=args.offload_fraction,
             state_tier=args.state_tier, offload_layers=args.offload_layers,
             activation_tier=args.activation_tier, checkpoint=args.checkpoint,

@@ -59,6 +59,9 @@ check come from there (Note [one definition] in tiermem/options.py; ``"auto"`` a
 the planner's choice where its default says so). The other keywords describe the model
 (``num_params``, ``model``, the shape, ``dtype``: the planner also sizes float16) and the
 machine (``rates``, ``eager_attention``), no configuration field."""
+NOT_FIELDS = ("num_params", "model", "n_layers", "d_model", "n_heads", "vocab", "seq", "batch",
+              "mlp_ratio", "n_experts", "top_k", "d_expert", "dtype", "eager_attention", "rates")
+"""The :func:`plan` keywords that are no configuration field (see :data:`FIELDS`)."""
 _D = {kw: options.default(dotted, "plan") for kw, dotted in FIELDS.items()}
 _WHO = options.Who("plan: ")
 
@@ -310,6 +313,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             offload_layers, int) or not 0 <= offload_layers < n_layers):
         raise ValueError(f"offload_layers={offload_layers!r} must be an int in [0, {n_layers}) "
                          f"(the last block's activations stay on the GPU)")
+    offload_layers = _field("offload_layers", offload_layers)  # and as the field says
 
     shape = dict(batch=batch, seq=seq, d_model=d_model, dtype_bytes=p)
     if moe:
@@ -418,7 +422,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                      ("a smaller micro-batch (--batch) or shorter sequences", True),
                      ("--prefetch-blocks 0 (2 buffers)", prefetch_blocks > 0),
                      ("offloaded activations (--offload-layers)", not k),
-                     ("a larger --gpu", True)]
+                     ("a larger --gpu-bytes", True)]
             reasons[0] += (f": {gpu_breakdown(items)}; fix: "
                            + ", ".join(fix for fix, useful in fixes if useful))
         if problem:

@@ -257,4 +257,4 @@ def stream_host_hint(pl: Plan, moments_dtype: str) -> str:
     return (f"with streamed weights the host side holds {held} (the streamed blocks' weights "
             f"and gradients, every offloaded parameter's state): more RAM or NVMe (the state "
             f"splits RAM + NVMe, the weights may live on NVMe: --stream-tier nvme){bf16}, or a "
-            f"larger --gpu (more blocks stay resident)")
+            f"larger --gpu-bytes (more blocks stay resident)")

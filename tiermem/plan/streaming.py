@@ -54,7 +54,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tiermem.names import check_choice, check_int
+from tiermem import options
+from tiermem.names import check_choice
 from tiermem.plan.result import Item
 from tiermem.plan.shapes import GiB
 from tiermem.stream.residency import plan_residency
@@ -134,7 +135,15 @@ def check_stream_args(stream_weights, stream_tier, stream_schedule, prefetch_blo
                  "the streamed weights' home: pinned RAM, NVMe, or auto (RAM if it fits)")
     check_choice(who, "stream_schedule", stream_schedule, STREAM_SCHEDULES,
                  "auto: block-major (with one micro-batch the same as depth-first)")
-    check_int(who, "prefetch_blocks", prefetch_blocks, low=0, unit="blocks")
+    # Note [one definition] in tiermem/options.py: the streaming section's checks; "auto" is
+    # the planner's choice (the choices above name it)
+    for keyword, dotted, value in (("stream_weights", "streaming.enabled", stream_weights),
+                                   ("stream_tier", "streaming.tier", stream_tier),
+                                   ("stream_schedule", "streaming.schedule", stream_schedule),
+                                   ("prefetch_blocks", "streaming.prefetch_blocks",
+                                    prefetch_blocks)):
+        if value != "auto":
+            options.check(dotted, options.Who(who), value, "plan", keyword)
     if stream_weights is not True:  # "auto" does not stream with these (plan() says so)
         return
     if gpu_step_fraction:

@@ -8,6 +8,7 @@ differ)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tiermem import flags, options
 from tiermem.names import OFFLOAD_TIERS, POLICIES, check_choice
 from tiermem.tune.cost import CostModel
 from tiermem.names import mib
@@ -24,7 +26,7 @@ from tiermem.tune.workload import act_gpu_bytes, gpt_factory
 
 
 def _layer_count(text: str) -> int | str:
-    """``"auto"`` or an int (``--num-layers`` values)."""
+    """``"auto"`` or an int (``--offload-layers`` values)."""
     return "auto" if text.strip() == "auto" else int(text)
 
 
@@ -51,20 +53,21 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     g.add_argument("--batch", type=int, default=4, help="micro-batch in sequences (default 4)")
     g.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
     g = p.add_argument_group("grid (comma-separated values)")
-    g.add_argument("--prefetch-depth", type=_csv(int, "prefetch-depth"), default=[1, 2],
-                   help="activation layers reloaded ahead (default 1,2)")
-    g.add_argument("--num-layers", type=_csv(_layer_count, "num-layers"), default=None,
-                   help="blocks whose activations are offloaded, or auto (chosen by measured "
-                   "compute vs transfer; default 0,L-1)")
-    g.add_argument("--offload-fraction", type=_csv(float, "offload-fraction"),
-                   default=[0.0, 0.5, 1.0], help="HybridAdam offload_fraction (default 0,0.5,1)")
-    g.add_argument("--state-tier", type=_csv(str, "state-tier"), default=["cpu", "nvme"],
-                   help="HybridAdam state tier: cpu,nvme (default both)")
-    g.add_argument("--policy", type=_csv(str, "policy"), default=["lru"],
-                   help="activation store policy: lru,trace (default lru)")
-    g.add_argument("--prefetch-lookahead", type=_csv(int, "prefetch-lookahead"), default=[16],
-                   help="accesses the trace policy prefetches ahead along its recording "
-                   "(trace settings only; default 16)")
+    add = functools.partial(flags.add, g, "tune")  # default and field: tiermem/flags.py
+    add("--prefetch-depth", type=_csv(int, "prefetch-depth"),
+        help="activation layers reloaded ahead (default %(default)s)")
+    add("--offload-layers", dest="num_layers", type=_csv(_layer_count, "offload-layers"),
+        help="blocks whose activations are offloaded, or auto (chosen by measured compute vs "
+             "transfer; default 0,L-1)")
+    add("--offload-fraction", type=_csv(float, "offload-fraction"),
+        help="HybridAdam offload_fraction (default %(default)s)")
+    add("--state-tier", type=_csv(str, "state-tier"),
+        help="HybridAdam state tier: cpu,nvme (default %(default)s)")
+    add("--policy", type=_csv(str, "policy"),
+        help="activation store policy: lru,trace (default %(default)s)")
+    add("--prefetch-lookahead", type=_csv(int, "prefetch-lookahead"),
+        help="accesses the trace policy prefetches ahead along its recording (trace settings "
+             "only; default %(default)s)")
     g.add_argument("--act-gpu-budget", type=_csv(str, "act-gpu-budget"), default=None,
                    help="activation store gpu budget: blocks' worth of saved activations (1.5) "
                    "or bytes (3GiB); below prefetch depth + 1 blocks prefetches evict, which is "
@@ -72,17 +75,17 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per setting (default 3)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setting; the trace policy records in them (default 2)")
-    p.add_argument("--gpu-budget", default=None,
-                   help="device byte budget, e.g. 40GiB (default: 3/4 of the no-offload need)")
-    p.add_argument("--cpu-budget", default=None, help="host byte budget (default: none)")
+    flags.add(p, "tune", "--gpu-bytes", metavar="SIZE",
+              help="device byte budget, e.g. 40GiB (default: 3/4 of the no-offload need)")
+    flags.add(p, "tune", "--host-bytes", metavar="SIZE", help="host byte budget (default: none)")
     p.add_argument("--nvme-dir", default=None, help="spill directory (default: a temporary one)")
     p.add_argument("--overlap", action="store_true",
                    help="predict with perfect overlap instead of serial sums")
     p.add_argument("--no-model", action="store_true", help="skip the cost-model measurement")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="HybridAdam CPU threads (default: all on CUDA, 1 on CPU)")
+    flags.add(p, "tune", "--cpu-threads", type=int,
+              help="HybridAdam CPU threads (default: all on CUDA, 1 on CPU)")
     p.add_argument("--telemetry-dir", default=None,
                    help="record each setting's last timed step (activation store) and write "
                    "there trace.json (Chrome trace, all settings), timeline.png (memory per tier "
@@ -91,20 +94,38 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        raise ValueError(f"--cpu-threads={args.cpu_threads} must be >= 1")
+    check = functools.partial(_check, args)  # each value as its field (tiermem/options.py)
+    check("--cpu-threads", args.cpu_threads)
+    for name in ("offload_fraction", "prefetch_depth", "prefetch_lookahead"):
+        for value in getattr(args, name):
+            check(f"--{name.replace('_', '-')}", value)
+    for value in args.num_layers or ():
+        if value != "auto":
+            check("--offload-layers", value)
+    for name in ("gpu_bytes", "host_bytes"):
+        if getattr(args, name) is not None:
+            check(f"--{name.replace('_', '-')}", getattr(args, name))
     for value in args.act_gpu_budget or ():
         act_gpu_bytes(value, 1)  # raises for a value that is neither blocks nor bytes
-    for la in args.prefetch_lookahead:
-        if la < 0:
-            raise ValueError(f"--prefetch-lookahead={la} must be >= 0")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
-    for t in args.state_tier:
+    for t in args.state_tier:  # the grid's tiers: split needs a store the trials do not make
+        check("--state-tier", t)
         check_choice("", "--state-tier", t, OFFLOAD_TIERS)
     for pol in args.policy:
+        check("--policy", pol)
         check_choice("", "--policy", pol, POLICIES)
     return args
+
+
+def _check(args: argparse.Namespace, flag: str, value: Any) -> Any:
+    """One value of ``flag`` checked as the configuration field it sets (tiermem/flags.py),
+    named by the flag.
+
+    Raises:
+        ValueError, TypeError: a bad value.
+    """
+    return flags.field_of("tune", flag)(options.Who(""), value, "tune", flag)
 
 
 def demo_grid(args: argparse.Namespace) -> list[dict]:
@@ -150,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         factory = gpt_factory(cfg, args.batch, device, nvme_dir, dtype=dtype,
                               cpu_threads=args.cpu_threads if args.cpu_threads or cuda else 1)
         budgets: dict[str, int | str] = {}
-        if args.gpu_budget is not None:
-            budgets["gpu"] = args.gpu_budget
+        if args.gpu_bytes is not None:
+            budgets["gpu"] = args.gpu_bytes
         else:  # params, grads, fp32 Adam state and all activations on the device, times 3/4
             need = 0
             if not cuda:  # on CUDA the trial reads no estimate: skip building one
@@ -161,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finally:
                     probe.close()
             budgets["gpu"] = int(0.75 * max(need, 16 * cfg.num_params()))
-        if args.cpu_budget is not None:
-            budgets["cpu"] = args.cpu_budget
+        if args.host_bytes is not None:
+            budgets["cpu"] = args.host_bytes
         model = None if args.no_model else CostModel.measure(device, nbytes=8 << 20,
                                                              nvme_dir=nvme_dir,
                                                              adam_params=1 << 18)

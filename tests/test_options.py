@@ -1,0 +1,315 @@
+"""Note [one definition] (tiermem/options.py): every user of a configuration field takes its
+default and its check from the field's one definition; these tests walk every user (the YAML
+sections' dataclasses, HybridAdam, offload_activations, StoreConfig, plan(), and the flags of
+tiermem plan, tiermem tune and examples/train_large.py) and fail when one drifts.
+
+The checks are proved to come from the definition by swapping each field's check for one that
+raises a marked error: every user must then raise it (a user with its own copy of the check
+would not)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import pathlib
+import re
+
+import pytest
+import torch
+
+from tiermem import config, flags, options
+from tiermem.offload import offload_activations
+from tiermem.offload.activations import ActivationOffloader
+from tiermem.offload.tensors import offload_tensors
+from tiermem.optim import HybridAdam
+from tiermem.plan import plan
+from tiermem.plan import placement
+from tiermem.plan.cli import build_parser as plan_parser, main as plan_main
+from tiermem.tune.cli import _parse_args as tune_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECTIONS = {"store": config.StoreConfig, "optimizer": config.OptimizerConfig,
+            "activations": config.ActivationConfig, "train": config.TrainConfig,
+            "budgets": config.BudgetConfig, "streaming": config.StreamingConfig}
+"""Section -> the dataclass its YAML section is read into."""
+SECTION_USER = {"store": "api"}
+"""The user whose defaults a section's dataclass takes (the training loop's, but StoreConfig:
+the library's, which TierStore builds from)."""
+
+SAMPLE = {  # a good value for the fields whose default is None, "auto" or a grid
+    "optimizer.offload_fraction": 0.5, "optimizer.state_tier": "cpu",
+    "optimizer.nvme_dir": "/tmp", "optimizer.chunk_numel": 4096, "optimizer.max_grad_norm": 1.0,
+    "optimizer.grad_accumulation_steps": 2, "optimizer.cpu_threads": 1,
+    "optimizer.data_parallel": False, "optimizer.prefetch_depth": 1,
+    "activations.num_layers": 0, "activations.max_kept_bytes": 4096,
+    "activations.prefetch_depth": 1, "store.nvme_dir": "/tmp", "store.policy": "lru",
+    "store.prefetch_lookahead": 0, "budgets.gpu_bytes": "1GiB", "budgets.host_bytes": "1GiB",
+    "budgets.nvme_bytes": "1GiB", "budgets.gpu_reserve_bytes": "1GiB",
+    "train.seq_len": 8, "streaming.enabled": True, "streaming.tier": "cpu",
+    "streaming.schedule": "block-major", "streaming.gpu_bytes": "1GiB",
+}
+
+
+def value_for(option: options.Option, user: str):
+    """A value ``user`` accepts for ``option`` that reaches its check (not None, not "auto")."""
+    value = option.default_for(user)
+    if (value is None or (value == "auto" and option.dotted in SAMPLE)
+            or (user == "tune" and isinstance(value, tuple))):
+        return SAMPLE[option.dotted]
+    return value
+
+
+class Marked(ValueError):
+    """The error of a swapped check."""
+
+
+@contextlib.contextmanager
+def marked_check(option: options.Option):
+    """``option``'s check raises :class:`Marked` naming it, inside the block."""
+    original = option.check
+
+    def check(who, name, value):
+        raise Marked(f"marked check of {option.dotted}")
+
+    object.__setattr__(option, "check", check)
+    try:
+        yield f"marked check of {option.dotted}"
+    finally:
+        object.__setattr__(option, "check", original)
+
+
+def keywords(fn) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(fn).parameters)
+
+
+# ------------------------------------------------------------------ the table itself
+
+
+def test_every_option_names_known_users_and_refuses_its_bad_value():
+    for dotted, option in options.OPTIONS.items():
+        assert set(option.users) <= set(options.USERS), dotted
+        assert set(option.defaults) <= set(options.USERS), dotted
+        if option.bad is not None:
+            with pytest.raises((ValueError, TypeError)) as err:
+                option(options.Who("x."), option.bad)
+            assert str(err.value).startswith(f"x.{option.name}"), str(err.value)
+
+
+# ------------------------------------------------------------------ the YAML sections
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_each_section_dataclass_has_the_fields_and_defaults_of_its_definition(section):
+    user = SECTION_USER.get(section, "loop")
+    fields = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])}
+    assert fields == options.defaults(section, user)
+
+
+@pytest.mark.parametrize("dotted", [d for d, o in options.OPTIONS.items()
+                                    if o.section in SECTIONS
+                                    and SECTION_USER.get(o.section, "loop") in o.users])
+def test_each_section_dataclass_checks_with_the_definition(dotted):
+    option = options.OPTIONS[dotted]
+    user = SECTION_USER.get(option.section, "loop")
+    with marked_check(option) as mark, pytest.raises(Marked, match=mark):
+        SECTIONS[option.section](**{option.name: value_for(option, user)})
+
+
+# ------------------------------------------------------------------ the APIs
+
+API_FUNCTIONS = {
+    "optimizer": [(HybridAdam.__init__, {"self", "params", "store", "process_group"})],
+    "activations": [(offload_activations, {"blocks", "store", "layers"}),
+                    (ActivationOffloader.__init__, {"self", "blocks", "store", "layers"}),
+                    (offload_tensors, {"store"})],
+}
+"""Section -> the API functions taking its fields, each with its keywords that are no field
+(runtime objects)."""
+
+
+@pytest.mark.parametrize("section", sorted(API_FUNCTIONS))
+def test_every_api_keyword_is_a_field_with_its_default(section):
+    for fn, runtime in API_FUNCTIONS[section]:
+        params = keywords(fn)
+        fields = options.section(section, "api")
+        for name, param in params.items():
+            if name in runtime:
+                continue
+            assert name in fields, f"{fn.__qualname__}({name}=...) is no {section} field"
+            assert param.default == fields[name].default, (fn.__qualname__, name)
+    # and HybridAdam takes every optimizer field the library's users take
+    assert set(options.section("optimizer", "api")) <= set(keywords(HybridAdam.__init__))
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("dotted", [d for d, o in options.OPTIONS.items()
+                                    if o.section == "optimizer" and "api" in o.users])
+def test_hybrid_adam_checks_each_field_with_the_definition(dotted):
+    option = options.OPTIONS[dotted]
+    with marked_check(option) as mark, pytest.raises(Marked, match=mark):
+        HybridAdam(_tiny().parameters(), **{option.name: value_for(option, "api")})
+
+
+@pytest.mark.parametrize("name", sorted(set(keywords(offload_activations)) - {"blocks", "store",
+                                                                              "layers"}))
+def test_offload_activations_checks_each_field_with_the_definition(name):
+    option = options.OPTIONS[f"activations.{name}"]
+    if name == "num_layers":  # checked against the blocks (resolve_layers) and the rule
+        option = None
+    if option is None:
+        return
+    with marked_check(option) as mark, pytest.raises(Marked, match=mark):
+        offload_activations(_tiny(), **{name: value_for(option, "api")})
+
+
+@pytest.mark.parametrize("name", sorted(options.section("store", "api")))
+def test_store_config_checks_each_field_with_the_definition(name):
+    option = options.OPTIONS[f"store.{name}"]
+    with marked_check(option) as mark, pytest.raises(Marked, match=mark):
+        config.StoreConfig(**{name: value_for(option, "api")})
+
+
+# ------------------------------------------------------------------ plan()
+
+
+def test_every_plan_keyword_is_a_field_with_its_default_or_named_as_none():
+    params = keywords(plan)
+    assert set(params) == set(placement.FIELDS) | set(placement.NOT_FIELDS)
+    for keyword, dotted in placement.FIELDS.items():
+        option = options.OPTIONS[dotted]
+        assert "plan" in option.users, dotted
+        assert params[keyword].default == option.default_for("plan"), keyword
+
+
+@pytest.mark.parametrize("keyword", sorted(placement.FIELDS))
+def test_plan_checks_each_keyword_with_the_definition(keyword):
+    option = options.OPTIONS[placement.FIELDS[keyword]]
+    with marked_check(option) as mark, pytest.raises(Marked, match=mark):
+        plan(13e9, n_layers=40, d_model=5120, **{keyword: value_for(option, "plan")})
+
+
+# ------------------------------------------------------------------ the command-line flags
+
+
+def _train_large():
+    spec = importlib.util.spec_from_file_location("train_large",
+                                                  ROOT / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tune_parser_flags() -> dict:
+    """tiermem tune's flags (option string -> argparse action), read from its parser."""
+    import argparse
+    seen = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        seen.update({s: a for a in self._actions for s in a.option_strings})
+        return original(self, args, namespace)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        tune_args([])
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return seen
+
+
+def _flags_of(command: str) -> dict:
+    if command == "plan":
+        return {s: a for a in plan_parser()._actions for s in a.option_strings}
+    if command == "tune":
+        return _tune_parser_flags()
+    help_text = _train_large_help()
+    return dict.fromkeys(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", help_text))
+
+
+def _train_large_help() -> str:
+    import io
+    from contextlib import redirect_stdout
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        _train_large().main(["--help"])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("command", sorted(flags.FLAGS))
+def test_every_flag_is_a_field_an_alias_or_named_as_none(command):
+    found = set(_flags_of(command)) - {"--help", "-h"}
+    mapped, aliases = set(flags.FLAGS[command]), set(flags.ALIASES.get(command, {}))
+    unmapped = set(flags.UNMAPPED.get(command, {}))
+    assert not mapped & unmapped and not aliases & (mapped | unmapped)
+    if command == "train_large":  # the help lists no suppressed alias
+        found |= aliases
+    assert found == mapped | aliases | unmapped, (
+        f"not in tiermem/flags.py: {sorted(found - mapped - aliases - unmapped)}; "
+        f"not in the parser: {sorted((mapped | aliases | unmapped) - found)}")
+    for old, new in flags.ALIASES.get(command, {}).items():
+        assert new in mapped, (old, new)
+
+
+@pytest.mark.parametrize("command", ["plan", "tune"])
+def test_each_flag_defaults_to_its_field(command):
+    actions = _flags_of(command)
+    for flag in flags.FLAGS[command]:
+        want = flags.default(command, flag)
+        want = list(want) if isinstance(want, tuple) else want
+        assert actions[flag].default == want, (command, flag)
+        for old, new in flags.ALIASES.get(command, {}).items():
+            if new == flag:
+                assert actions[old].dest == actions[flag].dest
+
+
+def _argv(flag: str, option: options.Option, user: str, actions: dict) -> list[str]:
+    if actions[flag].nargs == 0:  # store_true
+        return [flag]
+    value = {"--stream-weights": "on"}.get(flag, value_for(option, user))
+    return [flag, str(value)]
+
+
+@pytest.mark.parametrize("flag", sorted(flags.FLAGS["plan"]))
+def test_plan_flags_check_with_the_definition(flag, capsys):
+    option = flags.field_of("plan", flag)
+    argv = ["--model-size", "13b", *_argv(flag, option, "plan-cli", _flags_of("plan"))]
+    with marked_check(option) as mark:
+        assert plan_main(argv) == 2
+    assert mark in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", sorted(flags.FLAGS["tune"]))
+def test_tune_flags_check_with_the_definition(flag):
+    option = flags.field_of("tune", flag)
+    with marked_check(option) as mark, pytest.raises(Marked, match=mark):
+        tune_args(_argv(flag, option, "tune", _flags_of("tune")))
+
+
+@pytest.mark.parametrize("flag", sorted(flags.FLAGS["train_large"]))
+def test_train_large_flags_check_with_the_definition(flag, capsys):
+    option = flags.field_of("train_large", flag)
+    preset = str(sorted((ROOT / "examples" / "configs" / "large").glob("*.yaml"))[0])
+    value = value_for(option, "loop")
+    with marked_check(option) as mark:
+        assert _train_large().main(["--config", preset, "--dry-run", flag, str(value)]) == 2
+    assert mark in capsys.readouterr().err
+
+
+def test_a_deprecated_flag_still_works_and_logs_a_warning(caplog, capsys):
+    flags._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        assert plan_main(["--model-size", "13b", "--gpu", "80GB", "--json"]) == 0
+        new = capsys.readouterr().out
+        assert plan_main(["--model-size", "13b", "--gpu-bytes", "80GB", "--json"]) == 0
+        assert capsys.readouterr().out == new
+    warned = [r.getMessage() for r in caplog.records if r.name == "tiermem"]
+    assert warned == ["plan: --gpu is deprecated; use --gpu-bytes (budgets.gpu_bytes)"]
+    old = tune_args(["--gpu-budget", "1GiB", "--cpu-budget", "2GiB", "--num-layers", "0,1"])
+    assert (old.gpu_bytes, old.host_bytes, old.num_layers) == ("1GiB", "2GiB", [0, 1])
