@@ -82,6 +82,7 @@ import torch
 
 from tiermem import options
 from tiermem._graphs import refuse_capture
+from tiermem.names import parse_bytes
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
 from tiermem.optim.forward_sync import wait_for_module
@@ -215,6 +216,7 @@ class HybridAdam(torch.optim.Optimizer):
             placement=placement, gpu_step_fraction=gpu_step_fraction)
         rollback_bytes = options.check("optimizer.rollback_bytes", options.Who("HybridAdam: "),
                                        rollback_bytes)  # Note [one definition]
+        rollback_bytes = parse_bytes(rollback_bytes, "HybridAdam: rollback_bytes")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
@@ -270,7 +272,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._spec = self._step.speculation = Speculation(  # Note [speculative step]
             self._layout, self._step, self._read_ahead, rollback_bytes=rollback_bytes,
             clipping=max_grad_norm is not None, overlap=overlap,
-            one_process=self._mode.one_process, who=self._who)
+            one_process=self._mode.one_process, who=self._who, mode=self._mode.name)
         # Note [gpu lane]: offloaded chunks the GPU steps by streaming their state through it
         self._lane = GpuLane(self._layout, self._step, self._read_ahead, self.param_groups,
                              self.gpu_step_fraction, self._copier.cuda)

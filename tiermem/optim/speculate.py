@@ -24,12 +24,16 @@ coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` on the caller's stream, a
   and steps it again with the clipped gradients, writing its params anew. Step counts advance
   only once the step completes, so they need no restore. The result is today's clipped step,
   bit for bit.
+A ``step()`` that refuses the step (a non-finite hyper-parameter, a parameter changed after its
+gradient hook: Note [param changes]) puts the admitted chunks back (:meth:`Speculation.undo`):
+a refused step is not applied, as without speculation.
 The cost: a memcpy of the chunk's state (12 B/param with fp32 moments, 8 with bf16) per admitted
 chunk and step, ``rollback_bytes`` of host RAM (pageable: only the CPU reads it), one host
 synchronisation on the norm in ``step()``, and on a clipped step the admitted chunks stepped
 twice (the second time after backward, serialised like the non-speculative path). Speculation
 is one process only: with ``data_parallel`` or FSDP2 chunks wait for the all-reduced norm
-(logged), and HybridAdam steps chunks in forward order whenever a step does not speculate.
+(logged); with streamed weights (Note [streamed write-back]) it is refused the same way (not
+tested yet); HybridAdam steps chunks in forward order whenever a step does not speculate.
 
 Note [speculation switch]: a clipped step costs a rollback and a second CPU step of every
 admitted chunk, so speculation pays only while clipping is rare. Every step's outcome (clipped:
@@ -49,7 +53,8 @@ from typing import Any, Callable
 import torch
 
 from tiermem._log import logger
-from tiermem.optim.layout import StateLayout, chunk_state_bytes, state_numel
+from tiermem.optim.layout import (StateLayout, chunk_state_bytes, local_view, state_numel,
+                                  state_views)
 from tiermem.optim.step_state import StepState
 
 SWITCH_WINDOW = 4
@@ -98,10 +103,11 @@ class Speculation:
 
     def __init__(self, layout: StateLayout, step: StepState, read_ahead: Any, *,
                  rollback_bytes: int, clipping: bool, overlap: bool, one_process: bool,
-                 who: str) -> None:
+                 who: str, mode: str = "local") -> None:
         """Args: the optimizer's layout, step state and read-ahead, and its ``rollback_bytes``,
-        whether it clips, overlaps and runs in one process, its error prefix. Logs why
-        speculation is off when ``rollback_bytes`` was given in vain.
+        whether it clips, overlaps and runs in one process, its error prefix and its mode's
+        name (speculation: ``"local"`` only). Logs why speculation is off when
+        ``rollback_bytes`` was given in vain.
 
         Raises:
             Nothing.
@@ -110,10 +116,12 @@ class Speculation:
         self._step = step
         self._read_ahead = read_ahead
         self.budget_bytes = rollback_bytes
-        self.enabled = rollback_bytes > 0 and clipping and overlap and one_process
+        self.enabled = (rollback_bytes > 0 and clipping and overlap and one_process
+                        and mode == "local")
         if rollback_bytes > 0 and clipping and not self.enabled:
-            why = ("data parallel and FSDP2 reduce the norm over the ranks" if overlap
-                   else "overlap=False steps every chunk in step()")
+            why = ("overlap=False steps every chunk in step()" if not overlap else
+                   "data parallel and FSDP2 reduce the norm over the ranks" if not one_process
+                   else f"not with {mode!r} params (streamed weights: not tested yet)")
             logger.info("%s: rollback_bytes=%d but the step does not speculate (%s): chunks "
                         "wait for the gradient norm (Note [speculative step])", who,
                         rollback_bytes, why)
@@ -227,6 +235,39 @@ class Speculation:
             copy.copy_(blob)
             with self._lock:
                 self._saved.add(item)
+
+    def undo(self) -> int:
+        """``step()`` refused the step (caller's thread, the worker drained): put every chunk
+        stepped speculatively back as it was -- its state from its copy, its params from the
+        restored masters (those the user has not changed since: a changed one keeps its value,
+        which the next step takes into the masters, Note [param changes]); a refused step is
+        not applied, as without speculation. Returns the chunks restored.
+
+        Raises:
+            StoreClosedError: the store was closed.
+        """
+        with self._step.lock:
+            items = [(item, self._admitted[item]) for item in self._admitted
+                     if item in self._saved]
+        layout = self._layout
+        for (g, c), slot in items:
+            group = layout.groups[g]
+            chunk, key = group.plan.chunks[c], group.chunk_keys[c]
+            blob = layout.store.get(key, "cpu", hold=True)
+            try:
+                blob.copy_(self._slots[slot][:blob.numel()])
+                master = state_views(blob, chunk.numel, layout.moments_dtype)[0]
+                keep = [pc for pc in chunk.pieces if not layout.watch.changed(g, pc.param)]
+                with layout.watch.writing((g, pc.param) for pc in keep):
+                    for pc in keep:  # the param a step writes is its master, rounded
+                        rel = pc.flat_offset - chunk.flat_start
+                        local_view(group, pc.param)[pc.start:pc.start + pc.numel].copy_(
+                            master[rel:rel + pc.numel])
+            finally:
+                layout.store.release(key)
+            if (g, c) in layout.nvme_chunks:
+                layout.store.evict(key, "nvme").wait()
+        return len(items)
 
     def settle(self, mode: Any, groups: list, device: torch.device, max_norm: float,
                copier: Any, enqueue: Callable[[tuple[int, int]], None]) -> int | None:

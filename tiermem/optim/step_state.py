@@ -136,8 +136,8 @@ class StepState:
 
     def abandon(self) -> None:
         """Give up this step (caller's thread, ``step()`` refused it): every chunk queued or
-        still to come fails instead of stepping, then :meth:`drain` returns, the errors are
-        dropped and the caller resets the step.
+        still to come fails instead of stepping, then :meth:`drain` returns, chunks stepped
+        speculatively are restored, the errors are dropped and the caller resets the step.
 
         Raises:
             Nothing.
@@ -145,6 +145,8 @@ class StepState:
         self.abandoned = True
         self.compute_allowed.set()  # chunks waiting for the clip wake up and fail
         self.drain()
+        if self.speculation is not None:
+            self.speculation.undo()  # Note [speculative step]: chunks stepped early go back
         with self.lock:
             self.errors.clear()
 
