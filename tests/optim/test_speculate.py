@@ -367,3 +367,15 @@ def test_streamed_weights_wait_for_the_norm(caplog, one_thread):
     opt.close()
     stream.close()
     store.close()
+
+
+def test_data_parallel_and_fsdp2_wait_for_the_norm(caplog):
+    """With data parallel or FSDP2 (one_process False: the norm is all-reduced) speculation is
+    refused, logged, and chunks wait for the norm."""
+    import logging
+    from tiermem.optim.step_state import StepState
+    with caplog.at_level(logging.INFO, logger="tiermem"):
+        spec = speculate.Speculation(None, StepState(), None, rollback_bytes=BUDGET,
+                                     clipping=True, overlap=True, one_process=False,
+                                     who="HybridAdam[rank 0]", mode="zero")
+    assert not spec.enabled and "data parallel and FSDP2" in caplog.text

@@ -125,6 +125,8 @@ class Speculation:
             logger.info("%s: rollback_bytes=%d but the step does not speculate (%s): chunks "
                         "wait for the gradient norm (Note [speculative step])", who,
                         rollback_bytes, why)
+        if self.enabled:  # the split tier's RAM and the lane's share follow the speculating order
+            layout.backward_order = True
         self.active = False
         self.switch = SpeculationSwitch()
         self._slots: list[torch.Tensor] = []
@@ -162,7 +164,9 @@ class Speculation:
     def begin_step(self, ready: bool) -> None:
         """Start a step (caller's thread, worker idle): record the last step's deferred outcome,
         decide whether this one speculates (Note [speculation switch]) and set the stepping
-        order to match (backward order when it does: Note [stepping order]).
+        order to match (backward order when it does: Note [stepping order]; also before the
+        state is planned, so that the split tier's RAM chunks and the GPU lane's share are
+        chosen by the order in which speculating steps take the chunks).
 
         Args:
             ready: the optimizer's state is allocated (trace placement: after the first step).
@@ -186,8 +190,9 @@ class Speculation:
             self._decided = False
         self._saved.clear()
         self.active = ready and bool(self._slots) and self.switch.on()
-        if self._layout.backward_order != self.active:
-            self._layout.backward_order = self.active  # hooks ship as gradients land
+        order = self.active or not ready  # not ready: the first step plans (trace placement)
+        if self._layout.backward_order != order:
+            self._layout.backward_order = order  # hooks ship as gradients land
             self._read_ahead.plan_changed()
 
     def admit(self, item: tuple[int, int]) -> bool:
