@@ -40,14 +40,14 @@ parameter in the current backward has been enqueued; the event it records there 
 D2H copy waits for, and the worker waits for the D2H to finish before stepping, so the H2D that
 overwrites the parameter can never race with backward reading it. Gradient clipping needs the
 global norm before any update, so with ``max_grad_norm`` no gradient is copied before
-``step()`` has clipped them all on the GPU (the copies then wait for the clip; in one process
-they are also handed over only then, in forward order: Note [stepping order]).
+``step()`` has clipped them all on the GPU (the copies wait for the clip), unless the step
+speculates (Note [speculative step]; the order in one process: Note [stepping order]).
 
 Note [stepping order]: the offloaded chunks are stepped in the order their gradients complete
 (backward order: the last layers first) when that lets the CPU step overlap backward. With
-``max_grad_norm`` in one process nothing can be stepped before ``step()`` has the global norm,
-so the hooks only count, ``step()`` ships every gradient in execution order and the worker steps
-the chunks in forward order: the first layers' chunks first, which is the order the next
+``max_grad_norm`` in one process nothing can be stepped before ``step()`` has the global norm
+(unless it speculates: Note [speculative step]), so the hooks only count, ``step()`` ships
+every gradient in execution order, the worker steps in forward order: the order the next
 forward needs them in with ``param_sync="forward"`` (Note [forward sync]; the first layers'
 state is on the GPU side, stepped at once). The NVMe read-ahead, the split tier's RAM choice and
 the GPU lane's share follow the same order (``StateLayout.expected_order``). With data parallel
