@@ -28,8 +28,9 @@ def test_smoke_every_row_with_its_parity(capsys, one_thread):
     rows = _rows(out)
     assert len(rows) == 6, out
     assert "PCIe floor ms" in out and "streamed GiB" in out
-    assert rows[bench.STREAMED].endswith(f"exact vs {bench.HOST_REF}")
-    assert rows[bench.HYBRID_STREAMED].endswith(f"exact vs {bench.HYBRID_REF}")
+    assert rows[bench.STREAMED].endswith(f"exact vs {bench.HOST_REF}; exact vs "
+                                         f"{bench.BASELINE}")
+    assert f"exact vs {bench.HYBRID_REF}; " in rows[bench.HYBRID_STREAMED]
     for name in (bench.STREAMED, bench.HYBRID_STREAMED):
         cols = rows[name].split()
         assert float(cols[cols.index("exact") - 1]) >= 0.0  # the PCIe floor, a number
@@ -63,7 +64,7 @@ def test_nvme_home_smoke(capsys, tmp_path, one_thread):
                      "--optimizers", "hybrid", "--repeats", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "tier=nvme" in out
-    assert _rows(out)[bench.HYBRID_STREAMED].endswith(f"exact vs {bench.HYBRID_REF}")
+    assert f"exact vs {bench.HYBRID_REF}; " in _rows(out)[bench.HYBRID_STREAMED]
 
 
 @pytest.mark.parametrize("argv,message", [

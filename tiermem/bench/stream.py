@@ -24,7 +24,8 @@ forward + backward alone; ``x`` the step time over the baseline's; ``streamed Gi
 bytes the stream copied to the device per step; ``PCIe floor ms`` those bytes at the H2D rate
 measured here (a pinned ``--probe-bytes`` copy, median of 5): the least time the stream can
 take; ``parity`` the verdict of the row's losses (every step, and one more batch after the last)
-against its reference (named), within 4x the baseline's noise. A streamed row whose losses are
+against its reference (named), within 4x the baseline's noise, and for a streamed row also
+against the baseline itself (its reference's precision trade named when outside the noise). A streamed row whose losses are
 not its reference's is ``WRONG`` and the command exits 1: a fast wrong row cannot pass.
 
 ``--gpu SIZE`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``,
@@ -298,7 +299,9 @@ def run(args, log=print) -> list[Row]:
     runs_of: dict[str, list[list[float]]] = {}
     noise = 0.0
     try:
-        for setup in _setups(args, store):
+        setups = _setups(args, store)
+        trades = {s.name: s.trade for s in setups}
+        for setup in setups:
             fb, steps, runs, per_step = [], [], [], None
             for rep in range(1, args.repeats + 1):
                 fb_s, step_s, losses, per_step = _train(setup, build, init, batches, store,
@@ -318,6 +321,11 @@ def run(args, log=print) -> list[Row]:
                 ref = runs_of[setup.reference][0]
                 parity = worst_verdict([verdict(r, ref, noise, setup.trade) for r in runs])
                 parity += f" vs {setup.reference}"
+                if setup.reference != BASELINE:  # and beside it, against the baseline itself
+                    trade = trades[setup.reference]
+                    base = worst_verdict([verdict(r, runs_of[BASELINE][0], noise, trade)
+                                          for r in runs])
+                    parity += f"; {base} vs {BASELINE}"
             step_ms = statistics.median(steps)
             pcie = None if per_step is None else 1e3 * per_step / rate
             rows.append(Row(setup.name, step_ms, (min(steps), max(steps)),
@@ -341,7 +349,7 @@ def format_table(rows: list[Row]) -> str:
         floor = "-" if r.pcie_floor_ms is None else f"{r.pcie_floor_ms:.1f}"
         spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
         lines.append(f"{r.setup:<{width}}  {r.step_ms:>9.1f}  {spread:>15}  {r.fwd_bwd_ms:>10.1f}"
-                     f"  {x:>6}  {r.tokens_per_s:>9,.0f}  {gib(r.streamed_bytes):>12}  "
+                     f"  {x:>6}  {r.tokens_per_s:>9,.0f}  {gib(r.streamed_bytes, 3):>12}  "
                      f"{floor:>13}  {r.parity}")
     return "\n".join(lines)
 
