@@ -25,8 +25,9 @@ bytes the stream copied to the device per step; ``PCIe floor ms`` those bytes at
 measured here (a pinned ``--probe-bytes`` copy, median of 5): the least time the stream can
 take; ``parity`` the verdict of the row's losses (every step, and one more batch after the last)
 against its reference (named), within 4x the baseline's noise, and for a streamed row also
-against the baseline itself (its reference's precision trade named when outside the noise). A streamed row whose losses are
-not its reference's is ``WRONG`` and the command exits 1: a fast wrong row cannot pass.
+against the baseline itself (its reference's precision trade named when outside the noise). A
+streamed row whose losses are not its reference's is ``WRONG`` and the command exits 1: a fast
+wrong row cannot pass.
 
 ``--gpu SIZE`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``,
 the name and meaning of ``tiermem plan --gpu``). ``--micro-batches M`` runs M micro-batches per
