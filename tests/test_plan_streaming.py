@@ -18,8 +18,8 @@ from tiermem.plan import GiB, MachineRates, PRESETS, main, plan, step_time
 from tiermem.plan.streaming import non_block_params
 from tiermem.stream import stream_weights
 
-ISSUE_13B = ["--model-size", "13b", "--gpu", "24GiB", "--host", "125GiB", "--nvme", "60GiB",
-             "--moments-dtype", "bf16", "--checkpoint"]
+ISSUE_13B = ["--model-size", "13b", "--gpu-bytes", "24GiB", "--host-bytes", "125GiB",
+             "--nvme-bytes", "60GiB", "--moments-dtype", "bf16", "--checkpoint"]
 
 
 def preset(size, **kw):
