@@ -379,3 +379,41 @@ def test_data_parallel_and_fsdp2_wait_for_the_norm(caplog):
                                      clipping=True, overlap=True, one_process=False,
                                      who="HybridAdam[rank 0]", mode="zero")
     assert not spec.enabled and "data parallel and FSDP2" in caplog.text
+
+
+def test_breadth_first_micro_batches_with_forward_sync(monkeypatch, one_thread):
+    """Breadth-first micro-batches (Note [breadth-first blocks]) with param_sync="forward", as
+    examples/train_large.py runs the 20B RAM preset, in the alternating regime: bit-identical
+    to the run that never speculates, with rollbacks at steps 1 and 3."""
+    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.schedule.micro_batches import forward_backward
+    probe = _Probe(monkeypatch)
+    micro, runs = 3, []
+    for budget in (BUDGET, 0):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab=64))
+        opt = HybridAdam(param_groups(model), **HP, chunk_numel=1024, offload_fraction=0.74,
+                         max_grad_norm=1.0, param_sync="forward", grad_accumulation_steps=micro,
+                         rollback_bytes=budget)
+        for step in range(STEPS):
+            probe.admitted.clear()
+            g = torch.Generator().manual_seed(step)
+            rows = torch.randint(0, 64, (micro, 2, 17), generator=g)
+            scale = 10.0 if step % 2 else 1e-2  # the loss's scale sets the norm: alternating
+            batches = [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
+            hooks = [p.register_hook(lambda grad, s=scale: grad * s)  # before accumulation
+                     for p in model.parameters()]
+            forward_backward(model, batches, breadth_first_blocks=2)
+            for h in hooks:
+                h.remove()
+            if budget and step in (1, 2, 3):
+                probe.admitted.wait()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.synchronize()
+        runs.append((model, opt.state_dict()))
+        opt.close()
+    assert_same_bits(*runs[0], *runs[1])
+    results = probe.results[0][1]
+    assert {s for s, r in enumerate(results) if r is not None} == {1, 2, 3}, results
+    assert {s for s, r in enumerate(results) if r} == {1, 3}, results
