@@ -22,6 +22,11 @@
 #                                       wait, auto's kept budget), parameter changes, the HF Trainer
 #   optim_cpu          nvidia-h200      tests/optim's CPU tests on the H200 host (torch 2.11), failures
 #                                       listed (-rf): the host's own CPU kernels, bounded 150 s
+#   cuda_new           nvidia-h200      the CUDA tests new in session 12: tests/stream (compositions, the
+#                                       HybridAdam hand-off), train_large's streaming section, the
+#                                       HF Trainer tests (bounded 360 s)
+#   stream_hybrid_rows nvidia-h200      the parity matrix's HybridAdam weight-streaming rows only
+#   spec_rows          nvidia-h200      the parity matrix's speculative-clipping rows (issue 30)
 #   pin_alloc          nvidia-h200      pinned allocation, s/GiB: 3 fresh processes, 4 GiB each
 #   stream_cuda        nvidia-h200      pytest -m cuda tests/stream (copy stream sleeping before
 #                                       each fill; ~1 min estimated), then the parity_stream rows
@@ -99,6 +104,11 @@ k = [torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(1
 print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done \
       | tee "$OUT/pin_alloc.log" ;;
     parity_stream) run parity_stream 570 "${PYTEST[@]}" "${STREAM_ROWS[@]}" ;;
+    cuda_new) run cuda_new 360 "${PYTEST[@]}" -v -s tests/stream tests/test_train_large_streaming.py \
+      tests/integrations/test_hf_trainer_cuda.py ;;
+    stream_hybrid_rows) run stream_hybrid_rows 300 "${PYTEST[@]}" -v -s "$PARITY" \
+      -k "test_streamed_training_parity and hybrid" ;;
+    spec_rows) run spec_rows 300 "${PYTEST[@]}" -v -s "$PARITY" -k "test_training_parity and hybrid_spec" ;;
     stream_cuda)
       run stream_cuda 120 "${PYTEST[@]}" -v -s tests/stream
       run parity_stream 450 "${PYTEST[@]}" "${STREAM_ROWS[@]}" ;;
