@@ -13,12 +13,12 @@ and ``activations`` (:func:`tiermem.offload.offload_activations`). Overrides are
 valid ones.
 
 The run: a GPT (``tiermem.models.gpt.GPT``) learns a generated Markov-chain token stream
-(:class:`tiermem.demo.MarkovText`; nothing is downloaded), with a tqdm bar and a line per step
+(:class:`tiermem.apps.demo.MarkovText`; nothing is downloaded), with a tqdm bar and a line per step
 (loss, tokens/s, bytes per store tier after the forward pass). With ``train.baseline: true`` the
 same model is then trained from the same initial weights on the same batches with plain
 ``torch.optim.AdamW(fused=True)`` and no activation offload, and the two are compared: max loss
 difference, optimizer state and activations per place, and peak GPU memory (CUDA) or the
-device-tier footprint and process RSS (CPU). The loop itself is :func:`tiermem.demo.train`
+device-tier footprint and process RSS (CPU). The loop itself is :func:`tiermem.apps.demo.train`
 (one function, ~80 lines: store, HybridAdam, ``with offloader: loss = model(...)``, backward,
 step); copy it into your own trainer.
 
@@ -38,7 +38,7 @@ import sys
 import yaml
 
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir
-from tiermem.demo import RunConfig, run
+from tiermem.apps.demo import RunConfig, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "configs", "cpu.yaml")

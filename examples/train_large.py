@@ -1,6 +1,6 @@
 """Train a GPT larger than GPU-only training allows on one machine (issue 10).
 
-Plans first (``tiermem.plan.plan``) and exits 1 with the planner's reasons if the run does not
+Plans first (``tiermem.apps.plan.plan``) and exits 1 with the planner's reasons if the run does not
 fit the given budgets; then builds the model on the meta device, materialises it module by
 module in ``train.dtype`` on the GPU (bf16 in the presets; never a dense fp32 copy), keeps fp32
 masters and the moments (``optimizer.moments_dtype``, on the GPU side too) of the first
@@ -16,7 +16,7 @@ side; ~0 with ``param_sync: forward``, whose waits fall in the next forward). A 
 from its start to the next step's start (the last: to the end of its optimizer work), so a
 step's line is printed after the next step's backward. After the last step it prints one block:
 the measured time split of a step (median of the steps after the first) beside the plan's
-predicted time per step (``tiermem.plan.StepTime``; docs/sizing.md, "Time per step").
+predicted time per step (``tiermem.apps.plan.StepTime``; docs/sizing.md, "Time per step").
 
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml [--dry-run]
     python examples/train_large.py --config examples/configs/large/h200_13b_nvme.yaml --tiny  # CPU smoke
@@ -77,7 +77,7 @@ from tiermem.models import materialize_  # noqa: E402
 from tiermem.models.gpt import GPT, GPTConfig  # noqa: E402
 from tiermem.names import short_repr  # noqa: E402
 from tiermem.optim import HybridAdam  # noqa: E402
-from tiermem.plan import (H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto,  # noqa: E402
+from tiermem.apps.plan import (H200_HOST_BYTES, RESOURCE_NAMES, blocks_or_auto,  # noqa: E402
                           breadth_first_note, plan)
 from tiermem.schedule.micro_batches import forward_backward  # noqa: E402
 from tiermem.stream import plan_residency, stream_weights  # noqa: E402
@@ -194,8 +194,8 @@ def optimizer_kwargs(cfg: dict, store: TierStore | None) -> dict:
 
 
 def make_plan(cfg: dict, rates=None):
-    """Plan the preset ``cfg`` (see :func:`load`) with :func:`tiermem.plan.plan`, predicting
-    the step from ``rates`` (a :class:`tiermem.plan.MachineRates`; None: the H200 machine's).
+    """Plan the preset ``cfg`` (see :func:`load`) with :func:`tiermem.apps.plan.plan`, predicting
+    the step from ``rates`` (a :class:`tiermem.apps.plan.MachineRates`; None: the H200 machine's).
 
     Raises:
         ValueError: store.cpu_bytes larger than budgets.host_bytes, or what the planner refuses.

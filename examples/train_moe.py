@@ -4,7 +4,7 @@
     python examples/train_moe.py --steps 50 --experts 16 --top-k 2 --offload-fraction 0.5
 
 Top-``k`` of ``--experts`` experts per block on a generated Markov-chain token stream
-(:class:`tiermem.demo.MarkovText`, nothing downloaded). It trains twice from the same init on
+(:class:`tiermem.apps.demo.MarkovText`, nothing downloaded). It trains twice from the same init on
 the same batches: with tiermem (HybridAdam keeps ``--offload-fraction`` of the optimizer state in
 the store's cpu tier and steps it on the CPU during backward; the saved activations of all
 blocks but the last go to the cpu tier and come back in backward) and without (torch AdamW, no
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from tiermem import StoreConfig, TierStore
-from tiermem.demo import MarkovText
+from tiermem.apps.demo import MarkovText
 from tiermem.models import MoE, MoEConfig
 from tiermem.offload import offload_activations
 from tiermem.optim import HybridAdam

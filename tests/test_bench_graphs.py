@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermem.bench import graphs
-from tiermem.cli import main as cli_main
+from tiermem.apps.bench import graphs
+from tiermem.apps.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from tiermem.bench import lora
-from tiermem.cli import main as cli_main
+from tiermem.apps.bench import lora
+from tiermem.apps.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem import cli
-from tiermem.bench import stream as bench
+from tiermem.apps import cli
+from tiermem.apps.bench import stream as bench
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
         "--vocab", "64", "--steps", "2", "--warmup", "1"]

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from tiermem import cli
-from tiermem.demo import MarkovText, RunConfig, compare, main, run
+from tiermem.apps import cli
+from tiermem.apps.demo import MarkovText, RunConfig, compare, main, run
 
 TINY = ["--steps", "3", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16",
         "--vocab", "64", "--batch", "2", "--log-every", "1", "--no-progress"]
@@ -53,8 +53,8 @@ def test_demo_exits_1_when_the_losses_differ(monkeypatch, capsys):
     bad = compare(off, base, 1e-6)
     assert not bad.ok and "FAILED" in bad.lines[-1]
     assert bad.max_loss_diff == pytest.approx(1e-3)
-    import tiermem.demo
-    monkeypatch.setattr(tiermem.demo, "run", lambda cfg: (off, base, bad))
+    import tiermem.apps.demo
+    monkeypatch.setattr(tiermem.apps.demo, "run", lambda cfg: (off, base, bad))
     assert main(TINY) == 1
 
 
@@ -113,7 +113,7 @@ def test_an_empty_config_on_the_cpu_is_refused_before_building(tmp_path, monkeyp
     """An empty --config got GPTConfig's 1.34B defaults and failed after 98 s of building with
     a HybridAdam error that never named the config: now the cost line and a one-line refusal
     naming the file and store.cpu_bytes come before anything is built."""
-    import tiermem.demo as demo
+    import tiermem.apps.demo as demo
     if torch.cuda.is_available():
         pytest.skip("the CPU's defaults")
 
@@ -134,7 +134,7 @@ def test_an_empty_config_on_the_cpu_is_refused_before_building(tmp_path, monkeyp
 
 
 def test_the_cost_line_comes_before_building_and_names_left_out_fields(tmp_path, monkeypatch):
-    import tiermem.demo as demo
+    import tiermem.apps.demo as demo
     path = tmp_path / "two.yaml"
     path.write_text("model: {n_layers: 2}\ntrain: {device: cpu}\n")
     cfg = RunConfig.load(path, ["train.steps=3"])
@@ -158,7 +158,7 @@ def test_run_cost_bounds_are_lower_bounds_of_what_the_library_needs(tmp_path):
     """The refusals only refuse what cannot fit: a store one byte under the estimate of the
     offloaded state is refused by HybridAdam too; the host bound counts weights, gradients and
     Adam moments of the params a built model really has."""
-    from tiermem import run_cost
+    from tiermem.apps import run_cost
     from tiermem.models.gpt import GPT
     tree = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "seq_len": 16, "vocab": 64},
             "train": {"steps": 1, "micro_batch": 2, "progress": False, "log_every": 0,
@@ -177,7 +177,7 @@ def test_run_cost_bounds_are_lower_bounds_of_what_the_library_needs(tmp_path):
                                          r"store.cpu_bytes="):
         run_cost.check(tight, cost, "cpu", host_available=None)
     data = MarkovText(64)
-    from tiermem.demo import train
+    from tiermem.apps.demo import train
     with pytest.raises(ValueError, match="HybridAdam: the store's cpu tier has"):
         train(tight, offload=True, data=data, log=lambda s: None)
     with pytest.raises(ValueError, match=r"needs at least .* of host memory for weights, "

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tiermem.plan import PRESETS, GiB, plan
+from tiermem.apps.plan import PRESETS, GiB, plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -62,7 +62,7 @@ def test_quickstart_demo_output_matches_what_the_demo_prints(tmp_path):
     library's log line appears) and finds every quoted line, in order, with only the volatile
     numbers masked."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    res = subprocess.run([sys.executable, "-m", "tiermem.cli", "demo", "--no-progress"],
+    res = subprocess.run([sys.executable, "-m", "tiermem.apps.cli", "demo", "--no-progress"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     printed = [mask(line) for line in (res.stdout + res.stderr).splitlines()]

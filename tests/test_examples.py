@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from tiermem.demo import RunConfig
+from tiermem.apps.demo import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -89,7 +89,7 @@ def test_every_preset_parses(path):
 
 def test_h200_presets_fit_the_plan():
     """Each H200 preset's placement is one `tiermem plan` accepts on the H200 defaults."""
-    from tiermem.plan import plan
+    from tiermem.apps.plan import plan
     for path in CONFIGS:
         if not path.stem.startswith("h200"):
             continue
@@ -112,7 +112,7 @@ def test_readme_usage_snippet_runs(tmp_path):
     assert "/mnt/ssd" in snippet
     snippet = snippet.replace("/mnt/ssd", str(tmp_path))
     from tiermem.models.gpt import GPT, GPTConfig
-    from tiermem.demo import MarkovText
+    from tiermem.apps.demo import MarkovText
     model = GPT(GPTConfig(n_layers=17, d_model=16, n_heads=2, seq_len=8, vocab=32))
     data = MarkovText(32)
     namespace = {"model": model, "batches": [data.batch(i, 2, 8) for i in range(2)]}

@@ -18,8 +18,8 @@ import torch
 
 from tiermem import _native
 from tiermem._files import config_error, make_private_dir
-from tiermem.cli import BENCHES
-from tiermem.cli import main as cli_main
+from tiermem.apps.cli import BENCHES
+from tiermem.apps.cli import main as cli_main
 from tiermem.store import io as store_io
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ def test_bench_activations_prints_as_it_goes(monkeypatch, one_thread):
     """tiermem bench activations was silent up to 97 s between rows (issue 27): now a line per
     run of a setup, and within a run a line at the first step after HEARTBEAT_S of silence
     (0 here: a line per step, so the count is the decision under test)."""
-    from tiermem.bench import activations as bench
+    from tiermem.apps.bench import activations as bench
 
     monkeypatch.setattr(bench, "HEARTBEAT_S", 0.0)
     args = bench._parse_args(["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16",

@@ -25,10 +25,10 @@ from tiermem.offload import offload_activations
 from tiermem.offload.activations import ActivationOffloader
 from tiermem.offload.tensors import offload_tensors
 from tiermem.optim import HybridAdam
-from tiermem.plan import plan
-from tiermem.plan import placement
-from tiermem.plan.cli import build_parser as plan_parser, main as plan_main
-from tiermem.tune.cli import _parse_args as tune_args
+from tiermem.apps.plan import plan
+from tiermem.apps.plan import placement
+from tiermem.apps.plan.cli import build_parser as plan_parser, main as plan_main
+from tiermem.apps.tune.cli import _parse_args as tune_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = {"store": config.StoreConfig, "optimizer": config.OptimizerConfig,

@@ -11,14 +11,15 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tiermem import StoreConfig, TierStore, cli
+from tiermem import StoreConfig, TierStore
+from tiermem.apps import cli
 from tiermem.telemetry.saved import SavedBytesCounter
 from tiermem.models import MoE, MoEConfig
 from tiermem.models.gpt import GPT, Block, GPTConfig
 from tiermem.models.moe import MoEBlock
 from tiermem.optim import HybridAdam
 from tiermem.optim.layout import chunk_state_bytes, nvme_staging_bytes, ring_bytes
-from tiermem.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes,
+from tiermem.apps.plan import (GB, GiB, PRESETS, activation_bytes_per_block, head_bytes,
                           host_buffer_bytes, main, moe_activation_bytes_per_block, plan)
 
 
@@ -311,7 +312,7 @@ def test_json_output_and_the_tiermem_command(capsys):
 def test_split_state_fits_where_ram_or_nvme_alone_does_not():
     """13B with 80 GiB RAM and 64 GiB of disk: neither tier alone holds the offloaded state,
     RAM first + the rest on NVMe (HybridAdam's state_tier='split') does; auto picks it."""
-    from tiermem.plan import PRESETS, plan
+    from tiermem.apps.plan import PRESETS, plan
     c = PRESETS["13b"]
     kw = dict(n_layers=c.n_layers, d_model=c.d_model, n_heads=c.n_heads, vocab=c.vocab,
               seq=c.seq_len, batch=c.micro_batch, host_bytes="80GiB", nvme_bytes="64GiB")
@@ -341,7 +342,7 @@ def measured_block_bytes(block: torch.nn.Module, batch: int, seq: int, dtype: to
 
 def fused_attention_gap(tokens: int, d_model: int, n_heads: int, a: int) -> int:
     """Formula minus measurement on the CPU (Note [block activations, measured] in
-    tiermem/plan/memory.py): the fused kernel's output reshape is a view (the formula's copy,
+    tiermem/apps/plan/memory.py): the fused kernel's output reshape is a view (the formula's copy,
     d·a per token, is not saved); LayerNorm's mean and rstd (2 LNs x 2, dtype a on the CPU) and
     SDPA's fp32 logsumexp (4·h) are saved, not counted."""
     return tokens * (d_model * a - 2 * 2 * a - 4 * n_heads)
@@ -543,7 +544,7 @@ def test_ram_plus_nvme_note_counts_the_pinned_buffers_hybrid_adam_allocates():
 
 # ---------------------------------------------------------------- time per step (issue 19)
 
-from tiermem.plan import (H200_GPU_FLOPS, H200_GPU_FLOPS_CHECKPOINTED,  # noqa: E402
+from tiermem.apps.plan import (H200_GPU_FLOPS, H200_GPU_FLOPS_CHECKPOINTED,  # noqa: E402
                           REFERENCE_CHECKPOINTED_S, REFERENCE_FWD_BWD_S, REFERENCE_TOKENS,
                           RESOURCES, MachineRates, step_time)
 
@@ -870,7 +871,7 @@ def test_a_bad_rate_is_a_one_line_value_error_naming_the_field(field, value):
 
 
 def test_plan_and_step_time_refuse_what_is_not_rates():
-    with pytest.raises(TypeError, match="rates must be a tiermem.plan.MachineRates"):
+    with pytest.raises(TypeError, match="rates must be a tiermem.apps.plan.MachineRates"):
         preset_plan("1b", rates={"gpu_flops": 1e15})
     with pytest.raises(ValueError, match="grad_accumulation_steps=0"):
         preset_plan("1b", grad_accumulation_steps=0)

@@ -1,5 +1,5 @@
 """``tiermem plan`` with weight streaming (issue 29 item 6; Note [streaming plan] in
-tiermem/plan/streaming.py): which blocks stay resident, the buffers, the GPU total under the
+tiermem/apps/plan/streaming.py): which blocks stay resident, the buffers, the GPU total under the
 cap, the host side, the PCIe / NVMe terms of each schedule, the refusal, the command, and the
 issue's 13B example. The references are written from the shapes here, not read from the plan."""
 
@@ -14,8 +14,8 @@ import torch
 
 from tiermem import StoreConfig, TierStore
 from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.plan import GiB, MachineRates, PRESETS, main, plan, step_time
-from tiermem.plan.streaming import non_block_params
+from tiermem.apps.plan import GiB, MachineRates, PRESETS, main, plan, step_time
+from tiermem.apps.plan.streaming import non_block_params
 from tiermem.stream import stream_weights
 
 ISSUE_13B = ["--model-size", "13b", "--gpu-bytes", "24GiB", "--host-bytes", "125GiB",

@@ -135,8 +135,8 @@ def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
 def test_streamed_training_on_cuda_trains_as_unstreamed(tmp_path, capsys, tier, schedule):
     """On CUDA (torch's default kernels, fp32): the tiny preset with every block streamed and
     HybridAdam stepping the host copies, GPU capped by --gpu, trains as the unstreamed run
-    within 4x that run's own run-to-run noise (tiermem.bench.parity); NOT YET RUN ON A GPU."""
-    from tiermem.bench.parity import noise_of, verdict
+    within 4x that run's own run-to-run noise (tiermem.apps.bench.parity); NOT YET RUN ON A GPU."""
+    from tiermem.apps.bench.parity import noise_of, verdict
     example = _example()
     cuda = ["train.device=cuda", "--gpu", "8GiB"]
 

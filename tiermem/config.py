@@ -385,7 +385,7 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class BudgetConfig:
     """The ``budgets`` section (examples/train_large.py): the machine's capacities that
-    :func:`tiermem.plan.plan` checks a run against, in bytes (ints or ``"141GB"``).
+    :func:`tiermem.apps.plan.plan` checks a run against, in bytes (ints or ``"141GB"``).
 
     Raises:
         ValueError, TypeError: a size that is not a byte count (naming the field).
@@ -402,7 +402,7 @@ class BudgetConfig:
         _check(self, "budgets", "budgets.", "loop")  # Note [one definition]
 
     def kwargs(self) -> dict:
-        """Keyword arguments for :func:`tiermem.plan.plan`: the capacities set (bytes)."""
+        """Keyword arguments for :func:`tiermem.apps.plan.plan`: the capacities set (bytes)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 

@@ -76,7 +76,7 @@ UNMAPPED: dict[str, dict[str, str]] = {
        "--json": "output format"}
     | dict.fromkeys(("--gpu-tflops", "--gpu-tflops-checkpointed", "--pcie-h2d", "--pcie-d2h",
                      "--pcie-both", "--cpu-adam", "--cpu-adam-bf16", "--nvme-read",
-                     "--nvme-write"), "a machine rate (tiermem.plan.MachineRates)"),
+                     "--nvme-write"), "a machine rate (tiermem.rates.MachineRates)"),
     "tune": dict.fromkeys(("--layers", "--d-model", "--heads", "--seq", "--batch", "--vocab"),
                           "the demo GPT's shape, not a configuration field")
     | {"--act-gpu-budget": "a grid of the activation store's gpu budget in blocks' worth or "

@@ -8,7 +8,8 @@ good one: a dtype spelling to its canonical name, ``"4GiB"`` to bytes) and, per 
 rules between fields (:data:`RULES`). Everything that takes a field takes it from here: the
 YAML sections of :mod:`tiermem.config` (their dataclass defaults and ``__post_init__``), the
 APIs (``HybridAdam``, ``offload_activations``, ``TierStore`` through ``StoreConfig``,
-``tiermem.plan.plan``, ``step_time``) and the command-line flags (:mod:`tiermem.flags` maps each
+``tiermem.apps.plan.plan``, ``step_time``) and the command-line flags (:mod:`tiermem.flags` maps
+each
 flag to a dotted name). A user whose default differs on purpose declares it on the field, by
 user name (:data:`USERS`), with the reason beside it; a message names the field with the user's
 prefix (:class:`Who`: ``"optimizer."`` in YAML, ``"HybridAdam: "``, ``"plan: "``) and spells
@@ -35,7 +36,7 @@ USERS = ("api", "loop", "plan", "plan-cli", "tune")
 """Who takes a field: ``api`` (HybridAdam, offload_activations, StoreConfig/TierStore: the
 library's defaults), ``loop`` (the training loop's YAML sections: OptimizerConfig,
 ActivationConfig, TrainConfig, BudgetConfig of tiermem demo and the examples), ``plan``
-(``tiermem.plan.plan`` and ``tiermem plan``), ``plan-cli`` (``tiermem plan`` where its
+(``tiermem.apps.plan.plan`` and ``tiermem plan``), ``plan-cli`` (``tiermem plan`` where its
 default differs from ``plan()``'s), ``tune`` (``tiermem tune``)."""
 
 STREAM_TIERS = ("cpu", "nvme")

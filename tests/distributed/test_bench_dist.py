@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from tiermem.bench import optim_dist
+from tiermem.apps.bench import optim_dist
 from tiermem.models.gpt import GPTConfig
-from tiermem.bench.optim import main
+from tiermem.apps.bench.optim import main
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--seq", "16", "--vocab", "64",
         "--batch", "2"]

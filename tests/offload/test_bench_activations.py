@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tiermem.bench.activations import main
+from tiermem.apps.bench.activations import main
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,7 +43,7 @@ def test_every_row_says_whether_it_trained_as_the_baseline(capsys):
 
 def test_chunked_loss_runs_in_every_row_and_every_row_trains_as_the_baseline(capsys,
                                                                                monkeypatch):
-    from tiermem.bench import activations
+    from tiermem.apps.bench import activations
 
     models, real = [], activations.GPT
 
@@ -69,12 +69,12 @@ def test_chunked_loss_runs_in_every_row_and_every_row_trains_as_the_baseline(cap
 def test_loss_chunk_tokens_off_by_default_and_checked(capsys):
     assert main(["--loss-chunk-tokens", "0"]) == 2
     assert "--loss-chunk-tokens=0 must be >= 1" in capsys.readouterr().err
-    from tiermem.bench.activations import _parse_args
+    from tiermem.apps.bench.activations import _parse_args
     assert _parse_args([]).loss_chunk_tokens is None
 
 
 def test_a_setup_that_trains_wrongly_is_reported_and_fails(capsys, monkeypatch):
-    from tiermem.bench import activations
+    from tiermem.apps.bench import activations
 
     def wrong(model):  # reloads every saved tensor slightly changed: wrong gradients
         return torch.autograd.graph.saved_tensors_hooks(

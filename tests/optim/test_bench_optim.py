@@ -2,7 +2,7 @@
 
 import pytest
 
-from tiermem.bench import optim
+from tiermem.apps.bench import optim
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

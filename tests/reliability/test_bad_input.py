@@ -91,7 +91,7 @@ def test_an_alias_bomb_is_one_line_and_exit_2(tmp_path, where):
     bomb = _bomb()
     assert len(bomb) < 405
     if where == "override":
-        proc = _run_cli(["-m", "tiermem.cli", "demo", f"optimizer.lr={bomb}"])
+        proc = _run_cli(["-m", "tiermem.apps.cli", "demo", f"optimizer.lr={bomb}"])
         prefix, mention = "tiermem demo: error: override ", "once its aliases are expanded"
     else:
         path = tmp_path / "bomb.yaml"

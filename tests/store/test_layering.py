@@ -1,8 +1,9 @@
 """The store sits at the bottom of the package (issue 18): no module under ``tiermem/store``
 imports a layer built on it, whether at the top or inside a function, and its modules import
 each other without a circle. For the whole package (issue 28): no import circle anywhere (an
-import inside a function counts as much as one at the top), and no module over 800 lines but
-the named ones being split, none of which may grow."""
+import inside a function counts as much as one at the top), no module over 800 lines but
+the named ones being split, none of which may grow, and the applications (``tiermem/apps``:
+plan, tune, bench, demo, the command) import the library but no library module imports them."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import tiermem
 
 PACKAGE = pathlib.Path(tiermem.__file__).resolve().parent
 STORE = PACKAGE / "store"
-ABOVE = ("tiermem.schedule", "tiermem.optim", "tiermem.offload", "tiermem.bench",
-         "tiermem.tune")
+ABOVE = ("tiermem.schedule", "tiermem.optim", "tiermem.offload", "tiermem.apps")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -167,9 +167,9 @@ def test_the_circle_search_finds_a_circle_and_passes_a_tree():
 
 
 def test_the_package_scan_sees_function_level_and_submodule_imports():
-    assert len(ALL_MODULES) > 50 and "tiermem.plan.rates" in ALL_MODULES
+    assert len(ALL_MODULES) > 50 and "tiermem.rates" in ALL_MODULES
     # a function-level import (inside MachineRates.measure)
-    assert "tiermem.optim.cpu_adam" in package_imports(PACKAGE / "plan" / "rates.py")
+    assert "tiermem.optim.cpu_adam" in package_imports(PACKAGE / "rates.py")
     # ``from tiermem import _native`` is the module, not the package's __init__
     cpu_adam = package_imports(PACKAGE / "optim" / "cpu_adam.py")
     assert "tiermem._native" in cpu_adam and "tiermem" not in cpu_adam
@@ -197,3 +197,38 @@ def test_no_module_is_over_800_lines_and_none_being_split_grows():
                       f"BEING_SPLIT): {over}; split them")
     done = sorted(m for m in BEING_SPLIT if lines.get(m, 0) <= MAX_LINES)
     assert not done, f"{done} are {MAX_LINES} lines or fewer now: take them off BEING_SPLIT"
+
+
+# ------------------------------------------------------------------- library and applications
+
+APPS = "tiermem.apps"
+"""The applications' package: plan, tune, bench, demo, run_cost and the ``tiermem`` command."""
+
+
+def is_app(name: str) -> bool:
+    return name == APPS or name.startswith(APPS + ".")
+
+
+def app_imports_of_the_library(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Library module -> the application modules it imports (only those that do any)."""
+    found = {name: sorted(m for m in deps if is_app(m))
+             for name, deps in graph.items() if not is_app(name)}
+    return {name: deps for name, deps in found.items() if deps}
+
+
+def test_the_apps_are_a_package_that_imports_the_library():
+    """Guards the scan: the applications are where this test looks for them, they import the
+    library (the planner its machine model), and a library module importing one is named."""
+    apps = {name for name in ALL_MODULES if is_app(name)}
+    assert {"tiermem.apps.cli", "tiermem.apps.demo", "tiermem.apps.plan.placement",
+            "tiermem.apps.tune.cost", "tiermem.apps.bench.common"} <= apps
+    assert "tiermem.rates" in package_imports(PACKAGE / "apps" / "tune" / "cost.py")
+    assert app_imports_of_the_library({"tiermem.x": {"tiermem.apps.plan", "tiermem.names"},
+                                       "tiermem.apps.y": {"tiermem.apps.plan"}}) == {
+        "tiermem.x": ["tiermem.apps.plan"]}
+
+
+def test_no_library_module_imports_an_application():
+    graph = {name: package_imports(path) for name, path in ALL_MODULES.items()}
+    upward = app_imports_of_the_library(graph)
+    assert not upward, f"library modules importing applications (tiermem/apps): {upward}"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tiermem import StoreConfig, TierStore
-from tiermem.cli import main as cli_main
-from tiermem.plan import MachineRates
-from tiermem.tune import (
+from tiermem.apps.cli import main as cli_main
+from tiermem.apps.plan import MachineRates
+from tiermem.apps.tune import (
     CostModel,
     Result,
     Trial,

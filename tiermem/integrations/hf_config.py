@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from tiermem.plan.shapes import ModelShape
+from tiermem.shapes import ModelShape
 
 SEQ_CAP = 2048
 """Tokens per sequence taken from ``max_position_embeddings`` at most (Note [hf config shape])."""

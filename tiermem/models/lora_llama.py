@@ -9,7 +9,7 @@ frozen (``requires_grad=False``) and stays where and what it was built as; only 
 ``lora_A`` / ``lora_B`` weights train. peft keeps the adapters in fp32 when the base is bf16
 (its ``autocast_adapter_dtype``), so the optimizer steps fp32 adapter weights.
 
-Used by examples/train_lora.py, ``tiermem bench lora`` (:mod:`tiermem.bench.lora`) and
+Used by examples/train_lora.py, ``tiermem bench lora`` (:mod:`tiermem.apps.bench.lora`) and
 tests/test_lora.py; docs/lora.md says what is offloaded where.
 """
 

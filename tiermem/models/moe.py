@@ -19,7 +19,7 @@ depend on ``top_k``, not ``n_experts``, and not on how the tokens are spread ove
 per token, the attention part of a dense block plus ``top_k`` copies of the expert input and
 output (``d_model`` each) and of the expert's hidden layer before and after the GELU
 (``d_expert`` each), plus a few bytes of gates and routing indices
-(:func:`tiermem.plan.moe_activation_bytes_per_block` counts them; ``tiermem plan --experts E
+(:func:`tiermem.apps.plan.moe_activation_bytes_per_block` counts them; ``tiermem plan --experts E
 --top-k K --d-expert H`` sizes a run).
 """
 

@@ -4,7 +4,8 @@ breadth-first (Note [breadth-first blocks]).
 Note [breadth-first blocks]: with HybridAdam and ``max_grad_norm`` the CPU step of the offloaded
 chunks cannot start before ``step()`` (the global norm comes first), so it runs after the last
 backward, and with ``param_sync="step"`` the next forward waits for all of it (Note [optimizer
-tail] in tiermem/plan/timing.py). With ``param_sync="forward"`` each module waits only for its own
+tail] in tiermem/apps/plan/timing.py). With ``param_sync="forward"`` each module waits only for its
+own
 chunks, and the worker steps them in forward order (Note [stepping order] in
 tiermem/optim/hybrid_adam.py): the first layers are ready first. Depth-first, only one
 micro-batch's forward can use that: the next step's micro-batch 0 runs block after block as the
@@ -22,7 +23,7 @@ run-to-run noise). On the H200 the 20B RAM preset's step went from 13.40 s to 11
 (docs/benchmarks.md). The price is memory: until its own backward, each
 micro-batch keeps what its first ``K`` blocks saved for backward, plus its hidden state: with
 every block checkpointed, ``(K + 1)`` block inputs of ``batch x seq x d_model`` elements for
-each of the other ``n - 1`` micro-batches (tiermem.plan counts it). ``block_major=True`` runs
+each of the other ``n - 1`` micro-batches (tiermem.apps.plan counts it). ``block_major=True`` runs
 every block breadth-first, and the backward block by block too (Note [block-major schedule] in
 tiermem/schedule/block_major.py): what a weight stream needs to fetch each block once per pass.
 """

@@ -9,7 +9,7 @@ Note [slab tail]: blocks of one size fill most of the pool (HybridAdam's chunk s
 4M elements with fp32 moments), and a slab that is not a multiple of that size keeps a tail no
 such block fits: 16 MiB of every 1 GiB slab. The 13B NVMe preset's 80 GiB pool, replayed without
 memory (its rings, the NVMe staging, then 48 MiB chunks until full), held 1,673 chunks (the H200
-run at c0c5ed4: 1,674) where whole slabs hold 1,699, as tiermem.plan counts: 1.2 GiB more read
+run at c0c5ed4: 1,674) where whole slabs hold 1,699, as tiermem.apps.plan counts: 1.2 GiB more read
 and written on NVMe every step than planned. So a new slab is cut to the largest multiple of the
 request that opens it (``slab_bytes`` rounded down; a larger request still gets a slab of its
 own size), and only the last slab, cut to what the capacity has left, may keep a tail.

@@ -1,0 +1,373 @@
+"""``tiermem bench stream``: training-step time of the reference GPT with every block's weights
+streamed (:func:`tiermem.stream.stream_weights`) against the same model resident, in ONE
+process, each row with its parity column (issue 29; docs/streaming.md).
+
+Rows (same model, same initial weights, same batches, a new batch every step; the optimizer
+steps every step, so a stale or wrong streamed weight changes the losses):
+
+- ``resident, AdamW``: torch.optim.AdamW on the device (the baseline), and once more (its
+  run-to-run noise, :mod:`tiermem.apps.bench.parity`);
+- ``resident, AdamW on host copies``: the blocks' weights stepped by the same AdamW on host
+  copies (gradients copied down, weights copied up): the arithmetic of the streamed row, its
+  parity reference (against the baseline its kernel is the CPU's: ``differs: host AdamW`` when
+  outside the noise);
+- ``streamed, AdamW``: every block streamed from the store's ``--tier``, AdamW stepping the host
+  copies (docs/streaming.md's phase-1 loop);
+- ``resident, HybridAdam`` / ``streamed, HybridAdam``: HybridAdam with all state offloaded
+  (``offload_fraction=1``), without and with the stream (Note [streamed write-back] in
+  tiermem/optim/streamed.py); the streamed row's reference is the resident one.
+
+Every row uses :data:`tiermem.apps.bench.optim_base.HP`. ``step ms`` is the median over
+``--repeats`` runs of each run's median timed step (forward + backward + optimizer step, the
+device synchronised), with the spread (min-max of the run medians); ``fwd+bwd ms`` the same for
+forward + backward alone; ``x`` the step time over the baseline's; ``streamed GiB`` the weight
+bytes the stream copied to the device per step; ``PCIe floor ms`` those bytes at the H2D rate
+measured here (a pinned ``--probe-bytes`` copy, median of 5): the least time the stream can
+take; ``parity`` the verdict of the row's losses (every step, and one more batch after the last)
+against its reference (named), within 4x the baseline's noise, and for a streamed row also
+against the baseline itself (its reference's precision trade named when outside the noise). A
+streamed row whose losses are not its reference's is ``WRONG`` and the command exits 1: a fast
+wrong row cannot pass.
+
+``--gpu SIZE`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``,
+the name and meaning of ``tiermem plan --gpu``). ``--micro-batches M`` runs M micro-batches per
+step (the streamed rows block-major with ``--schedule block-major``: each block crosses PCIe
+once per pass). Without CUDA the defaults are a CPU-sized model (smoke runs).
+
+Usage::
+
+    tiermem bench stream --gpu 64GiB                  # reference GPT, 16k tokens per step
+    tiermem bench stream --micro-batches 4 --gpu 64GiB  # 64k tokens per step, block-major
+    tiermem bench stream --layers 2 --d-model 32 --heads 2 --seq 16 --batch 2 --vocab 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
+from tiermem.apps.bench.optim_base import HP
+from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
+from tiermem.config import StoreConfig, parse_bytes
+from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.names import gib
+from tiermem.schedule.micro_batches import forward_backward
+from tiermem.store import TierStore
+from tiermem.stream import stream_weights
+
+BASELINE = "resident, AdamW"
+AGAIN = "resident, AdamW (again: its noise)"
+HOST_REF = "resident, AdamW on host copies"
+STREAMED = "streamed, AdamW"
+HYBRID_REF = "resident, HybridAdam"
+HYBRID_STREAMED = "streamed, HybridAdam"
+
+
+@dataclass
+class Setup:
+    """One row to run: its name, whether the blocks are streamed, the optimizer factory
+    ``make_opt(model)`` and the row its losses are checked against (None: the baseline)."""
+
+    name: str
+    streamed: bool
+    make_opt: Callable
+    reference: str | None
+    trade: str | None = None
+
+
+@dataclass
+class Row:
+    """One setup's result (times in ms, bytes per step)."""
+
+    setup: str
+    step_ms: float
+    spread_ms: tuple[float, float]
+    fwd_bwd_ms: float
+    tokens_per_s: float
+    streamed_bytes: int | None = None
+    pcie_floor_ms: float | None = None
+    parity: str = ""
+    losses: list[float] = field(default_factory=list)
+
+
+class HostAdamW:
+    """AdamW stepping the blocks' weights on host copies (gradients copied to the host, the
+    new weights copied back) and the other parameters where they are: the arithmetic of
+    AdamW over a streamed model, without a stream (the streamed row's reference)."""
+
+    def __init__(self, model: GPT) -> None:
+        block_ids = {id(p) for p in model.blocks.parameters()}
+        self.pairs = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()
+                      if id(p) in block_ids]
+        rest = [p for p in model.parameters() if id(p) not in block_ids]
+        self.opt = torch.optim.AdamW([h for _, h in self.pairs] + rest, **HP)
+
+    def step(self) -> None:
+        for p, h in self.pairs:
+            h.grad = p.grad.to("cpu")
+        self.opt.step()
+        with torch.no_grad():
+            for p, h in self.pairs:
+                p.copy_(h)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+        for p, _ in self.pairs:
+            p.grad = None
+
+
+def _parse_args(argv):
+    big = torch.cuda.is_available()  # the reference GPT on a GPU; a CPU-sized model otherwise
+    p = argparse.ArgumentParser(prog="tiermem bench stream", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--layers", type=int, default=24 if big else 4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=2048 if big else 64, help="model width")
+    p.add_argument("--heads", type=int, default=16 if big else 4, help="attention heads")
+    p.add_argument("--seq", type=int, default=2048 if big else 32, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=8 if big else 2,
+                   help="sequences per micro-batch (8 x 2048: 16k tokens)")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--vocab", type=int, default=32000 if big else 128, help="vocabulary size")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every setup; ms is the median of the runs' medians")
+    p.add_argument("--tier", choices=("cpu", "nvme"), default="cpu",
+                   help="the streamed weights' home (nvme: needs --nvme-dir)")
+    p.add_argument("--nvme-dir", default=None, help="spill directory for --tier nvme")
+    p.add_argument("--prefetch-blocks", type=int, default=1, help="blocks fetched ahead")
+    p.add_argument("--schedule", choices=("block-major", "depth-first"), default="block-major",
+                   help="streamed rows' schedule over the micro-batches")
+    p.add_argument("--checkpoint", action="store_true", help="checkpoint every block (all rows)")
+    p.add_argument("--gpu", default=None, metavar="SIZE",
+                   help="cap CUDA memory at SIZE (as tiermem plan --gpu); default: no cap")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--optimizers", default="adamw,hybrid",
+                   help="comma-separated: adamw (torch AdamW rows), hybrid (HybridAdam rows)")
+    p.add_argument("--probe-bytes", default="256MiB" if big else "4MiB",
+                   help="bytes of the pinned H2D copy that measures the PCIe rate")
+    args = p.parse_args(argv)
+    for name in ("layers", "d_model", "heads", "seq", "batch", "micro_batches", "vocab",
+                 "steps", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("warmup", "prefetch_blocks"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
+    if args.tier == "nvme" and not args.nvme_dir:
+        raise ValueError("--tier nvme needs --nvme-dir (a directory on the NVMe drive)")
+    wanted = {x.strip() for x in args.optimizers.split(",") if x.strip()}
+    if not wanted or wanted - {"adamw", "hybrid"}:
+        raise ValueError(f"--optimizers={args.optimizers!r}: give adamw, hybrid or both "
+                         f"(comma-separated)")
+    args.optimizer_set = wanted
+    args.gpu_bytes = None if args.gpu is None else parse_bytes(args.gpu, "--gpu")
+    args.probe = parse_bytes(args.probe_bytes, "--probe-bytes")
+    return args
+
+
+def h2d_bytes_per_s(nbytes: int, device: torch.device) -> float:
+    """The host-to-device copy rate (bytes/s) of ``nbytes`` from pinned memory (pageable on a
+    machine without CUDA, where it is a memcpy): median of 5 timed copies after one."""
+    cuda = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def _setups(args, store: TierStore) -> list[Setup]:
+    """The rows to run, in order (each reference before the rows checked against it)."""
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), **HP)
+
+    def hybrid(model):
+        from tiermem.optim import HybridAdam  # noqa: PLC0415
+        return HybridAdam(model.parameters(), **HP, offload_fraction=1.0, store=store,
+                          grad_accumulation_steps=args.micro_batches)
+
+    rows = [Setup(BASELINE, False, adamw, None), Setup(AGAIN, False, adamw, BASELINE)]
+    if "adamw" in args.optimizer_set:
+        rows += [Setup(HOST_REF, False, HostAdamW, BASELINE, trade="host AdamW"),
+                 Setup(STREAMED, True, adamw, HOST_REF)]
+    if "hybrid" in args.optimizer_set:
+        rows += [Setup(HYBRID_REF, False, hybrid, BASELINE, trade="HybridAdam's fp32 masters"),
+                 Setup(HYBRID_STREAMED, True, hybrid, HYBRID_REF)]
+    return rows
+
+
+def make_stream(model: GPT, store: TierStore, args):
+    """The weight stream of every block (a function of its own: tests replace it)."""
+    return stream_weights(model.blocks, store=store, tier=args.tier,
+                          prefetch_blocks=args.prefetch_blocks)
+
+
+def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, args, device):
+    """One run of ``setup`` on a fresh ``build()`` model loaded from ``init`` (no hook of an
+    earlier run stays): (timed fwd+bwd seconds, timed step seconds, losses, streamed bytes per
+    timed step or None)."""
+    model = build()
+    with torch.no_grad():
+        model.load_state_dict(init)
+    stream = make_stream(model, store, args) if setup.streamed else None
+    opt = setup.make_opt(model)
+    block_major = stream is not None and args.schedule == "block-major"
+    fb_s, step_s, losses, streamed = [], [], [], 0
+    try:
+        for step, micro in enumerate(batches[:-1]):
+            before = stream.stats()["h2d_bytes"] if stream is not None else 0
+            sync(device)
+            t0 = time.perf_counter()
+            out = forward_backward(model, micro, block_major=block_major)
+            sync(device)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()  # HybridAdam: the step's CPU side is done
+            sync(device)
+            t2 = time.perf_counter()
+            losses.append(sum(float(x) for x in out) / len(out))
+            if step >= args.warmup:
+                fb_s.append(t1 - t0)
+                step_s.append(t2 - t0)
+                if stream is not None:
+                    streamed += stream.stats()["h2d_bytes"] - before
+        with torch.no_grad():  # the final weights, seen through one more batch
+            losses.append(float(model(*batches[-1][0])[1]))
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+        if stream is not None:
+            stream.close(force=True)
+    per_step = streamed // max(1, len(step_s)) if stream is not None else None
+    return fb_s, step_s, losses, per_step
+
+
+def run(args, log=print) -> list[Row]:
+    """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
+    device = bench_device()
+    if args.gpu_bytes is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_bytes / total), device)
+        log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu)")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                    seq_len=args.seq, vocab=args.vocab)
+
+    def build() -> GPT:
+        with torch.device(device):
+            return GPT(cfg, checkpoint=args.checkpoint).to(dtype=dtype)
+
+    torch.manual_seed(0)
+    model = build()
+    init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    m = args.micro_batches
+    flat = learnable_batches(cfg.vocab, args.batch, args.seq,
+                             (args.warmup + args.steps + 1) * m, device)
+    batches = [flat[i * m:(i + 1) * m] for i in range(args.warmup + args.steps + 1)]
+    tokens = args.batch * args.seq * m
+    n_params = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    del model  # each run builds its own
+    rate = h2d_bytes_per_s(args.probe, device)
+    log(f"model: {n_params / 1e9:.3f}B params, {dtype}, device {device}, {tokens:,} tokens per "
+        f"step; blocks' weights {gib(weights)} GiB; H2D {rate / 1e9:.1f} GB/s "
+        f"({gib(args.probe)} GiB pinned copy)")
+    store = TierStore(StoreConfig(
+        device=str(device), gpu_bytes=0, pool_slab_bytes="256MiB" if device.type == "cuda"
+        else "1MiB", cpu_bytes=(weights + 16 * n_params + (1 << 20)) // 4096 * 4096 + (2 << 20),
+        nvme_bytes=2 * weights + (64 << 20) if args.tier == "nvme" else 0,
+        nvme_dir=args.nvme_dir if args.tier == "nvme" else None))
+    rows: list[Row] = []
+    runs_of: dict[str, list[list[float]]] = {}
+    noise = 0.0
+    try:
+        setups = _setups(args, store)
+        trades = {s.name: s.trade for s in setups}
+        for setup in setups:
+            fb, steps, runs, per_step = [], [], [], None
+            for rep in range(1, args.repeats + 1):
+                fb_s, step_s, losses, per_step = _train(setup, build, init, batches, store,
+                                                        args, device)
+                gc.collect()
+                fb.append(1e3 * statistics.median(fb_s))
+                steps.append(1e3 * statistics.median(step_s))
+                runs.append(losses)
+                log(f"  {setup.name}: run {rep}/{args.repeats}: {steps[-1]:.1f} ms/step")
+            runs_of[setup.name] = runs
+            if setup.reference is None:
+                parity = "baseline"
+            else:
+                if setup.name == AGAIN:  # the baseline's noise: every run against the first
+                    base = runs_of[BASELINE]
+                    noise = max(noise_of(base[0], r) for r in base[1:] + runs)
+                ref = runs_of[setup.reference][0]
+                parity = worst_verdict([verdict(r, ref, noise, setup.trade) for r in runs])
+                parity += f" vs {setup.reference}"
+                if setup.reference != BASELINE:  # and beside it, against the baseline itself
+                    trade = trades[setup.reference]
+                    base = worst_verdict([verdict(r, runs_of[BASELINE][0], noise, trade)
+                                          for r in runs])
+                    parity += f"; {base} vs {BASELINE}"
+            step_ms = statistics.median(steps)
+            pcie = None if per_step is None else 1e3 * per_step / rate
+            rows.append(Row(setup.name, step_ms, (min(steps), max(steps)),
+                            statistics.median(fb), tokens / (step_ms / 1e3), per_step, pcie,
+                            parity, runs[0]))
+            log(f"  {setup.name}: {step_ms:.1f} ms/step, {parity}")
+            gc.collect()
+    finally:
+        store.close()
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as a fixed-width table (x = step ms over the baseline's)."""
+    ref = next((r.step_ms for r in rows if r.setup == BASELINE), None)
+    width = max(len(r.setup) for r in rows)
+    lines = [f"{'setup':<{width}}  {'step ms':>9}  {'spread':>15}  {'fwd+bwd ms':>10}  "
+             f"{'x':>6}  {'tokens/s':>9}  {'streamed GiB':>12}  {'PCIe floor ms':>13}  parity"]
+    for r in rows:
+        x = f"{r.step_ms / ref:.2f}x" if ref else "-"
+        floor = "-" if r.pcie_floor_ms is None else f"{r.pcie_floor_ms:.1f}"
+        spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
+        lines.append(f"{r.setup:<{width}}  {r.step_ms:>9.1f}  {spread:>15}  {r.fwd_bwd_ms:>10.1f}"
+                     f"  {x:>6}  {r.tokens_per_s:>9,.0f}  {gib(r.streamed_bytes, 3):>12}  "
+                     f"{floor:>13}  {r.parity}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the table; returns the exit code (0 ok, 1 a row's losses
+    are not its reference's, 2 bad input)."""
+    return bench_main(
+        argv, _parse_args,
+        lambda a: (f"tiermem bench stream: layers={a.layers} d_model={a.d_model} heads={a.heads} "
+                   f"seq={a.seq} batch={a.batch} micro_batches={a.micro_batches} vocab={a.vocab} "
+                   f"tier={a.tier} prefetch_blocks={a.prefetch_blocks} schedule={a.schedule} "
+                   f"checkpoint={a.checkpoint} gpu={a.gpu or 'uncapped'} steps={a.steps} "
+                   f"repeats={a.repeats} (median ms/step after {a.warmup} warm-up)"),
+        run, format_table, lambda rows: [r.setup for r in rows if r.parity.startswith("WRONG")],
+        baseline="their references")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

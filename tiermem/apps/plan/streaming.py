@@ -1,0 +1,280 @@
+"""Weight streaming in the plan: which blocks stay resident on the GPU, the streaming buffers,
+where the streamed weights and their gradients live on the host, and what they move per step
+(Note [streaming plan]). :func:`tiermem.apps.plan.plan` calls :func:`place_stream` for every
+placement it tries with ``stream_weights``; :func:`tiermem.apps.plan.timing.step_time` times the
+traffic. Predictions: no weight-streaming run has been measured on a GPU yet.
+
+Note [streaming plan]
+~~~~~~~~~~~~~~~~~~~~~
+With weights streamed (issue 29; docs/streaming.md) the GPU holds, besides the optimizer state
+it keeps, the activations, the head and the reserve:
+
+- the weights and gradients of what is not a block (embeddings, final LayerNorm, head) and of
+  the resident blocks: ordinary device parameters, their gradients on the device until
+  HybridAdam copies them;
+- the streaming buffers: ``prefetch_blocks + 2`` blocks (at most the streamed ones) at the
+  largest streamed block's size (Note [resident blocks] in ``tiermem/stream/residency.py``),
+  each counted with its weights *and* its gradient: the block in backward produces its
+  gradient there before it leaves, so a buffer holds both (the ``prefetch_blocks`` blocks in
+  flight hold only weights: an overcount of ``prefetch_blocks`` blocks' gradients, on the safe
+  side). No gradient of a streamed block stays on the GPU after its backward.
+
+The resident set is :func:`tiermem.stream.residency.plan_residency` over blocks costing their
+weights + gradients, under the GPU room left after everything else: the longest suffix that
+fits (every GPT block has one size, so ``stream_weights(gpu_bytes=...)``, which counts weights
+only, takes the same set from :attr:`StreamPlan.stream_gpu_bytes`). The host holds the
+streamed weights (pinned RAM, the store's cpu tier; or on NVMe with ``prefetch_blocks + 3``
+blocks of RAM staging: the store reads one block further ahead), their gradients (one host copy
+per streamed weight; twice with the depth-first schedule over several micro-batches, where
+phase 1 keeps a pinned staging tensor per weight beside it on CUDA, Note [host gradients]) and
+HybridAdam's state of every offloaded parameter (fp32 master + moments): a streamed weight's
+optimizer state is never on the GPU (the CPU steps it where it lives), so without an
+``offload_fraction`` the plan offloads all of it, and a given one may keep on the GPU only the
+state of as many parameters as stay resident.
+
+Per optimizer step of M micro-batches the streamed bytes S (the streamed blocks' weights) cross
+PCIe: **block-major** (issue 29 item 4: each block runs for every micro-batch while its weights
+are on the GPU; the default, and with M = 1 the same as depth-first) ``2·S`` host to device (forward, and backward with the
+checkpoint recomputation in the same fetch) and ``S`` of gradients device to host, once per
+step, whatever M; **depth-first** (the stream's plain loop) ``2·M·S`` and ``M·S``. Both happen during
+forward + backward, beside the GPU's work (Note [optimizer tail]: the floor's first term is the
+larger of the GPU's time and this traffic's). A streamed weight's update is not copied back
+(HybridAdam writes the host copy the next forward streams), so the optimizer phase's PCIe
+counts only the resident parameters. With the weights on NVMe each fetch reads them (``2·S``
+per pass) and the update writes them once per step (in the optimizer phase). Block-major over
+M > 1 micro-batches (Note [block-major schedule] in ``tiermem/schedule/block_major.py``) saves
+only each block's input per micro-batch, all M at once, and recomputes every block in the
+backward: its activations are those of checkpointing times M (the inputs the GPU keeps, or
+offloads), plus one block's recomputed activations and the M micro-batches' output gradients,
+and its GPU time is the checkpointed one (8·N·T), with or without ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tiermem import options
+from tiermem.names import check_choice
+from tiermem.apps.plan.result import Item
+from tiermem.shapes import GiB
+from tiermem.stream.residency import plan_residency
+
+STREAM_CHOICES = (False, True, "auto")
+"""``plan(stream_weights=...)``: off, on, or only when the resident plan overflows the GPU."""
+STREAM_TIERS = ("auto", "cpu", "nvme")
+"""``plan(stream_tier=...)``: the streamed weights' home (auto: RAM, else NVMe)."""
+STREAM_SCHEDULES = ("auto", "block-major", "depth-first")
+"""``plan(stream_schedule=...)``: auto is block-major (with one micro-batch the same as
+depth-first)."""
+NVME_STAGING_EXTRA = 3
+"""Blocks of RAM staging an NVMe home needs beyond ``prefetch_blocks``: the two buffers'
+blocks and the one the store reads further ahead (docs/streaming.md)."""
+
+
+@dataclass
+class StreamPlan:
+    """What the plan decided for the streamed weights (Note [streaming plan]). Bytes.
+
+    Attributes:
+        n_blocks: the model's blocks.
+        resident: indices of the blocks kept on the GPU (a suffix).
+        streamed: indices of the streamed blocks.
+        block_params: parameters of one block.
+        block_bytes: one block's weights (``block_params`` x parameter bytes).
+        streamed_params, streamed_bytes: of all streamed blocks' weights (S).
+        prefetch_blocks: blocks fetched ahead.
+        buffer_blocks: streamed blocks on the GPU at once (``prefetch_blocks + 2``, at most
+            the streamed ones).
+        buffer_bytes: the GPU buffers: ``buffer_blocks`` x (weights + gradients) of a block.
+        stream_gpu_bytes: ``stream_weights(gpu_bytes=...)``: the resident blocks' and the
+            buffers' weights (what the stream counts).
+        tier: the streamed weights' home, ``"cpu"`` (pinned RAM) or ``"nvme"``.
+        schedule: ``"block-major"`` or ``"depth-first"``.
+        micro_batches: per optimizer step (M).
+        passes: times each streamed block's weights are fetched per step, per direction of the
+            pass: 1 block-major, M depth-first.
+        h2d_bytes: streamed weights host to device per step (``2 x passes x S``).
+        d2h_bytes: their gradients device to host per step (``passes x S``).
+    """
+
+    n_blocks: int
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    block_params: int
+    block_bytes: int
+    streamed_params: int
+    streamed_bytes: int
+    prefetch_blocks: int
+    buffer_blocks: int
+    buffer_bytes: int
+    stream_gpu_bytes: int
+    tier: str
+    schedule: str
+    micro_batches: int
+    passes: int
+    h2d_bytes: int
+    d2h_bytes: int
+
+
+def check_stream_args(stream_weights, stream_tier, stream_schedule, prefetch_blocks, *,
+                      gpu_step_fraction: float, breadth_first_blocks) -> None:
+    """Refuse bad streaming arguments of :func:`tiermem.apps.plan.plan` (one line each).
+
+    Raises:
+        ValueError: an unknown choice; with ``stream_weights=True``, a GPU lane or
+            breadth-first blocks (not planned with streamed weights; ``"auto"`` then keeps
+            every weight on the GPU).
+        TypeError, ValueError: ``prefetch_blocks`` not an int >= 0.
+    """
+    who = "plan: "
+    check_choice(who, "stream_weights", stream_weights, STREAM_CHOICES,
+                 "True streams blocks, 'auto' only when the GPU cannot hold every weight "
+                 "(command line: --stream-weights on|off|auto)")
+    check_choice(who, "stream_tier", stream_tier, STREAM_TIERS,
+                 "the streamed weights' home: pinned RAM, NVMe, or auto (RAM if it fits)")
+    check_choice(who, "stream_schedule", stream_schedule, STREAM_SCHEDULES,
+                 "auto: block-major (with one micro-batch the same as depth-first)")
+    # Note [one definition] in tiermem/options.py: the streaming section's checks; "auto" is
+    # the planner's choice (the choices above name it)
+    for keyword, dotted, value in (("stream_weights", "streaming.enabled", stream_weights),
+                                   ("stream_tier", "streaming.tier", stream_tier),
+                                   ("stream_schedule", "streaming.schedule", stream_schedule),
+                                   ("prefetch_blocks", "streaming.prefetch_blocks",
+                                    prefetch_blocks)):
+        if value != "auto":
+            options.check(dotted, options.Who(who), value, "plan", keyword)
+    if stream_weights is not True:  # "auto" does not stream with these (plan() says so)
+        return
+    if gpu_step_fraction:
+        raise ValueError(f"plan: gpu_step_fraction={gpu_step_fraction:g} with stream_weights="
+                         f"{stream_weights!r}: the GPU lane is not planned with streamed "
+                         f"weights; give gpu_step_fraction=0 or stream_weights=False")
+    # breadth_first_blocks "auto" is left at 0 when streaming
+    if breadth_first_blocks not in (0, "auto"):
+        raise ValueError(f"plan: breadth_first_blocks={breadth_first_blocks!r} with "
+                         f"stream_weights={stream_weights!r}: streaming plans the block-major "
+                         f"schedule instead (every block for every micro-batch); give 0")
+
+
+def schedule_for(stream_schedule: str, micro_batches: int) -> str:
+    """The schedule a plan times: ``"block-major"`` for ``"auto"`` (with one micro-batch the
+    two schedules are one: each block fetched once per pass; timing it as block-major keeps
+    the traffic fixed per step as ``step_time`` scales the micro-batches).
+
+    Raises:
+        nothing: a choice :func:`check_stream_args` checked.
+    """
+    return "block-major" if stream_schedule == "auto" else stream_schedule
+
+
+def non_block_params(*, vocab: int, seq: int, d_model: int) -> int:
+    """Parameters of ``tiermem.models.GPT`` (and ``MoE``) outside its blocks: token and
+    position embeddings, the final LayerNorm, the untied head.
+
+    Raises:
+        nothing: arithmetic on ints.
+    """
+    return 2 * vocab * d_model + seq * d_model + 2 * d_model
+
+
+def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params: int,
+                 param_bytes: int, prefetch_blocks: int, tier: str, schedule: str,
+                 micro_batches: int, gpu_state_params: int) -> tuple[StreamPlan, str | None]:
+    """Stream the blocks' weights in a placement (Note [streaming plan]): move the streamed
+    blocks' weights and gradients off the GPU rows of ``items`` (named ``"parameters"`` and
+    ``"gradients"``, sized for every weight on the GPU) into the home ``tier`` and pinned RAM,
+    add the buffers (and the NVMe staging), and choose the resident blocks so the GPU total
+    fits ``cap_gpu`` if it can.
+
+    Args:
+        items: the placement's rows, every other GPU row already final; changed in place.
+        cap_gpu: the GPU's bytes.
+        n_layers: blocks; block_params: parameters of one block; param_bytes: per parameter.
+        prefetch_blocks, tier, schedule, micro_batches: the stream's (``tier`` ``"cpu"`` or
+            ``"nvme"``, ``schedule`` ``"block-major"`` or ``"depth-first"``).
+        gpu_state_params: parameters whose optimizer state stays on the GPU; only resident
+            ones may.
+
+    Returns:
+        ``(StreamPlan, problem)``: ``problem`` a reason the placement cannot work besides
+        its capacities (GPU-side optimizer state of more parameters than stay resident), or
+        None.
+
+    Raises:
+        nothing: arithmetic on checked values.
+    """
+    rows = {i.name: i for i in items}
+    params, grads = rows["parameters"], rows["gradients"]
+    w = block_params * param_bytes
+    per_block = 2 * w  # weights + gradients: what a resident block or a buffer holds
+    others = sum(i.gpu for i in items) - 2 * n_layers * w  # all but the blocks' weights+grads
+    try:
+        res = plan_residency([per_block] * n_layers, gpu_bytes=max(0, cap_gpu - others),
+                             prefetch_blocks=prefetch_blocks)
+    except ValueError:  # not even the buffers fit: stream every block (and overflow)
+        res = plan_residency([per_block] * n_layers, gpu_bytes=None,
+                             prefetch_blocks=prefetch_blocks)
+    n_streamed = len(res.streamed)
+    s_params = n_streamed * block_params
+    s_bytes = s_params * param_bytes
+    passes = 1 if schedule == "block-major" else micro_batches
+    stream = StreamPlan(
+        n_blocks=n_layers, resident=res.resident, streamed=res.streamed,
+        block_params=block_params, block_bytes=w, streamed_params=s_params,
+        streamed_bytes=s_bytes, prefetch_blocks=prefetch_blocks,
+        buffer_blocks=res.buffer_blocks, buffer_bytes=res.buffer_bytes,
+        stream_gpu_bytes=(len(res.resident) + res.buffer_blocks) * w, tier=tier,
+        schedule=schedule, micro_batches=micro_batches, passes=passes,
+        h2d_bytes=2 * passes * s_bytes, d2h_bytes=passes * s_bytes)
+    home = "RAM" if tier == "cpu" else "NVMe"
+    params.gpu -= s_bytes
+    setattr(params, "host" if tier == "cpu" else "nvme", s_bytes)
+    grads.gpu -= s_bytes
+    copies = 2 if schedule == "depth-first" and micro_batches > 1 else 1
+    grads.host = copies * s_bytes
+    if n_streamed:
+        params.note += (f"; {n_streamed} of {n_layers} blocks streamed from {home}, "
+                        f"{len(res.resident)} resident")
+        grads.note += ("; streamed blocks' on the host" + (
+            " (+ phase 1's pinned staging: depth-first)" if copies == 2 else ""))
+        items.insert(items.index(grads) + 1, Item(
+            "streaming buffers", gpu=res.buffer_bytes,
+            note=f"{res.buffer_blocks} x {per_block / GiB:.2f} GiB (prefetch {prefetch_blocks}"
+                 f" + 2 blocks' weights + grads)"))
+        if tier == "nvme":
+            staging = min(prefetch_blocks + NVME_STAGING_EXTRA, n_streamed) * w
+            items.insert(items.index(grads) + 2, Item(
+                "streaming RAM staging", host=staging,
+                note=f"{staging // w} blocks: the NVMe home's reads"))
+    resident_params = rows["parameters"].gpu // param_bytes
+    problem = None
+    if gpu_state_params > resident_params:
+        problem = (f"optimizer state of {gpu_state_params / 1e9:.2f}B params kept on the GPU, but "
+                   f"only {resident_params / 1e9:.2f}B params stay resident (a streamed weight "
+                   f"is stepped on the host): raise offload_fraction to at least "
+                   f"{least_fraction(resident_params, sum_params(items, param_bytes)):.2f}, or "
+                   f"leave it to the plan (None / --offload-fraction auto)")
+    return stream, problem
+
+
+def least_fraction(resident_params: int, num_params: int) -> float:
+    """The least offload fraction that leaves GPU-side state for at most ``resident_params``
+    of ``num_params``, rounded up to 0.01 like the plan's fractions."""
+    return min(1.0, math.ceil((1 - resident_params / max(1, num_params)) * 100 - 1e-9) / 100)
+
+
+def sum_params(items: list[Item], param_bytes: int) -> int:
+    """Every parameter of the placement (its ``"parameters"`` row over all tiers)."""
+    row = next(i for i in items if i.name == "parameters")
+    return (row.gpu + row.host + row.nvme) // param_bytes
+
+
+def gpu_breakdown(items: list[Item]) -> str:
+    """``"parameters 1.3 GiB + ... + reserve 2.2 GiB"``: the GPU rows of a placement, for a
+    refusal that names what does not fit.
+
+    Raises:
+        nothing: formatting.
+    """
+    return " + ".join(f"{i.name} {i.gpu / GiB:,.1f} GiB" for i in items if i.gpu)
