@@ -5,7 +5,10 @@ Note [param changes]: torch.optim.AdamW steps whatever the parameter holds at ``
 in-place change (``p.fill_``, ``model.load_state_dict``, an EMA swap) or a new storage
 (``p.data = t``, which ``module._apply`` and re-tying do) is simply continued from. HybridAdam
 keeps masters apart from the parameter (offloaded chunks, fp32 masters of non-fp32 params) and
-views of the parameter's storage (the GPU side), so it must notice. Every HybridAdam write to a
+views of the parameter's storage (the GPU side), so it must notice. A streamed weight (Note
+[streamed write-back]) is watched through its host copy; a replaced ``.data`` of it is copied
+into the host copy through the parameter (``WeightStream.adopt``, its ``_version`` moves) when
+HybridAdam checks it, so it is seen like an in-place change. Every HybridAdam write to a
 parameter (the GPU side's step, the worker's H2D copies, the GPU lane's cast) runs inside
 :meth:`ParamWatch.writing`, which adds the version bumps it made to the version the parameter
 is expected to have; anything else that bumps it, or a different ``data_ptr``, is a change.
@@ -35,6 +38,7 @@ from typing import Iterable, Iterator
 import torch
 
 from tiermem.optim.layout import StateLayout, local_view, state_views
+from tiermem.stream.weights import stream_of
 
 
 class ParamWatch:
@@ -64,6 +68,8 @@ class ParamWatch:
 
     def _sig(self, g: int, i: int) -> tuple[int, int]:
         p = self._param(g, i)  # a streamed weight's storage is its host copy's
+        if i in self._layout.groups[g].host_copies and (s := stream_of(p)) is not None:
+            s.adopt(p)  # a replaced .data becomes a version move of the host copy
         return p._version, local_view(self._layout.groups[g], i).data_ptr()
 
     def record_all(self) -> None:

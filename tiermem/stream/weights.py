@@ -272,6 +272,21 @@ class WeightStream:
         """
         self._entry(param).written_version = None
 
+    def adopt(self, param: nn.Parameter) -> None:
+        """Between passes, take a replaced ``param.data`` (``param.data = t``) into the host
+        copy now, through the parameter (its ``_version`` moves), instead of at the next pass
+        start: a connected optimizer about to read or write the host copy then sees the change
+        (Note [param changes]) rather than stepping the old value and having it overwritten by
+        ``t`` later. During a pass, or when ``.data`` is the host copy, nothing happens.
+
+        Raises:
+            ValueError: ``param`` is not streamed by this stream, or its new data has another
+                shape or dtype.
+        """
+        p = self._entry(param)
+        if self._pass is None and self._replaced(p):
+            self._take_replaced(p)
+
     def connect(self, link: Any) -> None:
         """Connect an optimizer that steps the host copies (Note [streamed write-back]):
         ``link.take(param, host_grad, passes)`` receives each streamed gradient as it lands on
@@ -448,17 +463,8 @@ class WeightStream:
         entries = [p for b in self._blocks for p in b.params]
         check_grad_flags(entries, self._hooked)
         check_composition(self._modules, self._blocks)
-        taken = []
-        for p in entries:  # checks first: a refusal changes nothing
-            data = p.param.data
-            if data.data_ptr() != p.host.data_ptr() or data.shape != p.host.shape:
-                if data.shape != p.host.shape or data.dtype != p.host.dtype:
-                    raise ValueError(
-                        f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
-                        f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
-                        f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy "
-                        f"new values in (param.data.copy_(new)) instead")
-                taken.append(p)
+        taken = [p for p in entries if self._replaced(p)]  # checks first: a refusal
+        for p in entries:                                    # changes nothing
             grad = p.param.grad
             if grad is not None and (grad.device.type != "cpu" or grad.shape != p.host.shape
                                      or grad.dtype != p.host.dtype):
@@ -468,12 +474,7 @@ class WeightStream:
                     f"between passes a streamed parameter's gradient is a host tensor like "
                     f"its weight ({p.host.dtype}, {tuple(p.host.shape)}, cpu), or None")
         for p in taken:
-            logger.info("weight streaming: blocks[%d].%s.data was replaced between passes; "
-                        "the new values are streamed", p.block.index, p.name)
-            with torch.no_grad():
-                p.host.copy_(p.param.data)
-            p.param.data = p.host
-            p.written_version = None  # the NVMe copy is stale
+            self._take_replaced(p)
         if self.tier == "nvme":
             for p in entries:
                 if self._stepped or p.written_version != p.param._version:
@@ -489,6 +490,33 @@ class WeightStream:
         for b in self._blocks:
             b.accumulated = 0
         self._pass = _Pass()
+
+    def _replaced(self, p: Param) -> bool:
+        """Whether ``p.param.data`` was replaced between passes (Note [param changes]).
+
+        Raises:
+            ValueError: the new data has another shape or dtype.
+        """
+        data = p.param.data
+        if data.data_ptr() == p.host.data_ptr() and data.shape == p.host.shape:
+            return False
+        if data.shape != p.host.shape or data.dtype != p.host.dtype:
+            raise ValueError(
+                f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
+                f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
+                f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy "
+                f"new values in (param.data.copy_(new)) instead")
+        return True
+
+    def _take_replaced(self, p: Param) -> None:
+        """Copy a replaced ``.data`` into the host copy, which becomes ``.data`` again."""
+        logger.info("weight streaming: blocks[%d].%s.data was replaced between passes; "
+                    "the new values are streamed", p.block.index, p.name)
+        new = p.param.data
+        p.param.data = p.host
+        with torch.no_grad():  # through the parameter: its _version moves, so HybridAdam
+            p.param.copy_(new)  # sees the change (Note [param changes]) and keeps it
+        p.written_version = None  # the NVMe copy is stale
 
     def _end_pass(self) -> None:
         """Streaming state -> host copies: every block released, gradients landed."""
