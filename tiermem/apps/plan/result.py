@@ -239,7 +239,8 @@ def stream_configure(stream) -> str:
             f"prefetch_blocks={stream.prefetch_blocks}, gpu_bytes={stream.stream_gpu_bytes}) "
             f"({stream.stream_gpu_bytes / GiB:,.1f} GiB: the last {len(stream.resident)} "
             f"blocks resident + {stream.buffer_blocks} buffers), {store}; the plan assumes "
-            f"HybridAdam steps the streamed weights on the host (issue 29 item 3) and the "
+            f"HybridAdam steps the streamed weights on the host (tested exact on the CPU, not "
+            f"yet run on a GPU) and the "
             f"{stream.schedule} schedule (docs/streaming.md)")
 
 
