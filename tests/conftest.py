@@ -14,7 +14,33 @@ import torch
 from tiermem import StoreConfig, TierStore
 
 
+# Note [xdist groups]: README's test command runs the suite on two pytest-xdist workers with
+# ``--dist loadgroup``, which hands out tests one by one. A module- or class-scoped fixture
+# (a reference training run, a distributed job, a fork server) would then be set up once on
+# each worker that gets one of its tests, doubling its cost; every test that uses one is put in
+# the group of its module (``xdist_group``), so one worker runs all of them and the fixture
+# once. Session-scoped fixtures are per worker either way (pytest's own, e.g.
+# tmp_path_factory, are cheap) and do not group. This hook runs before xdist's, which reads
+# the marks.
+_GROUPED_SCOPES = ("module", "class", "package")
+
+
+def _shares_a_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope in _GROUPED_SCOPES:
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _shares_a_fixture(item) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m cuda` on a GPU machine)")

@@ -125,10 +125,11 @@ def test_readme_commands_match_ci():
     text = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install torch==2.13.0 && pip install -e . && tiermem demo" in text
-    test_cmd = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -m "not cuda" -q'
+    test_cmd = ('pip install torch==2.13.0 && pip install -e ".[test]" && '
+                'python -m pytest -m "not cuda" -q -n 2 --dist loadgroup')
     assert test_cmd in text
     for part in ("pip install -q torch==2.13.0", 'pip install -q -e ".[test]"',
-                 'python3 -m pytest -m "not cuda" -q'):
+                 'python3 -m pytest -m "not cuda" -q -n 2 --dist loadgroup'):
         assert part in ci
 
 
