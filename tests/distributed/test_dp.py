@@ -46,8 +46,12 @@ def configs():
     return out
 
 
-def spawn_job(outdir, cfgs, backend="gloo", timeout=240.0):
+def spawn_job(outdir, cfgs, backend="gloo", timeout=600.0):
     """Run the worker on WORLD ranks; return {name: [result of rank 0, rank 1]}.
+
+    ``timeout`` only catches a job that never ends (a rank's collective already gives up after
+    90 s): on a 2-core box shared with xdist's other worker or other jobs, this gloo job ran
+    past the former 240 s (it had reached its fsdp-nvme configs) without hanging.
 
     Raises:
         RuntimeError: a rank died before it finished (the message holds every rank's stderr).
