@@ -254,3 +254,29 @@ def test_checkpoint_resume_at_tier_nvme_and_close_then_continue_unstreamed(store
     got = second.result()
     second.close()
     _same((losses + got[0], got[1]), want, "resumed")
+
+
+
+@pytest.mark.parametrize("how", ["close", "finalize"])
+def test_optimizer_closed_while_a_pass_is_open(stores, how):
+    """A loss computed with autograd on (a validation loss kept for logging) holds a pass open
+    when training ends; HybridAdam's ``close()`` (or its finalizer) then disconnects from the
+    stream. Before, ``connect(None)`` refused during a pass: ``close()`` raised half-way (hooks
+    left, RAM chunks held) and, finalized, the dead link made ``stream.close()`` refuse forever."""
+    import gc
+
+    run = Run(stores, True, tier="cpu", state_tier="cpu", n_micro=1)
+    for s in range(2):
+        run.step(s)
+    run.opt.synchronize()
+    trained = {k: v.clone() for k, v in run.model.state_dict().items()}
+    logits, loss = run.model(*batches(99, 1)[0])  # the pass stays open while these live
+    if how == "close":
+        run.opt.close()
+    else:
+        run.opt = None
+        gc.collect()
+    del logits, loss
+    run.stream.close()
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(v, trained[k]), k

@@ -294,15 +294,17 @@ class WeightStream:
         pass begins; ``connect(None)`` disconnects. One optimizer per stream.
 
         Raises:
-            RuntimeError: the stream is closed, a pass is open, or another optimizer is
-                connected (close it first).
+            RuntimeError: the stream is closed, a pass is open (connecting; disconnecting
+                is allowed then: an optimizer closed or finalized during an evaluation), or
+                another optimizer is connected (close it first).
         """
         if link is not None and (self._closed or self._link not in (None, link)):
             why = "is closed" if self._closed else "has an optimizer connected already"
             raise RuntimeError(f"WeightStream.connect(): the stream {why}; one HybridAdam "
                                f"steps a stream's weights: close() the other one first")
-        if self._pass is not None:
-            raise RuntimeError("WeightStream.connect(): a pass is open; connect between passes")
+        if self._pass is not None and link is not None:  # disconnecting is always allowed:
+            raise RuntimeError(  # the pass's later gradients stay the stream's host gradients
+                "WeightStream.connect(): a pass is open; connect between passes")
         self._link = link
         self._grads.sink = None if link is None else (
             lambda entry, passes: link.take(entry.param, entry.acc, passes))
