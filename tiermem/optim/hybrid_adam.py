@@ -82,7 +82,6 @@ import torch
 
 from tiermem import options
 from tiermem._graphs import refuse_capture
-from tiermem.names import parse_bytes
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
 from tiermem.optim.forward_sync import wait_for_module
@@ -216,7 +215,6 @@ class HybridAdam(torch.optim.Optimizer):
             placement=placement, gpu_step_fraction=gpu_step_fraction)
         rollback_bytes = options.check("optimizer.rollback_bytes", options.Who("HybridAdam: "),
                                        rollback_bytes)  # Note [one definition]
-        rollback_bytes = parse_bytes(rollback_bytes, "HybridAdam: rollback_bytes")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         adamw=adamw)
         super().__init__(params, defaults)
