@@ -33,7 +33,11 @@
 #                                       (bounded 450 s here: 570 s in all, one device call)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
-#   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs
+#   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs, no clipping
+#   bench_optim_clip   nvidia-h200      its clip rows (issue 30), 16k tokens/step, 3 runs: no clip,
+#                                       max_grad_norm 1e6 (never clips) and 1e-3 (always clips),
+#                                       HybridAdam waiting vs speculating (rollback 4GiB); 16 rows
+#                                       x 3 runs (bounded 540 s; not yet timed)
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
@@ -119,7 +123,9 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       "${GPT[@]}" --batch 8 --steps 3 --warmup 2 --repeats 3 --loss-chunk-tokens 1024 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
     bench_optim) run bench_optim 540 tiermem bench optim --steps 3 --accum 1,4 --repeats 3 \
-      --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 ;;
+      --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 --clip off ;;
+    bench_optim_clip) run bench_optim_clip 540 tiermem bench optim --steps 3 --accum 1 \
+      --repeats 3 --setups gpu,1.0,1.0+gpu=1.0 --clip off,1e6,1e-3 --rollback-bytes 4GiB ;;
     bench_basics)
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
       run bench_adam 90 tiermem bench adam --numel 200000000
