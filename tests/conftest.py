@@ -8,6 +8,16 @@ torch 2.11 on an H200). An autouse fixture hides CUDA from every test without th
 mark, so the CPU suite tests the same thing on both machines; the CUDA paths are the ``cuda``
 tests' to cover."""
 
+import os
+
+# Note [passive OpenMP waits in tests]: README's test command runs two pytest-xdist workers on
+# CI's two cores, so each worker's OpenMP threads (torch's and the native CPU Adam's) share the
+# cores with the other's; OpenMP's default spin-wait then burns the time slices the other
+# worker's threads need. Four HybridAdam parity tests took 180 s that way and 25 s with
+# OMP_WAIT_POLICY=PASSIVE (docs/results/suite_s12.log: 78-92 s each under xdist, 8.9 s alone).
+# The policy is read when the OpenMP runtime loads, so it is set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
