@@ -7,8 +7,10 @@ Rows (every run trains the same seeded model on the same batches, in the same or
 - ``Trainer + HybridAdam f=1.0 + act. offload``: the same and ``activation_offload=True``
   (``offload_activations`` over the decoder layers, layers ``"auto"``: it measures on the
   first two forwards, so ``--warmup`` must be >= 2);
-- ``plain loop + HybridAdam f=1.0``: the same optimizer in a hand-written loop (autocast,
-  backward, step, the same LR schedule), to show what Trainer itself costs.
+- ``plain loop + ...``: the same three setups in a hand-written loop (autocast, backward,
+  Trainer's clip (``clip_grad_norm_`` for AdamW, ``max_grad_norm`` inside HybridAdam), step, the
+  same LR schedule), to show what Trainer itself costs; the line under the table gives each
+  Trainer row's step time over its plain-loop row's.
 
 Model: a Llama from a config, TinyLlama-1.1B's shape by default (22 layers, width 2048, MLP 5632,
 32 heads, 4 KV heads, vocabulary 32000), fp32 weights with bf16 autocast (Trainer's
@@ -37,6 +39,7 @@ for bit; the exactness is shown on the CPU by tests/integrations).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -47,7 +50,8 @@ from dataclasses import dataclass, field
 import torch
 
 ROWS = ("Trainer + AdamW", "Trainer + HybridAdam f=1.0",
-        "Trainer + HybridAdam f=1.0 + act. offload", "plain loop + HybridAdam f=1.0")
+        "Trainer + HybridAdam f=1.0 + act. offload", "plain loop + HybridAdam f=1.0",
+        "plain loop + AdamW", "plain loop + HybridAdam f=1.0 + act. offload")
 
 
 @dataclass
@@ -176,19 +180,28 @@ def run_trainer(args: argparse.Namespace, row: str, dev: torch.device) -> Run:
     return result
 
 
-def run_loop(args: argparse.Namespace, dev: torch.device) -> Run:
-    """One plain-loop run with HybridAdam: Trainer's groups (no decay for the norms), its
-    schedule and clip, bf16 autocast on CUDA, a loss read every step as Trainer logs it."""
+def run_loop(args: argparse.Namespace, row: str, dev: torch.device) -> Run:
+    """One plain-loop run of ``row``: Trainer's groups (no decay for the norms), its schedule
+    and clip, bf16 autocast on CUDA, a loss read every step as Trainer logs it."""
     from transformers import get_linear_schedule_with_warmup
 
+    from tiermem.integrations.layers import find_decoder_layers
+    from tiermem.offload import offload_activations
     from tiermem.optim import HybridAdam
 
     model = build_model(args, dev)
     named = list(model.named_parameters())
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
-    opt = HybridAdam(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0,
-                     offload_fraction=1.0)
+    hybrid = "HybridAdam" in row
+    if hybrid:
+        opt = HybridAdam(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0,
+                         offload_fraction=1.0)
+    else:  # Trainer's optim="adamw_torch_fused" (the fused kernel needs the params' device)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                fused=dev.type == "cuda")
+    offloader = (offload_activations(find_decoder_layers(model))
+                 if row.endswith("act. offload") else None)
     sched = get_linear_schedule_with_warmup(opt, 1, args.warmup + args.steps)
     data = batches(args)
     clock, losses = StepClock(dev, args.warmup), []
@@ -197,17 +210,28 @@ def run_loop(args: argparse.Namespace, dev: torch.device) -> Run:
         chunk = data[(step - 1) * args.batch: step * args.batch]
         batch = {k: torch.stack([s[k] for s in chunk]).to(dev, non_blocking=True)
                  for k in ("input_ids", "labels")}
-        with autocast:
-            loss = model(**batch).loss
-        loss.backward()
+        with offloader if offloader is not None else contextlib.nullcontext():
+            with autocast:  # forward and backward in the offload context, as Trainer's step
+                loss = model(**batch).loss
+            loss.backward()
+        if not hybrid:  # HybridAdam clips inside its step (max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         clock.stamp(step)
-    opt.close()
+    if offloader is not None:
+        offloader.close()
+    if hybrid:
+        opt.close()
     del opt, model
     return clock.result(losses)
+
+
+def _median_ms(row: Row) -> float:
+    """The median over ``row``'s runs of each run's median step time, in ms."""
+    return statistics.median(statistics.median(r.step_s) for r in row.runs) * 1e3
 
 
 def table(rows: list[Row], tokens: int) -> list[str]:
@@ -232,6 +256,13 @@ def table(rows: list[Row], tokens: int) -> list[str]:
         lines.append(f"{row.name:<44}{tokens:>9}{ms:>9.1f}{f'{min(meds):.1f}-{max(meds):.1f}':>15}"
                      f"{tokens / ms * 1e3:>9.0f}{peak:>9}{ms / base_ms:>6.2f}x{dloss:>13.2e}  "
                      f"{'yes' if same else 'NO'} (tol {tol:.1e})")
+    plain = {r.name.removeprefix("plain loop + "): r for r in rows
+             if r.runs and r.name.startswith("plain loop + ")}
+    ratios = [f"{r.name.removeprefix('Trainer + ')} {_median_ms(r) / _median_ms(plain[k]):.2f}x"
+              for r in rows if r.runs and (k := r.name.removeprefix("Trainer + ")) in plain
+              and r.name.startswith("Trainer + ")]
+    if ratios:
+        lines.append(f"Trainer's step time over the plain loop's: {', '.join(ratios)}")
     lines.append(f"runs per row: {[len(r.runs) for r in rows]}; AdamW's run-to-run max |dloss|: "
                  f"{noise:.2e}; losses of the first AdamW run: "
                  f"{', '.join(f'{x:.4f}' for x in ref)}")
@@ -290,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         last = now
         for row in rows:
             t0 = time.perf_counter()
-            run = run_loop(args, dev) if row.name.startswith("plain") else \
+            run = run_loop(args, row.name, dev) if row.name.startswith("plain") else \
                 run_trainer(args, row.name, dev)
             gc.collect()
             if dev.type == "cuda":

@@ -77,7 +77,9 @@ def test_the_bench_script_runs_its_rows_on_the_cpu(capsys):
     assert _bench().main(TINY + ["--repeats", "1"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^(Trainer \+ .*|plain loop \+ .*)$", out, re.M)
-    assert len(rows) == 4 and all("0.00e+00  yes" in r for r in rows), out
+    assert len(rows) == 6 and all("0.00e+00  yes" in r for r in rows), out
+    assert re.search(r"^Trainer.s step time over the plain loop.s: AdamW \d+\.\d\dx, "
+                     r"HybridAdam f=1.0 \d+\.\d\dx, HybridAdam f=1.0 \+ act. offload \d", out, re.M)
 
 
 def test_the_bench_equal_loss_column_says_no_past_its_tolerance():
