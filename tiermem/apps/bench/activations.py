@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 
 from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.names import gib, mib
 from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
@@ -297,16 +298,13 @@ def format_table(rows: list[Row]) -> str:
     """The rows as a fixed-width table (x = ms/step relative to ``no offload``; spread = the
     runs' min-max; parity = losses against ``no offload``)."""
     ref = next((r.ms_per_step for r in rows if r.setup == "no offload"), None)
-    width = max(len(r.setup) for r in rows)
-    lines = [f"{'setup':<{width}}  {'ms/step':>9}  {'spread':>13}  {'x':>6}  {'peak GiB':>8}  "
-             f"{'moved MiB':>9}  parity"]
-    for r in rows:
-        x = f"{r.ms_per_step / ref:.2f}x" if ref else "-"
-        peak, moved = gib(r.peak_bytes), mib(r.moved_bytes)
-        spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
-        lines.append(f"{r.setup:<{width}}  {r.ms_per_step:>9.1f}  {spread:>13}  {x:>6}  "
-                     f"{peak:>8}  {moved:>9}  {r.parity}")
-    return "\n".join(lines)
+    return table.render(
+        [table.Column("setup", align="<"), table.Column("ms/step", 9), table.Column("spread", 13),
+         table.Column("x", 6), table.Column("peak GiB", 8), table.Column("moved MiB", 9),
+         table.PARITY],
+        [(r.setup, f"{r.ms_per_step:.1f}", table.spread(r.spread_ms),
+          table.ratio(r.ms_per_step, ref), gib(r.peak_bytes), mib(r.moved_bytes), r.parity)
+         for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
