@@ -53,6 +53,7 @@ from typing import Callable
 
 import torch
 
+from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.apps.bench.optim_base import HP
 from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
@@ -342,17 +343,14 @@ def run(args, log=print) -> list[Row]:
 def format_table(rows: list[Row]) -> str:
     """The rows as a fixed-width table (x = step ms over the baseline's)."""
     ref = next((r.step_ms for r in rows if r.setup == BASELINE), None)
-    width = max(len(r.setup) for r in rows)
-    lines = [f"{'setup':<{width}}  {'step ms':>9}  {'spread':>15}  {'fwd+bwd ms':>10}  "
-             f"{'x':>6}  {'tokens/s':>9}  {'streamed GiB':>12}  {'PCIe floor ms':>13}  parity"]
-    for r in rows:
-        x = f"{r.step_ms / ref:.2f}x" if ref else "-"
-        floor = "-" if r.pcie_floor_ms is None else f"{r.pcie_floor_ms:.1f}"
-        spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
-        lines.append(f"{r.setup:<{width}}  {r.step_ms:>9.1f}  {spread:>15}  {r.fwd_bwd_ms:>10.1f}"
-                     f"  {x:>6}  {r.tokens_per_s:>9,.0f}  {gib(r.streamed_bytes, 3):>12}  "
-                     f"{floor:>13}  {r.parity}")
-    return "\n".join(lines)
+    return table.render(
+        [table.Column("setup", align="<"), table.Column("step ms", 9), table.Column("spread", 15),
+         table.Column("fwd+bwd ms", 10), table.Column("x", 6), table.Column("tokens/s", 9),
+         table.Column("streamed GiB", 12), table.Column("PCIe floor ms", 13), table.PARITY],
+        [(r.setup, f"{r.step_ms:.1f}", table.spread(r.spread_ms), f"{r.fwd_bwd_ms:.1f}",
+          table.ratio(r.step_ms, ref), f"{r.tokens_per_s:,.0f}", gib(r.streamed_bytes, 3),
+          "-" if r.pcie_floor_ms is None else f"{r.pcie_floor_ms:.1f}", r.parity)
+         for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
