@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, sync
 from tiermem.names import gib, mib
 from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
@@ -225,16 +226,13 @@ def format_table(rows: list[Row]) -> str:
     """The rows as a fixed-width table (x = ms/step relative to ``no offload`` at the same
     sequence length; spread = the runs' min-max)."""
     ref = {r.seq: r.ms_per_step for r in rows if r.setup == "no offload"}
-    width = max(len(r.setup) for r in rows)
-    lines = [f"{'seq':>6}  {'setup':<{width}}  {'ms/step':>9}  {'spread':>15}  {'x':>6}  "
-             f"{'peak GiB':>8}  {'moved MiB':>9}  parity"]
-    for r in rows:
-        x = f"{r.ms_per_step / ref[r.seq]:.2f}x" if ref.get(r.seq) else "-"
-        peak, moved = gib(r.peak_bytes), mib(r.moved_bytes)
-        spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
-        lines.append(f"{r.seq:>6}  {r.setup:<{width}}  {r.ms_per_step:>9.1f}  {spread:>15}  "
-                     f"{x:>6}  {peak:>8}  {moved:>9}  {r.parity}")
-    return "\n".join(lines)
+    return table.render(
+        [table.Column("seq", 6), table.Column("setup", align="<"), table.Column("ms/step", 9),
+         table.Column("spread", 15), table.Column("x", 6), table.Column("peak GiB", 8),
+         table.Column("moved MiB", 9), table.PARITY],
+        [(str(r.seq), r.setup, f"{r.ms_per_step:.1f}", table.spread(r.spread_ms),
+          table.ratio(r.ms_per_step, ref.get(r.seq)), gib(r.peak_bytes), mib(r.moved_bytes),
+          r.parity) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
