@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.apps.bench.optim import HP, _GpuMasters
 from tiermem.apps.bench.parity import NOISE_MULTIPLE, noise_of, verdict, worst_verdict
@@ -257,17 +258,14 @@ def format_table(rows: list[Row]) -> str:
     Raises:
         nothing: no rows give the header line alone.
     """
-    width = max([len("setup")] + [len(r.setup) for r in rows])
-    against = max([len("against")] + [len(r.against) for r in rows])
-    lines = [f"{'setup':<{width}}  {'fwd+bwd ms':>10}  {'optim ms':>9}  {'step ms':>9}  "
-             f"{'spread':>13}  {'speed-up fwd+bwd':>16}  {'step':>6}  {'against':<{against}}  "
-             f"parity"]
-    for r in rows:
-        spread = f"{r.spread_ms[0]:.1f}-{r.spread_ms[1]:.1f}"
-        lines.append(f"{r.setup:<{width}}  {r.fwd_bwd_ms:>10.1f}  {r.optim_ms:>9.1f}  "
-                     f"{r.step_ms:>9.1f}  {spread:>13}  {r.fwd_bwd_speedup:>15.2f}x  "
-                     f"{r.step_speedup:>5.2f}x  {r.against:<{against}}  {r.parity}")
-    return "\n".join(lines)
+    return table.render(
+        [table.Column("setup", align="<"), table.Column("fwd+bwd ms", 10),
+         table.Column("optim ms", 9), table.Column("step ms", 9), table.Column("spread", 13),
+         table.Column("speed-up fwd+bwd", 16), table.Column("step", 6),
+         table.Column("against", align="<"), table.PARITY],
+        [(r.setup, f"{r.fwd_bwd_ms:.1f}", f"{r.optim_ms:.1f}", f"{r.step_ms:.1f}",
+          table.spread(r.spread_ms), f"{r.fwd_bwd_speedup:.2f}x", f"{r.step_speedup:.2f}x",
+          r.against, r.parity) for r in rows])
 
 
 def _header(args) -> str:
