@@ -7,6 +7,9 @@ longer than the ``setup`` title."""
 
 from __future__ import annotations
 
+import pytest
+
+from tiermem.apps import table
 from tiermem.apps.bench import activations, graphs, lora, stream
 
 ACTIVATIONS_ROWS = [
@@ -112,3 +115,21 @@ def test_bench_lora_table_is_pinned():
 def test_bench_graphs_table_is_pinned():
     assert graphs.format_table(GRAPHS_ROWS).split("\n") == GRAPHS
     assert graphs.format_table([]).split("\n") == GRAPHS_EMPTY
+
+
+def test_short_setup_names_still_align_under_their_titles():
+    """Setups all shorter than the ``setup`` title: the columns stay under their titles (the
+    tables sized the name column by the names alone, so a header was two characters off)."""
+    rows = [activations.Row("off", 10.0, None, None, (9.0, 11.0), "baseline")]
+    header, line = activations.format_table(rows).split("\n")
+    assert header.index("ms/step") + len("ms/step") == line.index("10.0") + len("10.0")
+    assert line.endswith("  baseline")
+
+
+def test_table_rejects_a_bad_column_or_row():
+    with pytest.raises(ValueError, match=r"Column 'x': align='\^' must be '<' \(left\)"):
+        table.Column("x", 6, "^")
+    with pytest.raises(ValueError, match=r"Column 'x': width=-1 must be >= 0"):
+        table.Column("x", -1)
+    with pytest.raises(ValueError, match=r"has 1 cells for 2 columns \(a, b\)"):
+        table.render([table.Column("a"), table.Column("b")], [("1",)])
