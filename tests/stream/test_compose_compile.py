@@ -9,7 +9,6 @@ import pytest
 import torch
 from _stream_train import make_model, train
 
-from tiermem import StoreConfig, TierStore
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 
@@ -22,14 +21,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def store():
-    s = TierStore(StoreConfig(device="cpu", gpu_bytes=1 << 20, cpu_bytes=16 << 20,
-                              pool_slab_bytes=1 << 20))
-    yield s
-    s.close()
 
 
 def _compile(model, backend, how):

@@ -8,7 +8,6 @@ import pytest
 import torch.distributed as dist
 from _stream_train import batches, make_model
 
-from tiermem import StoreConfig, TierStore
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 
@@ -23,14 +22,6 @@ def group(tmp_path):
                             world_size=1)
     yield
     dist.destroy_process_group()
-
-
-@pytest.fixture
-def store():
-    s = TierStore(StoreConfig(device="cpu", gpu_bytes=1 << 20, cpu_bytes=16 << 20,
-                              pool_slab_bytes=1 << 20))
-    yield s
-    s.close()
 
 
 DDP_ERROR = (r"streamed blocks run inside a DistributedDataParallel forward; .*data parallel "
