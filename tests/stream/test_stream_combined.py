@@ -16,7 +16,6 @@ import torch
 from _stream_train import batches, make_model
 from test_compose import lora_model
 
-from tiermem import StoreConfig, TierStore
 from tiermem.checkpoint import load_checkpoint, save_checkpoint
 from tiermem.offload import offload_activations
 from tiermem.optim.hybrid_adam import HybridAdam
@@ -28,21 +27,9 @@ STEPS = 8
 
 
 @pytest.fixture
-def stores(tmp_path):
-    made = []
-
-    def make() -> TierStore:
-        d = tmp_path / f"s{len(made)}"
-        d.mkdir()
-        s = TierStore(StoreConfig(device="cpu", gpu_bytes=0, cpu_bytes=16 << 20,
-                                  pool_slab_bytes=1 << 20, nvme_bytes=64 << 20, nvme_dir=str(d),
-                                  io_backend="posix", io_threads=2))
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+def stores(make_stream_store):
+    """``stores()``: a CPU store, no GPU budget, 16 MiB RAM, a 64 MiB NVMe tier."""
+    return lambda: make_stream_store(gpu_bytes=0, nvme_bytes=64 << 20)
 
 
 class Run:

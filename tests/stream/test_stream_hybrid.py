@@ -12,7 +12,6 @@ import io
 import pytest
 import torch
 
-from tiermem import StoreConfig, TierStore
 from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
@@ -23,22 +22,10 @@ STEPS = 8
 
 
 @pytest.fixture
-def stores(tmp_path):
-    made = []
-
-    def make(nvme: bool) -> TierStore:
-        kw = dict(device="cpu", gpu_bytes=0, cpu_bytes=8 << 20, pool_slab_bytes=1 << 20)
-        if nvme:
-            d = tmp_path / f"s{len(made)}"
-            d.mkdir()
-            kw.update(nvme_bytes=64 << 20, nvme_dir=str(d), io_backend="posix", io_threads=2)
-        s = TierStore(StoreConfig(**kw))
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+def stores(make_stream_store):
+    """``stores(nvme)``: a CPU store, no GPU budget, 8 MiB RAM; ``nvme``: a 64 MiB NVMe tier."""
+    return lambda nvme: make_stream_store(gpu_bytes=0, cpu_bytes=8 << 20,
+                                          **({"nvme_bytes": 64 << 20} if nvme else {}))
 
 
 def _optimizer(model, cfg, store):
