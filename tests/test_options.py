@@ -16,6 +16,7 @@ import inspect
 import logging
 import pathlib
 import re
+import typing
 
 import pytest
 import torch
@@ -104,8 +105,69 @@ def test_every_option_names_known_users_and_refuses_its_bad_value():
 @pytest.mark.parametrize("section", sorted(SECTIONS))
 def test_each_section_dataclass_has_the_fields_and_defaults_of_its_definition(section):
     user = SECTION_USER.get(section, "loop")
-    fields = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])}
-    assert fields == options.defaults(section, user)
+    fields = [(f.name, f.default, f.type) for f in dataclasses.fields(SECTIONS[section])]
+    table = options.section(section, user)
+    assert fields == [(n, o.default_for(user), o.annotation(user)) for n, o in table.items()]
+    hints = typing.get_type_hints(SECTIONS[section])  # the annotations resolve
+    assert list(hints) == list(table)
+    for name in table:  # help() and the IDEs see each field in the class docstring
+        assert f"\n        {name} (" in SECTIONS[section].__doc__, (section, name)
+
+
+def _with_option(monkeypatch, option: options.Option) -> None:
+    """The table with ``option`` added at its end, for the rest of the test."""
+    monkeypatch.setitem(options.OPTIONS, option.dotted, option)
+
+
+NEW_KNOB = options.Option("optimizer", "new_knob", 7, options._int(1, "widgets"),
+                          {"loop": 3}, bad=0, type="int", doc="Widgets per step (a test field).")
+"""An optimizer option that no code knows: added to the table, it must reach the section's
+class (Note [fields from the table] in tiermem/config.py)."""
+
+
+def _fresh_optimizer_config() -> type:
+    """A class built as tiermem/config.py builds OptimizerConfig, from the table as it is now."""
+    body = {"__doc__": "The optimizer section (a test copy).",
+            "kwargs": config.OptimizerConfig.kwargs, "__module__": __name__}
+    return config._from_table("optimizer", "loop", "optimizer.")(
+        type("OptimizerConfig", (), body))
+
+
+def test_the_section_class_built_from_the_table_is_optimizer_config():
+    fresh = _fresh_optimizer_config()
+    same = [(f.name, f.type, f.default, f.kw_only) for f in dataclasses.fields(fresh)]
+    assert same == [(f.name, f.type, f.default, f.kw_only)
+                    for f in dataclasses.fields(config.OptimizerConfig)]
+    assert repr(fresh(lr=0.5)) == repr(config.OptimizerConfig(lr=0.5))
+    assert str(inspect.signature(fresh)) == str(inspect.signature(config.OptimizerConfig))
+
+
+def test_an_option_added_to_the_table_appears_in_optimizer_config(monkeypatch, tmp_path):
+    before = [f.name for f in dataclasses.fields(config.OptimizerConfig)]
+    _with_option(monkeypatch, NEW_KNOB)
+    cls = _fresh_optimizer_config()
+    assert [f.name for f in dataclasses.fields(cls)] == before + ["new_knob"]
+    field = dataclasses.fields(cls)[-1]
+    assert (field.type, field.default, field.metadata["doc"]) == ("int", 3, NEW_KNOB.doc)
+    assert "new_knob (int, default 3): Widgets per step" in cls.__doc__
+    assert cls().new_knob == 3 and cls(new_knob=5) != cls()
+    assert "new_knob=3" in repr(cls())
+    with pytest.raises(ValueError, match=r"^optimizer\.new_knob=0 "):  # the table's check
+        cls(new_knob=0)
+    # YAML and dotted overrides reach it as every field
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  new_knob: 4\n")
+    built = config.from_yaml(path, {"optimizer": cls}, ["optimizer.lr=0.25"])["optimizer"]
+    assert (built.new_knob, built.lr) == (4, 0.25)
+    built = config.from_yaml(path, {"optimizer": cls}, ["optimizer.new_knob=9"])["optimizer"]
+    assert built.new_knob == 9
+    assert built.kwargs()["new_knob"] == 9  # and on to HybridAdam(**kwargs)
+
+
+def test_a_method_named_as_a_field_is_refused():
+    body = {"lr": lambda self: 0.0}
+    with pytest.raises(TypeError, match=r"defines lr, which tiermem/options.py makes fields"):
+        config._from_table("optimizer", "loop", "optimizer.")(type("Bad", (), body))
 
 
 @pytest.mark.parametrize("dotted", [d for d, o in options.OPTIONS.items()
@@ -142,6 +204,37 @@ def test_every_api_keyword_is_a_field_with_its_default(section):
             assert param.default == fields[name].default, (fn.__qualname__, name)
     # and HybridAdam takes every optimizer field the library's users take
     assert set(options.section("optimizer", "api")) <= set(keywords(HybridAdam.__init__))
+
+
+HYBRID_ADAM_RUNTIME = {"self", "params", "store", "process_group"}
+"""HybridAdam's keywords that are runtime objects, no configuration field."""
+
+
+def _hybrid_adam_drift() -> list[str]:
+    """What differs between HybridAdam's keywords and the optimizer options of the table."""
+    taken = set(keywords(HybridAdam.__init__)) - HYBRID_ADAM_RUNTIME
+    api, loop = set(options.section("optimizer", "api")), set(options.section("optimizer", "loop"))
+    return ([f"HybridAdam({k}=...) is not defined in tiermem/options.py" for k in
+             sorted(taken - api)]
+            + [f"optimizer.{k} is defined but HybridAdam does not take it" for k in
+               sorted((api | loop) - taken)])
+
+
+def test_hybrid_adam_takes_exactly_the_optimizer_options():
+    assert _hybrid_adam_drift() == []
+    # and OptimizerConfig (built from the table) hands every one of them to HybridAdam
+    assert set(config.OptimizerConfig().kwargs(grad_accumulation_steps=1)) == (
+        set(keywords(HybridAdam.__init__)) - HYBRID_ADAM_RUNTIME)
+
+
+def test_the_hybrid_adam_drift_check_sees_either_side(monkeypatch):
+    _with_option(monkeypatch, NEW_KNOB)  # defined, not taken
+    assert _hybrid_adam_drift() == ["optimizer.new_knob is defined but HybridAdam does not "
+                                    "take it"]
+    monkeypatch.delitem(options.OPTIONS, "optimizer.new_knob")
+    monkeypatch.delitem(options.OPTIONS, "optimizer.placement")  # taken, not defined
+    assert _hybrid_adam_drift() == ["HybridAdam(placement=...) is not defined in "
+                                    "tiermem/options.py"]
 
 
 def _tiny():

@@ -1,6 +1,7 @@
 """Typed configuration objects, checked at construction, with YAML files and dotted overrides.
 
-Every config is a keyword-only dataclass; each field's docstring gives its unit and default.
+Every config is a keyword-only dataclass whose fields come from tiermem/options.py (Note
+[fields from the table]); each class's docstring lists its fields with their unit and default.
 Byte sizes accept ints or strings such as ``"512MiB"`` / ``"4GB"``. Bad values raise
 ``ValueError``/``TypeError`` at construction naming the field, the value and the fix.
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal  # noqa: F401 - Literal: the fields' annotations
 
 import yaml
 
@@ -26,13 +28,58 @@ __all__ = ["TIERS", "ActivationConfig", "BudgetConfig", "OptimizerConfig", "Stor
            "parse_bytes"]  # TIERS and parse_bytes live in tiermem.names, re-exported here
 
 
-_STORE = options.defaults("store", "api")
-_OPTIMIZER = options.defaults("optimizer", "loop")
-_BUDGETS = options.defaults("budgets", "loop")
-_ACTIVATIONS = options.defaults("activations", "loop")
-_TRAIN = options.defaults("train", "loop")
-"""Each section's defaults, from the one definition (Note [one definition] in
-tiermem/options.py): the training loop's where they differ from the APIs'."""
+def _from_table(section: str, user: str, prefix: str) -> Callable[[type], type]:
+    """The class decorator that makes ``cls`` the keyword-only dataclass of ``section``, its
+    fields read from tiermem/options.py for ``user``.
+
+    Note [fields from the table]: a section's dataclass declares no field; this decorator
+    gives it one per option of the section that ``user`` takes (:func:`tiermem.options.section`),
+    in the table's order, with ``user``'s default (:meth:`~tiermem.options.Option.default_for`),
+    the option's annotation (:meth:`~tiermem.options.Option.annotation`, a string as
+    ``from __future__ import annotations`` keeps it) and its doc and dotted name in the field's
+    ``metadata``; a ``__post_init__`` that checks every field and the section's rules
+    (Note [one definition]); and a ``Fields:`` list in the class docstring, for ``help()`` and
+    the IDEs (the fields have no source line to jump to; ``inspect.signature`` shows them
+    typed). Then ``dataclasses.dataclass(kw_only=True)`` makes the class as a hand-written one:
+    the same ``__init__``, ``repr``, ``==`` and ``dataclasses.fields``. So an option added to
+    the table appears in its section's class with nothing written here (tests/test_options.py
+    builds a class from a table with one option more).
+
+    Raises:
+        TypeError: ``cls`` defines a name the table makes a field (rename the method).
+    """
+    def build(cls: type) -> type:
+        table = options.section(section, user)
+        clash = sorted(set(table) & set(vars(cls)))
+        if clash:
+            raise TypeError(f"{cls.__name__} defines {', '.join(clash)}, which "
+                            f"tiermem/options.py makes fields of {section!r}; fix: rename it "
+                            f"(Note [fields from the table])")
+        cls.__annotations__ = {name: o.annotation(user) for name, o in table.items()}
+        for name, option in table.items():
+            setattr(cls, name, dataclasses.field(
+                default=option.default_for(user),
+                metadata={"dotted": option.dotted, "doc": option.doc}))
+
+        def __post_init__(self) -> None:
+            _check(self, section, prefix, user)  # Note [one definition]
+
+        __post_init__.__qualname__ = f"{cls.__qualname__}.__post_init__"
+        cls.__post_init__ = __post_init__
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + _fields_doc(table, user)
+        return dataclass(kw_only=True)(cls)
+    return build
+
+
+def _fields_doc(table: dict[str, options.Option], user: str) -> str:
+    """The ``Fields:`` paragraph of a section's docstring: each field with its annotation,
+    default and doc (Note [fields from the table])."""
+    lines = ["", "", "    Fields (tiermem/options.py, Note [fields from the table]):"]
+    for name, option in table.items():
+        head = f"{name} ({option.annotation(user)}, default {option.default_for(user)!r}): "
+        lines.append(textwrap.fill(head + option.doc, width=96, initial_indent=" " * 8,
+                                   subsequent_indent=" " * 12))
+    return "\n".join(lines) + "\n    "
 
 
 def _check(config: Any, section: str, prefix: str, user: str) -> None:
@@ -48,50 +95,16 @@ def _check(config: Any, section: str, prefix: str, user: str) -> None:
         setattr(config, name, value)
 
 
-@dataclass(kw_only=True)
+@_from_table("store", "api", "StoreConfig.")
 class StoreConfig:
-    """Configuration of a :class:`tiermem.TierStore`. All budgets are hard limits in bytes."""
+    """Configuration of a :class:`tiermem.TierStore`. All budgets are hard limits in bytes.
 
-    gpu_bytes: int | str = _STORE["gpu_bytes"]
-    """Budget of the ``"gpu"`` tier (on a machine without CUDA: a device tier in host memory)."""
-    cpu_bytes: int | str = _STORE["cpu_bytes"]
-    """Budget of the ``"cpu"`` tier: host memory from the (pinned, when CUDA is there) pool."""
-    nvme_bytes: int | str = _STORE["nvme_bytes"]
-    """Budget of the ``"nvme"`` tier: bytes of spill-file extents. 0 disables the tier."""
-    nvme_dir: str | None = _STORE["nvme_dir"]
-    """Base directory for spill files; the store makes a private (0700) subdirectory in it.
-    Required when ``nvme_bytes`` > 0."""
-    device: str = _STORE["device"]
-    """Compute device of the ``"gpu"`` tier: ``"auto"`` (CUDA if present, else CPU), ``"cuda"``,
-    ``"cuda:N"`` or ``"cpu"``."""
-    pin_memory: bool | Literal["auto"] = _STORE["pin_memory"]
-    """Pin the ``"cpu"`` tier's pool (``"auto"``: when the device is CUDA)."""
-    pool_slab_bytes: int | str = _STORE["pool_slab_bytes"]
-    """Size of one host-pool slab; the pool grows by slabs up to ``cpu_bytes`` and reuses
-    freed blocks (pinned allocation costs ~0.5 s/GiB)."""
-    io_backend: Literal["auto", "posix", "kvikio", "aiofiles"] = _STORE["io_backend"]
-    """NVMe I/O backend: ``"posix"`` (a thread pool doing ``pwritev``/``preadv``), ``"kvikio"``
-    (kvikio's POSIX I/O on the pinned host buffers; needs kvikio and ``libcuda.so.1``) or
-    ``"aiofiles"``. ``"auto"`` is always ``"posix"``: nothing is measured at run time; on the
-    H200 machine the POSIX pool measured at least as fast as kvikio at 4 threads, so kvikio is
-    used only when named (:func:`tiermem.store.io.make_backend` logs the choice)."""
-    io_threads: int = _STORE["io_threads"]
-    """Threads of the I/O backend."""
-    io_chunk_bytes: int | str = _STORE["io_chunk_bytes"]
-    """Spill I/O is split into chunks of this size (each with its own checksum), done in parallel."""
-    o_direct: bool | Literal["auto"] = _STORE["o_direct"]
-    """Open spill files with O_DIRECT (``"auto"``: when the filesystem supports it)."""
-    checksum: bool = _STORE["checksum"]
-    """Verify a CRC-32C per spill chunk on read (a corrupted file raises, never returns data)."""
-    policy: Any = _STORE["policy"]
-    """Eviction policy: ``"lru"``, ``"trace"`` or a :class:`tiermem.store.policy.Policy` instance."""
-    prefetch_lookahead: int = _STORE["prefetch_lookahead"]
-    """Accesses of the recorded step the store looks ahead after each access, prefetching them
-    into free room (or over keys needed later) with :class:`tiermem.store.Prefetcher`;
-    0 turns it off. Needs ``policy="trace"`` (or a ``TracePolicy`` instance)."""
+    The fields are the ``store`` options of tiermem/options.py with the library's defaults
+    (Note [fields from the table]), listed below.
 
-    def __post_init__(self) -> None:
-        _check(self, "store", "StoreConfig.", "api")  # Note [one definition]
+    Raises:
+        ValueError, TypeError: a bad value or a broken rule, naming the field and the fix.
+    """
 
     def budget(self, tier: str) -> int:
         """Return the byte budget of ``tier``.
@@ -266,82 +279,21 @@ def from_yaml(path: str | os.PathLike, sections: dict[str, type], overrides: lis
 # ``HybridAdam(params, **optimizer.kwargs(store=store))`` works.
 
 
-@dataclass(kw_only=True)
+@_from_table("optimizer", "loop", "optimizer.")
 class OptimizerConfig:
     """The ``optimizer`` section: :class:`tiermem.optim.HybridAdam`'s arguments.
 
     Every argument of ``HybridAdam`` but ``params`` and the two runtime objects (``store``,
     ``process_group``: pass them to :meth:`kwargs`), with the training loop's defaults (the
-    API's differ: see docs/configuration.md). Dtypes take any spelling of
-    :data:`tiermem.names.DTYPE_SPELLINGS` (``bf16``, ``bfloat16``, ``torch.bfloat16``, a
+    API's differ: see docs/configuration.md). The fields are the ``optimizer`` options of
+    tiermem/options.py (Note [fields from the table]), listed below. Dtypes take any spelling
+    of :data:`tiermem.names.DTYPE_SPELLINGS` (``bf16``, ``bfloat16``, ``torch.bfloat16``, a
     ``torch.dtype``) and are kept by their canonical name.
 
     Raises:
         ValueError: a value out of range or not one of the choices (naming the field).
         TypeError: a value of the wrong type.
     """
-
-    lr: float = _OPTIMIZER["lr"]
-    """Learning rate."""
-    betas: tuple[float, float] = _OPTIMIZER["betas"]
-    """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
-    eps: float = _OPTIMIZER["eps"]
-    """Term added to the denominator."""
-    weight_decay: float = _OPTIMIZER["weight_decay"]
-    """Weight decay: decoupled (AdamW) with ``adamw``, else an L2 penalty. The examples apply
-    it to matrices only (not biases, norms)."""
-    adamw: bool = _OPTIMIZER["adamw"]
-    """Decoupled weight decay (torch.optim.AdamW) or L2 penalty (torch.optim.Adam)."""
-    maximize: bool = _OPTIMIZER["maximize"]
-    """Maximize the objective."""
-    offload_fraction: float = _OPTIMIZER["offload_fraction"]
-    """Fraction of parameter bytes whose fp32 master and moments live off the GPU, in
-    [0.0, 1.0]; the last layers go first. 0.0 keeps everything on the GPU."""
-    state_tier: Literal["cpu", "nvme", "split"] = _OPTIMIZER["state_tier"]
-    """Where offloaded state lives: ``"cpu"`` (pinned RAM), ``"nvme"`` (spill files: needs
-    store.nvme_bytes and store.nvme_dir, or ``nvme_dir`` without a store) or ``"split"`` (RAM up
-    to the store's cpu budget, the rest on NVMe: needs a store with nvme_bytes)."""
-    nvme_dir: str | None = _OPTIMIZER["nvme_dir"]
-    """Spill directory of HybridAdam's private store (``state_tier="nvme"`` without a store);
-    with a store, set ``store.nvme_dir`` instead."""
-    overlap: bool = _OPTIMIZER["overlap"]
-    """Step offloaded chunks on the CPU during backward, as their gradients land."""
-    chunk_numel: int | None = _OPTIMIZER["chunk_numel"]
-    """Elements per offloaded chunk (unit of the CPU step and NVMe I/O), >= 1024; null: sized
-    from the model (1/32 of the offloaded elements, within [2^16, 2^24])."""
-    max_grad_norm: float | None = _OPTIMIZER["max_grad_norm"]
-    """Clip gradients to this global 2-norm inside ``step()``; None: no clipping."""
-    grad_accumulation_steps: int | None = _OPTIMIZER["grad_accumulation_steps"]
-    """Backward passes per ``step()``; null: the training loop's count (both examples pass
-    ``train.grad_accumulation_steps``; set it here only where nothing else does)."""
-    moments_dtype: Literal["float32", "bfloat16"] = _OPTIMIZER["moments_dtype"]
-    """Dtype of the Adam moments, on the GPU side and the offloaded side alike: ``"float32"``
-    (exact torch semantics; 12 bytes of offloaded state per param, 8 on the GPU side plus 4 for
-    the fp32 master of a non-fp32 param) or ``"bfloat16"`` (8 bytes per offloaded param, 4 + 4
-    on the GPU side; moments rounded to bf16 after each update). Masters stay fp32."""
-    cpu_threads: int | None = _OPTIMIZER["cpu_threads"]
-    """Threads of the CPU step; None: torch's thread count (less one with overlap on CUDA)."""
-    nvme_lookahead_chunks: int = _OPTIMIZER["nvme_lookahead_chunks"]
-    """Chunks of NVMe-resident state read ahead of the CPU step (``state_tier="nvme"``)."""
-    data_parallel: bool | None = _OPTIMIZER["data_parallel"]
-    """Shard the state across the ranks (ZeRO-1/2); null: on when a process group is passed."""
-    bucket_numel: int = _OPTIMIZER["bucket_numel"]
-    """Elements per gradient-reduce bucket with ``data_parallel``."""
-    param_sync: Literal["step", "forward"] = _OPTIMIZER["param_sync"]
-    """When the updated offloaded params are waited for: in ``step()`` or in the next forward."""
-    placement: Literal["trace", "given"] = _OPTIMIZER["placement"]
-    """Which elements keep their state on the GPU: by the first backward's gradient order
-    (``"trace"``) or by the order the params were given in (``"given"``)."""
-    gpu_step_fraction: float = _OPTIMIZER["gpu_step_fraction"]
-    """Share of the offloaded chunks the GPU steps by streaming their state through it, in
-    [0.0, 1.0] (1.0 is fastest at full offload when PCIe is not busy with activations)."""
-    rollback_bytes: int | str = _OPTIMIZER["rollback_bytes"]
-    """Host RAM (bytes or ``"4GiB"``) for pre-step copies of chunk state: with
-    ``max_grad_norm`` chunks step during backward and are rolled back when the norm clips
-    (Note [speculative step] in tiermem/optim/speculate.py); 0: they wait for the norm."""
-
-    def __post_init__(self) -> None:
-        _check(self, "optimizer", "optimizer.", "loop")  # Note [one definition]
 
     def kwargs(self, *, store: Any = None, process_group: Any = None,
                grad_accumulation_steps: int | None = None) -> dict:
@@ -382,55 +334,31 @@ class OptimizerConfig:
         return out
 
 
-@dataclass(kw_only=True)
+@_from_table("budgets", "loop", "budgets.")
 class BudgetConfig:
     """The ``budgets`` section (examples/train_large.py): the machine's capacities that
-    :func:`tiermem.apps.plan.plan` checks a run against, in bytes (ints or ``"141GB"``).
+    :func:`tiermem.apps.plan.plan` checks a run against, in bytes (ints or ``"141GB"``). The
+    fields are the ``budgets`` options of tiermem/options.py the training loop takes
+    (Note [fields from the table]), listed below.
 
     Raises:
         ValueError, TypeError: a size that is not a byte count (naming the field).
     """
-
-    gpu_bytes: int | str | None = _BUDGETS["gpu_bytes"]
-    """GPU memory; null: the planner's default (an H200's 141 GB)."""
-    host_bytes: int | str | None = _BUDGETS["host_bytes"]
-    """Host RAM; null: the planner's default (128 GiB)."""
-    nvme_bytes: int | str | None = _BUDGETS["nvme_bytes"]
-    """Disk for spill files; null: the planner's default (64 GiB)."""
-
-    def __post_init__(self) -> None:
-        _check(self, "budgets", "budgets.", "loop")  # Note [one definition]
 
     def kwargs(self) -> dict:
         """Keyword arguments for :func:`tiermem.apps.plan.plan`: the capacities set (bytes)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-@dataclass(kw_only=True)
+@_from_table("activations", "loop", "activations.")
 class ActivationConfig:
-    """The ``activations`` section: :func:`tiermem.offload.offload_activations`'s arguments."""
+    """The ``activations`` section: :func:`tiermem.offload.offload_activations`'s arguments.
+    The fields are the ``activations`` options of tiermem/options.py (Note [fields from the
+    table]), listed below.
 
-    enabled: bool = _ACTIVATIONS["enabled"]
-    """Offload saved activations at all (False: they stay on the device)."""
-    tier: Literal["cpu", "nvme"] = _ACTIVATIONS["tier"]
-    """``"cpu"`` (pinned host memory) or ``"nvme"`` (needs store.nvme_bytes and nvme_dir)."""
-    num_layers: int | None = _ACTIVATIONS["num_layers"]
-    """Offload the first N blocks, in [0, n_layers); None: chosen by measurement (``layers="auto"``:
-    the blocks whose copies hide behind compute, see ``offload_activations``)."""
-    prefetch_depth: int = _ACTIVATIONS["prefetch_depth"]
-    """Layers reloaded ahead of the one backward is in (>= 1)."""
-    min_offload_bytes: int = _ACTIVATIONS["min_offload_bytes"]
-    """Saved tensors smaller than this many bytes stay on the device."""
-    offload_weights: bool = _ACTIVATIONS["offload_weights"]
-    """Also offload parameters and buffers that autograd saves."""
-    double_buffering: bool = _ACTIVATIONS["double_buffering"]
-    """Reload into two persistent device buffer sets (needs prefetch_depth=1)."""
-    max_kept_bytes: int | str | None = _ACTIVATIONS["max_kept_bytes"]
-    """With num_layers null: at most this many bytes of block activations stay on the device
-    (``"8GiB"``); null: bounded by the device memory left unused (CUDA) or not at all (CPU)."""
-
-    def __post_init__(self) -> None:
-        _check(self, "activations", "activations.", "loop")  # Note [one definition]
+    Raises:
+        ValueError, TypeError: a bad value or a broken rule, naming the field and the fix.
+    """
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``offload_activations`` (everything but blocks and store)."""
@@ -439,85 +367,30 @@ class ActivationConfig:
         return out
 
 
-@dataclass(kw_only=True)
+@_from_table("train", "loop", "train.")
 class TrainConfig:
-    """The ``train`` section: the loop of examples/train_gpt.py and ``tiermem demo``."""
-
-    steps: int = _TRAIN["steps"]
-    """Optimizer steps."""
-    micro_batch: int = _TRAIN["micro_batch"]
-    """Sequences per micro-batch."""
-    grad_accumulation_steps: int = _TRAIN["grad_accumulation_steps"]
-    """Micro-batches (backward passes) per optimizer step."""
-    seq_len: int | None = _TRAIN["seq_len"]
-    """Tokens per sequence; None: the model's ``seq_len``."""
-    dtype: Literal["float32", "bfloat16"] = _TRAIN["dtype"]
-    """Parameter dtype. float32 compares bit-for-bit with the baseline; bfloat16 keeps fp32
-    masters in the optimizer, and the two runs' losses drift apart by rounding (float16 would
-    need loss scaling and is not offered)."""
-    device: str = _TRAIN["device"]
-    """``"auto"`` (CUDA if present), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    seed: int = _TRAIN["seed"]
-    """Seed of the model init and of the data."""
-    checkpoint: bool = _TRAIN["checkpoint"]
-    """Run each block under activation checkpointing (both runs)."""
-    breadth_first_blocks: int | Literal["auto"] = _TRAIN["breadth_first_blocks"]
-    """examples/train_large.py only (``tiermem demo`` takes 0): blocks run for every
-    micro-batch of a step before the rest of the first one, so the next forward can start while
-    HybridAdam (``param_sync="forward"``) still steps the later blocks (Note [breadth-first
-    blocks] in tiermem/schedule/micro_batches.py); 0: depth-first; ``"auto"``: the most that
-    the plan fits on the GPU. Same gradients, more memory."""
-    baseline: bool = _TRAIN["baseline"]
-    """After the offloaded run, train the same model without offload and compare."""
-    tolerance: float = _TRAIN["tolerance"]
-    """Largest accepted |loss difference| against the baseline (absolute)."""
-    markov_branching: int = _TRAIN["markov_branching"]
-    """Likely successors per token in the generated Markov chain (lower: easier to learn)."""
-    log_every: int = _TRAIN["log_every"]
-    """Print the per-step line every N steps (0: never)."""
-    progress: bool = _TRAIN["progress"]
-    """Show a tqdm progress bar."""
-
-    def __post_init__(self) -> None:
-        _check(self, "train", "train.", "loop")  # Note [one definition]
-
-
-# ------------------------------------------------------------------ weight streaming (issue 29)
-STREAM_TIERS, STREAM_SCHEDULES, STREAM_OPTIMIZERS = (
-    options.STREAM_TIERS, options.STREAM_SCHEDULES, options.STREAM_OPTIMIZERS)
-_STREAMING = options.defaults("streaming", "loop")
-
-
-@dataclass(kw_only=True)
-class StreamingConfig:
-    """The ``streaming`` section (examples/train_large.py): weight streaming of the model's
-    blocks, :func:`tiermem.stream.stream_weights`'s arguments (docs/streaming.md). Dotted
-    overrides as for every section: ``streaming.enabled=true streaming.tier=nvme``.
+    """The ``train`` section: the loop of examples/train_gpt.py and ``tiermem demo``. The
+    fields are the ``train`` options of tiermem/options.py (Note [fields from the table]),
+    listed below.
 
     Raises:
         ValueError, TypeError: a bad value, naming the field and the fix.
     """
 
-    enabled: bool = _STREAMING["enabled"]
-    """Stream the blocks' weights (False: every weight stays on the GPU)."""
-    tier: Literal["cpu", "nvme"] = _STREAMING["tier"]
-    """The streamed weights' home: ``"cpu"`` (the store's pinned RAM) or ``"nvme"`` (the
-    store's NVMe tier, read through its RAM staging; needs store.nvme_bytes and nvme_dir)."""
-    prefetch_blocks: int = _STREAMING["prefetch_blocks"]
-    """Streamed blocks fetched ahead of the running one (the GPU holds this + 2 blocks)."""
-    gpu_bytes: int | str | None = _STREAMING["gpu_bytes"]
-    """GPU bytes for the blocks' weights: the resident blocks (the last ones that fit) plus the
-    streaming buffers (Note [resident blocks]); null: the plan's choice (``tiermem plan``'s
-    ``stream_weights(..., gpu_bytes=...)``)."""
-    schedule: Literal["block-major", "depth-first"] = _STREAMING["schedule"]
-    """``"block-major"``: each streamed block crosses PCIe once per pass whatever the number of
-    micro-batches (Note [block-major schedule]); ``"depth-first"``: once per micro-batch."""
-    optimizer: Literal["hybrid", "torch"] = _STREAMING["optimizer"]
-    """The optimizer of examples/train_large.py, with or without streaming: ``"hybrid"``
-    (HybridAdam, the ``optimizer`` section) or ``"torch"`` (torch.optim.AdamW on the
-    parameters, streamed ones on their host copies, with the section's lr, betas, eps,
-    weight_decay, maximize and max_grad_norm; fp32 moments only): the phase-1 path of
-    docs/streaming.md and a comparison run."""
 
-    def __post_init__(self) -> None:
-        _check(self, "streaming", "streaming.", "loop")  # Note [one definition]
+# ------------------------------------------------------------------ weight streaming (issue 29)
+STREAM_TIERS, STREAM_SCHEDULES, STREAM_OPTIMIZERS = (
+    options.STREAM_TIERS, options.STREAM_SCHEDULES, options.STREAM_OPTIMIZERS)
+
+
+@_from_table("streaming", "loop", "streaming.")
+class StreamingConfig:
+    """The ``streaming`` section (examples/train_large.py): weight streaming of the model's
+    blocks, :func:`tiermem.stream.stream_weights`'s arguments (docs/streaming.md). Dotted
+    overrides as for every section: ``streaming.enabled=true streaming.tier=nvme``. The fields
+    are the ``streaming`` options of tiermem/options.py (Note [fields from the table]), listed
+    below.
+
+    Raises:
+        ValueError, TypeError: a bad value, naming the field and the fix.
+    """
