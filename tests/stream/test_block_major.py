@@ -8,7 +8,6 @@ import pytest
 import torch
 from _stream_train import batches, make_model, train
 
-from tiermem import StoreConfig, TierStore
 from tiermem.schedule import block_major as bm
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
@@ -17,12 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = TierStore(StoreConfig(device="cpu", gpu_bytes=1 << 20, cpu_bytes=8 << 20,
-                              pool_slab_bytes=1 << 20, nvme_bytes=16 << 20,
-                              nvme_dir=str(tmp_path), io_backend="posix", io_threads=2))
-    yield s
-    s.close()
+def store(make_stream_store):
+    return make_stream_store(cpu_bytes=8 << 20, nvme_bytes=16 << 20)
 
 
 def _equal(a, b):

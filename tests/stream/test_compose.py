@@ -24,12 +24,8 @@ STEPS = 8
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = TierStore(StoreConfig(device="cpu", gpu_bytes=1 << 20, cpu_bytes=16 << 20,
-                              pool_slab_bytes=1 << 20, nvme_bytes=16 << 20,
-                              nvme_dir=str(tmp_path), io_backend="posix", io_threads=2))
-    yield s
-    s.close()
+def store(make_stream_store):
+    return make_stream_store(nvme_bytes=16 << 20)
 
 
 def _equal(a, b):

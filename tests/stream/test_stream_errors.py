@@ -15,12 +15,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = TierStore(StoreConfig(device="cpu", gpu_bytes=1 << 20, cpu_bytes=8 << 20,
-                              pool_slab_bytes=1 << 20, nvme_bytes=8 << 20,
-                              nvme_dir=str(tmp_path), io_backend="posix", io_threads=1))
-    yield s
-    s.close()
+def store(make_stream_store):
+    return make_stream_store(cpu_bytes=8 << 20, nvme_bytes=8 << 20, io_threads=1)
 
 
 def _x(model, step=0):
