@@ -62,6 +62,8 @@ def _config(name: str, tmp_path, run: str) -> tuple[dict, int]:
         return dict(base, offload_fraction=1.0, state_tier="split", store=store), 1
     if name == "lane":
         return dict(base, offload_fraction=1.0, gpu_step_fraction=1.0), 1
+    if name == "lane_half":  # Note [lane rollback on the GPU]: device and host slots
+        return dict(base, offload_fraction=1.0, gpu_step_fraction=0.5), 1
     if name == "accumulation":
         return dict(base, grad_accumulation_steps=2), 2
     if name == "forward":
@@ -134,7 +136,8 @@ def assert_same_bits(a, sa, b, sb) -> None:
             assert torch.equal(_bits(sa["state"][i][key]), _bits(sb["state"][i][key])), (i, key)
 
 
-CASES = ([(c, r) for c in ("cpu", "nvme", "split", "lane", "accumulation", "forward")
+CASES = ([(c, r) for c in ("cpu", "nvme", "split", "lane", "lane_half", "accumulation",
+                        "forward")
           for r in ("never", "always", "alternate", "nonfinite")] + [("cpu", "burst")])
 
 

@@ -105,6 +105,9 @@ class GpuLane:
         self._pending: collections.deque = collections.deque()  # (event, g, c) written back
         self._stream = None
         self._copier: Copier | None = None  # its own H2D/D2H streams (see init)
+        self.rollback: list[torch.Tensor] = []  # device copies of speculated chunks' state
+        if step.speculation is not None:  # Note [lane rollback on the GPU] (speculate.py)
+            step.speculation.bind_lane(self)
 
     @property
     def pending(self) -> bool:
@@ -121,7 +124,22 @@ class GpuLane:
         Raises:
             Nothing.
         """
-        return sum(t.numel() * t.element_size() for t in self._state + self._grad)
+        return sum(t.numel() * t.element_size()
+                   for t in self._state + self._grad + self.rollback)
+
+    def alloc_rollback(self, n: int) -> None:
+        """Allocate ``n`` device slots, each one lane chunk's state blob, for the pre-step
+        copies of speculated lane chunks (Note [lane rollback on the GPU] in speculate.py;
+        caller's thread, worker idle).
+
+        Raises:
+            torch.OutOfMemoryError: no room on the device (nothing is kept).
+        """
+        groups = self._layout.groups
+        numel = max(groups[g].plan.chunks[c].numel for g, c in self.chunks)
+        self.rollback = [torch.empty(state_numel(numel, self._layout.moments_dtype),
+                                     dtype=torch.float32, device=self._layout.device)
+                         for _ in range(n)]
 
     def init(self) -> None:
         """Pick the lane's chunks (``gpu_step_fraction`` of the offloaded chunks, spread evenly
@@ -162,7 +180,7 @@ class GpuLane:
             Nothing.
         """
         self.chunks = set()
-        self._state, self._grad, self._free = [], [], []
+        self._state, self._grad, self._free, self.rollback = [], [], [], []
 
     def step(self, g: int, c: int) -> None:
         """Step chunk ``c`` on the GPU (Note [gpu lane]): its state H2D into a device slot, the
@@ -182,20 +200,35 @@ class GpuLane:
         key = group.chunk_keys[c]
         blob = layout.store.get(key, "cpu", hold=True)
         loaded = None
+        spec = self._step.speculation
         try:
-            self._step.prepare_state((g, c), blob)  # Note [speculative step]: copy or restore
+            # Note [lane rollback on the GPU]: a device slot for the pre-step state, or none
+            keep = spec.lane_copy((g, c)) if spec is not None else None
+            if keep is None:
+                self._step.prepare_state((g, c), blob)  # Note [speculative step]: host copy
             self._read_ahead.after(g, c)
             slot = self._next
             self._next = (slot + 1) % LANE_SLOTS
             state = self._state[slot][:state_numel(chunk.numel, moments_dtype)]
             grads = self._grad[slot]
-            loaded = self._copier.h2d_many([(state, blob)], after=self._free[slot])
+            restore = keep is not None and keep[1]
+            if not restore:  # a rolled-back chunk's blob holds its speculative step's result
+                loaded = self._copier.h2d_many([(state, blob)], after=self._free[slot])
             cuda = self._stream is not None
             with torch.cuda.stream(self._stream) if cuda else _nullcontext():
                 if cuda:
-                    self._stream.wait_event(loaded)  # the state is on the device
+                    if loaded is not None:
+                        self._stream.wait_event(loaded)  # the state is on the device
+                    elif self._free[slot] is not None:
+                        self._stream.wait_event(self._free[slot])  # the slot's write-back read it
                     for ev in waits:
                         self._stream.wait_event(ev)  # the gradients are complete
+                if keep is not None:
+                    saved = keep[0][:state.numel()]
+                    if restore:
+                        state.copy_(saved)  # master and moments as before the rolled-back step
+                    else:
+                        saved.copy_(state)  # kept until step() knows the norm
                 master, exp_avg, exp_avg_sq = state_views(state, chunk.numel, moments_dtype)
                 lo = chunk.flat_start
                 for pc in chunk.pieces:
@@ -227,9 +260,11 @@ class GpuLane:
             layout.store.release(key)
             raise
         self._free[slot] = written
-        # the lane's PCIe traffic is the state, both ways
-        self._step.add_stats(h2d_bytes=state.numel() * 4, d2h_bytes=state.numel() * 4,
-                             chunks=1, gpu_chunks=1)
+        if keep is not None and not restore:
+            spec.mark_saved((g, c))  # its copy is issued before anything that changes the slot
+        # the lane's PCIe traffic is the state, both ways (a restore loads it on the device)
+        self._step.add_stats(h2d_bytes=0 if restore else state.numel() * 4,
+                             d2h_bytes=state.numel() * 4, chunks=1, gpu_chunks=1)
         self._step.chunk_issued((g, c), stepped)
         self._pending.append((written, g, c))
 

@@ -452,7 +452,8 @@ class HybridAdam(torch.optim.Optimizer):
         ``stall_s``: time ``step()`` waited for the CPU worker after stepping the GPU side;
         ``step_s``: wall time of ``step()``; ``chunks``: offloaded chunks stepped (a re-step
         after a rollback counts again); ``speculated_chunks`` / ``rolled_back_chunks`` /
-        ``rollback_held_bytes``: Note [speculative step] (``speculate.py``).
+        ``rollback_held_bytes`` (of which ``rollback_gpu_bytes`` on the GPU) and ``speculating``
+        (1: the step speculated, 0: not): Note [speculative step] (``speculate.py``).
         """
         with self._step.stats_lock:
             return dict(self._last_stats)

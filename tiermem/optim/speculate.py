@@ -27,6 +27,22 @@ coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` on the caller's stream, a
 A ``step()`` that refuses the step (a non-finite hyper-parameter, a parameter changed after its
 gradient hook: Note [param changes]) puts the admitted chunks back (:meth:`Speculation.undo`):
 a refused step is not applied, as without speculation.
+
+Note [lane rollback on the GPU]: a chunk of the GPU lane (Note [gpu lane]) has its pre-step
+state on the device anyway, in the lane slot its state blob was loaded into, so its copy is
+kept there: a device-to-device copy of that slot before the fused Adam (on the lane stream,
+~0.1 ms for a 16M-element chunk), and a rollback restores the slot from it instead of loading
+the blob, which the speculative write-back has overwritten. A host copy instead costs the
+worker a memcpy of the chunk's state (~8 ms for 190 MB on the H200 host) while the lane's
+own work per chunk is only issuing copies: on the H200 bench the lane row's worker time went
+from 128 to 270 ms and only 17 chunks a step were stepped during backward (the worker's
+memcpy, not the budget of 21, set the pace). The budget is one: ``rollback_bytes //
+(largest chunk's state bytes)`` slots, of which as many are on the GPU as there are lane
+chunks among the first that many chunks of the speculating (backward) order -- the chunks a
+speculating step admits first -- and the rest in host RAM; a lane chunk finding no device slot
+free takes a host slot (the worker's memcpy). No device room for its slots (out of memory):
+all slots go to host RAM, logged. ``held_bytes`` counts both places; ``gpu_held_bytes`` the
+device's (``HybridAdam.memory_bytes()["gpu"]`` includes them through the lane).
 The cost: a memcpy of the chunk's state (12 B/param with fp32 moments, 8 with bf16) per admitted
 chunk and step, ``rollback_bytes`` of host RAM (pageable: only the CPU reads it), one host
 synchronisation on the norm in ``step()``, and on a clipped step the admitted chunks stepped
@@ -92,8 +108,9 @@ class Speculation:
     """The rollback store and this step's admissions (Note [speculative step]).
 
     Threads: the caller (``begin_step``, ``settle``), the worker (``admit`` via
-    ``StepState.chunk_grads``, ``prepare``, ``is_restep``). ``_admitted``, ``_decided`` and
-    ``_restore`` are under the step's lock; ``_saved`` is the worker's.
+    ``StepState.chunk_grads``, ``prepare``, ``lane_copy``, ``is_restep``). ``_admitted``,
+    ``_admitted_gpu``, ``_decided`` and ``_restore`` are under the step's lock; ``_saved`` under
+    ``_lock``.
 
     Attributes:
         enabled: speculation can happen (``rollback_bytes > 0``, clipping, overlap, one process).
@@ -129,37 +146,75 @@ class Speculation:
             layout.backward_order = True
         self.active = False
         self.switch = SpeculationSwitch()
-        self._slots: list[torch.Tensor] = []
-        self._admitted: dict[tuple[int, int], int] = {}  # item -> slot
+        self._slots: list[torch.Tensor] = []  # host slots
+        self._allocated = False  # _alloc ran (at the first step with state)
+        self._lane: Any = None  # the GpuLane (bind_lane): its chunks, its device slots
+        self._admitted: dict[tuple[int, int], int] = {}  # item -> host slot
+        self._admitted_gpu: dict[tuple[int, int], int] = {}  # lane item -> device slot
         self._decided = False
         self._restore: set[tuple[int, int]] = set()
         self._saved: set[tuple[int, int]] = set()
         self._outcome: tuple | None = None  # (host coefficient, event or None)
         self._lock = threading.Lock()  # _saved: worker writes, the stats read
 
-    def held_bytes(self) -> int:
-        """Host bytes of the rollback slots allocated (0 until the first speculating step).
+    def bind_lane(self, lane: Any) -> None:
+        """The optimizer's :class:`~tiermem.optim.gpu_lane.GpuLane`, whose chunks keep their
+        copies on the GPU (Note [lane rollback on the GPU]); called once by the lane.
 
         Raises:
             Nothing.
         """
-        return sum(s.numel() * s.element_size() for s in self._slots)
+        self._lane = lane
+
+    def _gpu_slots(self) -> list[torch.Tensor]:
+        """The lane's device rollback slots (none without a lane)."""
+        return self._lane.rollback if self._lane is not None else []
+
+    def held_bytes(self) -> int:
+        """Bytes of the rollback slots allocated, host RAM and GPU memory together (0 until the
+        first step with state; Note [lane rollback on the GPU]).
+
+        Raises:
+            Nothing.
+        """
+        return sum(s.numel() * s.element_size() for s in self._slots) + self.gpu_held_bytes()
+
+    def gpu_held_bytes(self) -> int:
+        """Bytes of the rollback slots in GPU memory, for chunks of the GPU lane (Note [lane
+        rollback on the GPU]).
+
+        Raises:
+            Nothing.
+        """
+        return sum(s.numel() * s.element_size() for s in self._gpu_slots())
 
     def _alloc(self) -> None:
         """Allocate ``rollback_bytes // (largest chunk's state bytes)`` slots, at most one per
-        chunk (caller's thread, at the first step with state)."""
-        chunks = [c for g in self._layout.groups for c in g.plan.chunks]
+        chunk (caller's thread, at the first step with state): on the GPU as many as there are
+        lane chunks among the first that many chunks of the speculating order, the rest in
+        host RAM (Note [lane rollback on the GPU])."""
+        layout = self._layout
+        chunks = [c for g in layout.groups for c in g.plan.chunks]
         if not chunks:
             return
-        numel = state_numel(max(c.numel for c in chunks), self._layout.moments_dtype)
-        n = min(len(chunks), self.budget_bytes // chunk_state_bytes(
-            max(c.numel for c in chunks), self._layout.moments_dtype))
-        self._slots = [torch.empty(numel, dtype=torch.float32) for _ in range(n)]
+        slot_bytes = chunk_state_bytes(max(c.numel for c in chunks), layout.moments_dtype)
+        n = min(len(chunks), self.budget_bytes // slot_bytes)
+        order = [(g.index, c) for g in layout.groups for c in range(len(g.plan.chunks))][::-1]
+        lane = self._lane.chunks if self._lane is not None else set()
+        n_gpu = sum(1 for item in order[:n] if item in lane)  # backward order: admitted first
+        if n_gpu:
+            try:
+                self._lane.alloc_rollback(n_gpu)
+            except torch.OutOfMemoryError:
+                logger.info("HybridAdam: no GPU memory for %d rollback slots of the GPU lane "
+                            "(%d bytes each): they are kept in host RAM ("
+                            "Note [lane rollback on the GPU])", n_gpu, slot_bytes)
+                n_gpu = 0
+        numel = state_numel(max(c.numel for c in chunks), layout.moments_dtype)
+        self._slots = [torch.empty(numel, dtype=torch.float32) for _ in range(n - n_gpu)]
         if not n:
             logger.info("HybridAdam: rollback_bytes=%d holds no chunk's state (%d bytes "
-                        "each): no step speculates", self.budget_bytes,
-                        chunk_state_bytes(max(c.numel for c in chunks),
-                                          self._layout.moments_dtype))
+                        "each): no step speculates", self.budget_bytes, slot_bytes)
 
     def begin_step(self, ready: bool) -> None:
         """Start a step (caller's thread, worker idle): record the last step's deferred outcome,
@@ -182,14 +237,17 @@ class Speculation:
                 event.synchronize()  # the coefficient's copy to the host (long done)
             self.switch.record(float(coef) != 1.0)
             self._outcome = None
-        if ready and not self._slots:
+        if ready and not self._allocated:
+            self._allocated = True
             self._alloc()
         with self._step.lock:
             self._admitted.clear()
+            self._admitted_gpu.clear()
             self._restore.clear()
             self._decided = False
         self._saved.clear()
-        self.active = ready and bool(self._slots) and self.switch.on()
+        self.active = (ready and bool(self._slots or self._gpu_slots())
+                       and self.switch.on())
         order = self.active or not ready  # not ready: the first step plans (trace placement)
         if self._layout.backward_order != order:
             self._layout.backward_order = order  # hooks ship as gradients land
@@ -202,12 +260,46 @@ class Speculation:
         Raises:
             Nothing.
         """
-        if item in self._admitted:
+        if item in self._admitted or item in self._admitted_gpu:
             return True
-        if not self.active or self._decided or len(self._admitted) >= len(self._slots):
+        if not self.active or self._decided:
+            return False
+        if (self._lane is not None and item in self._lane.chunks
+                and len(self._admitted_gpu) < len(self._gpu_slots())):
+            self._admitted_gpu[item] = len(self._admitted_gpu)  # Note [lane rollback on the GPU]
+            return True
+        if len(self._admitted) >= len(self._slots):
             return False
         self._admitted[item] = len(self._admitted)
         return True
+
+    def lane_copy(self, item: tuple[int, int]) -> tuple[torch.Tensor, bool] | None:
+        """For a lane chunk admitted to a device slot (Note [lane rollback on the GPU]): ``(the
+        slot, restore)`` -- restore: the chunk is stepped again after a rollback, so the lane
+        loads its state from the slot; else the lane copies its loaded state into the slot
+        before stepping and then calls :meth:`mark_saved`. None: no device slot (the lane
+        calls :meth:`prepare` with the blob). Worker thread.
+
+        Raises:
+            Nothing.
+        """
+        with self._step.lock:
+            slot = self._admitted_gpu.get(item)
+            if slot is None:
+                return None
+            restore = item in self._restore
+            self._restore.discard(item)
+        return self._gpu_slots()[slot], restore
+
+    def mark_saved(self, item: tuple[int, int]) -> None:
+        """The lane has issued lane chunk ``item``'s copy into its device slot (worker thread):
+        :meth:`undo` restores it from there.
+
+        Raises:
+            Nothing.
+        """
+        with self._lock:
+            self._saved.add(item)
 
     def is_restep(self, item: tuple[int, int]) -> bool:
         """Whether chunk ``item`` is queued again after a rollback and not yet restored (worker).
@@ -251,16 +343,19 @@ class Speculation:
         Raises:
             StoreClosedError: the store was closed.
         """
-        with self._step.lock:
-            items = [(item, self._admitted[item]) for item in self._admitted
-                     if item in self._saved]
+        with self._step.lock, self._lock:
+            items = ([(item, self._slots[k]) for item, k in self._admitted.items()
+                      if item in self._saved]
+                     + [(item, self._gpu_slots()[k]) for item, k in self._admitted_gpu.items()
+                        if item in self._saved])
         layout = self._layout
-        for (g, c), slot in items:
+        for (g, c), saved in items:
             group = layout.groups[g]
             chunk, key = group.plan.chunks[c], group.chunk_keys[c]
             blob = layout.store.get(key, "cpu", hold=True)
             try:
-                blob.copy_(self._slots[slot][:blob.numel()])
+                # a lane slot: its copy precedes the write-back the drain waited for
+                blob.copy_(saved[:blob.numel()])
                 master = state_views(blob, chunk.numel, layout.moments_dtype)[0]
                 keep = [pc for pc in chunk.pieces if not layout.watch.changed(g, pc.param)]
                 with layout.watch.writing((g, pc.param) for pc in keep):
@@ -286,6 +381,9 @@ class Speculation:
             Nothing of its own.
         """
         step = self._step
+        if self.enabled:  # held on every step, also one the switch keeps from speculating
+            step.add_stats(rollback_held_bytes=self.held_bytes(),
+                           rollback_gpu_bytes=self.gpu_held_bytes(), speculating=int(self.active))
         grads, total = mode.grads_and_norm(groups, device)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         consumer = copier.consumer_stream()
@@ -295,15 +393,13 @@ class Speculation:
             self.switch.record(clipped)
             with step.idle:
                 self._decided = True
-                admitted = list(self._admitted)
+                admitted = list(self._admitted) + list(self._admitted_gpu)
                 while clipped and any(i not in step.chunk_h2d for i in admitted) \
                         and not step.errors:
                     step.idle.wait()  # an admitted chunk is still reading unclipped gradients
                 items = [i for i in admitted if i in step.chunk_h2d] if clipped else []
                 events = [step.chunk_h2d[i] for i in items]
-            held = self.held_bytes()
-            step.add_stats(speculated_chunks=len(admitted), rolled_back_chunks=len(items),
-                           rollback_held_bytes=held)
+            step.add_stats(speculated_chunks=len(admitted), rolled_back_chunks=len(items))
             if not clipped:
                 return 0  # the coefficient is 1: clipping would change no gradient
             for event in events if consumer is not None else ():

@@ -35,7 +35,8 @@ def new_stats() -> dict:
     """
     return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
             "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0,
-            "speculated_chunks": 0, "rolled_back_chunks": 0, "rollback_held_bytes": 0}
+            "speculated_chunks": 0, "rolled_back_chunks": 0, "rollback_held_bytes": 0,
+            "rollback_gpu_bytes": 0, "speculating": 0}
 
 
 def _copy_hp(group: dict) -> dict:
