@@ -3,33 +3,31 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from tiermem import StoreConfig, TierStore
+from tiermem import TierStore
 
 
 @pytest.fixture
-def make_stream_store(tmp_path):
-    """Factory of CPU stores, closed when the test ends: ``StoreConfig(device="cpu",
-    gpu_bytes=1 MiB, cpu_bytes=16 MiB, pool_slab_bytes=1 MiB)`` changed by its keywords; with
-    ``nvme_bytes`` each store gets a spill directory of its own under ``tmp_path`` and posix I/O
-    on 2 threads (unless given)."""
-    made = []
+def make_stream_store(make_store, tmp_path):
+    """Factory of CPU stores through tests/conftest.py's ``make_store`` (closed when the test
+    ends): 1 MiB GPU budget, 16 MiB RAM in 1 MiB slabs, no NVMe tier, changed by its keywords;
+    with ``nvme_bytes`` each store gets a spill directory of its own under ``tmp_path`` (and
+    ``make_store``'s I/O settings: posix on 2 threads, 64 KiB chunks, unless given)."""
+    spills = itertools.count()
 
     def make(**kw) -> TierStore:
         kw = {"device": "cpu", "gpu_bytes": 1 << 20, "cpu_bytes": 16 << 20,
-              "pool_slab_bytes": 1 << 20, **kw}
-        if kw.get("nvme_bytes"):
-            spill = tmp_path / f"s{len(made)}"
+              "pool_slab_bytes": 1 << 20, "nvme_bytes": 0, **kw}
+        if kw["nvme_bytes"]:
+            spill = tmp_path / f"s{next(spills)}"
             spill.mkdir()
-            kw = {"nvme_dir": str(spill), "io_backend": "posix", "io_threads": 2, **kw}
-        s = TierStore(StoreConfig(**kw))
-        made.append(s)
-        return s
+            kw.setdefault("nvme_dir", str(spill))
+        return make_store(**kw)
 
-    yield make
-    for s in made:
-        s.close()
+    return make
 
 
 @pytest.fixture
