@@ -56,7 +56,7 @@ from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.names import gib, mib
-from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
+from tiermem.apps.bench.parity import BaselineParity
 from tiermem.config import StoreConfig, parse_bytes
 from tiermem.offload import default_store_config, offload_activations
 from tiermem.store import TierStore
@@ -252,8 +252,7 @@ def run(args, log=print) -> list[Row]:
                                            nvme_bytes=args.nvme_bytes, nvme_dir=args.nvme_dir,
                                            pool_slab_bytes=base.pool_slab_bytes))
     rows: list[Row] = []
-    baseline: list[list[float]] = []  # the "no offload" runs' losses
-    noise = 0.0
+    parities = BaselineParity("no offload", _AGAIN)
     try:
         for name, ckpt, make_ctx in _setups(args, store, nvme_store):
             model.checkpoint = ckpt
@@ -265,13 +264,7 @@ def run(args, log=print) -> list[Row]:
                 runs.append(losses)
                 if args.repeats > 1:
                     log(f"  {name}: run {rep}/{args.repeats}: {medians[-1]:.1f} ms/step")
-            if name == "no offload":
-                baseline, parity = runs, "baseline"
-            else:
-                if name == _AGAIN:  # the baseline's noise: every run against the first
-                    noise = max(noise_of(baseline[0], r) for r in baseline[1:] + runs)
-                verdicts = [verdict(r, baseline[0], noise) for r in runs]
-                parity = worst_verdict(verdicts)
+            parity = parities.of(name, runs)
             plan = getattr(ctx, "plan", None)
             if plan is not None:  # layers="auto": say what it chose, and from what
                 name = f"{name} ({len(plan['layers'])} blocks: {_spans(plan['layers'])})"

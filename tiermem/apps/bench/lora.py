@@ -46,7 +46,7 @@ import torch
 from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, sync
 from tiermem.names import gib, mib
-from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
+from tiermem.apps.bench.parity import BaselineParity
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, lora_modules, set_checkpointing)
 from tiermem.offload import default_store_config, offload_activations, offload_in_modules
@@ -195,8 +195,7 @@ def run(args, log=print) -> list[Row]:
         for seq in args.seqs:
             batches = lora_batches(shape.vocab, args.batch, seq, args.warmup + args.steps + 1,
                                    device)
-            baseline: list[list[float]] = []
-            noise = 0.0
+            parities = BaselineParity("no offload", _AGAIN)  # at each sequence length
             for name, ckpt, offload in SETUPS:
                 set_checkpointing(model, ckpt)
                 medians, runs, peak, moved = [], [], None, None
@@ -205,13 +204,7 @@ def run(args, log=print) -> list[Row]:
                                                      offload, store)
                     medians.append(1e3 * statistics.median(times))
                     runs.append(losses)
-                if name == "no offload":
-                    baseline, parity = runs, "baseline"
-                else:
-                    if name == _AGAIN:  # the baseline's noise: every run against the first
-                        noise = max(noise_of(baseline[0], r) for r in baseline[1:] + runs)
-                    verdicts = [verdict(r, baseline[0], noise) for r in runs]
-                    parity = worst_verdict(verdicts)
+                parity = parities.of(name, runs)
                 rows.append(Row(seq, name, statistics.median(medians),
                                 (min(medians), max(medians)), peak, moved, parity))
                 log(f"  seq {seq} {name}: {rows[-1].ms_per_step:.1f} ms/step, {parity}")

@@ -58,6 +58,36 @@ def worst_verdict(verdicts: Sequence[str]) -> str:
     return next((v for v in verdicts if v.startswith("WRONG")), verdicts[-1])
 
 
+class BaselineParity:
+    """The parity column of a bench whose setups run in order: the ``baseline`` setup's runs
+    are the reference (its verdict ``"baseline"``), the ``again`` setup (the baseline once
+    more) sets the noise, every baseline-like run against the first, and every setup after
+    it is judged against the first baseline run within that noise (:func:`verdict`, the
+    worst of its runs by :func:`worst_verdict`)."""
+
+    def __init__(self, baseline: str, again: str) -> None:
+        self.baseline, self.again = baseline, again
+        self.noise = 0.0
+        self._runs: list[Sequence[float]] = []
+
+    def of(self, setup: str, runs: Sequence[Sequence[float]]) -> str:
+        """The verdict of ``setup`` from the losses of its ``runs``.
+
+        Raises:
+            ValueError: a setup other than the baseline comes before the baseline's runs, or
+                a run's length is not the baseline's.
+        """
+        if setup == self.baseline:
+            self._runs = list(runs)
+            return "baseline"
+        if not self._runs:
+            raise ValueError(f"parity of {setup!r} before the baseline {self.baseline!r} ran: "
+                             f"run the baseline first")
+        if setup == self.again:
+            self.noise = max(noise_of(self._runs[0], r) for r in [*self._runs[1:], *runs])
+        return worst_verdict([verdict(r, self._runs[0], self.noise) for r in runs])
+
+
 def report_wrong(labels: Sequence[str], stream, baseline: str = "without offload") -> int:
     """Exit status of a benchmark: 1 (and a line on ``stream``) when the setups ``labels``
     did not train as ``baseline``, else 0."""
