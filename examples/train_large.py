@@ -213,6 +213,7 @@ def make_plan(cfg: dict, rates=None):
               grad_accumulation_steps=t.grad_accumulation_steps,
               gpu_step_fraction=o.gpu_step_fraction, max_grad_norm=o.max_grad_norm,
               param_sync=o.param_sync, breadth_first_blocks=t.breadth_first_blocks,
+              rollback_bytes=o.rollback_bytes,
               # RAM = the store's budget; streaming keeps the streamed weights' host gradients
               # outside the store, so there the plan counts all RAM but 8 GiB
               host_reserve_bytes=8 << 30 if st.enabled else max(8 << 30, host - s.cpu_bytes),
@@ -280,6 +281,26 @@ class TorchAdamW:
 
     def close(self) -> None:
         """Nothing to free."""
+
+
+def speculation_text(st: dict) -> str:
+    """The clip speculation's part of a step line from ``step_stats()`` ``st`` (Note
+    [speculative step] in tiermem/optim/speculate.py): ``spec off`` where the step held no
+    rollback copies (no budget, no clipping, or the first step, which records the gradient
+    order), else the chunks speculated and rolled back and the bytes held (of them on the GPU
+    for the GPU lane), ``paused`` when recent steps clipped (Note [speculation switch]).
+
+    Raises:
+        Nothing.
+    """
+    held = st.get("rollback_held_bytes", 0)
+    if not held:
+        return "spec off"
+    gpu = st.get("rollback_gpu_bytes", 0)
+    state = "spec" if st.get("speculating") else "spec paused (recent steps clipped):"
+    return (f"{state} {st.get('speculated_chunks', 0)} chunks, "
+            f"{st.get('rolled_back_chunks', 0)} rolled back, {held / 1e9:.2f} GB held"
+            + (f" ({gpu / 1e9:.2f} on the GPU)" if gpu else ""))
 
 
 def hybrid_steps_streams() -> bool:
@@ -548,10 +569,7 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
         st, mem = opt.step_stats(), opt.memory_bytes()
         streamed = "" if stream is None else (
             f" | stream h2d {rec['stream_h2d'] / 1e9:.2f} GB in {rec['stream_fills']} fills")
-        if st.get("rollback_held_bytes"):  # Note [speculative step] (tiermem/optim/speculate.py)
-            streamed += (f" | clip speculation {st['speculated_chunks']} chunks, "
-                         f"{st['rolled_back_chunks']} rolled back, "
-                         f"{st['rollback_held_bytes'] / 1e9:.2f} GB held")
+        streamed += f" | {speculation_text(st)}"
         tok_s = rec["tokens"] / dt
         print(f"step {rec['step']} loss {rec['loss']:.4f} | {tok_s:,.0f} tok/s, "
               f"{6 * n * tok_s / 1e12:.2f} model TFLOP/s, {dt:.2f} s | state GB gpu "

@@ -214,10 +214,37 @@ def test_train_large_step_lines_report_the_clip_speculation():
                      "--steps", "3", "optimizer.rollback_bytes=64MiB")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
-    assert len(lines) == 3 and "clip speculation" not in lines[0]  # step 0 records the order
+    assert len(lines) == 3 and lines[0].endswith("| spec off")  # step 0 records the order
     for line in lines[1:]:
-        assert re.search(r"clip speculation [1-9]\d* chunks, \d+ rolled back, [0-9.]+ GB held",
+        assert re.search(r"\| spec [1-9]\d* chunks, \d+ rolled back, [0-9.]+ GB held$",
                          line), line
+    # no budget: every step line says so
+    r = _run_example("--config", str(ROOT / "examples/configs/large/h200_20b_ram.yaml"), "--tiny",
+                     "--steps", "2", "optimizer.rollback_bytes=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2 and all(ln.endswith("| spec off") for ln in lines), lines
+
+
+def _train_large_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_large",
+                                                  ROOT / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_speculation_text_of_a_step_line():
+    """examples/train_large.py's step-line part: off, speculating (with the GPU lane's share of
+    the bytes held), paused by the switch (Note [speculation switch])."""
+    text = _train_large_module().speculation_text
+    assert text({}) == text({"rollback_held_bytes": 0, "speculating": 0}) == "spec off"
+    st = {"rollback_held_bytes": 3_000_000_000, "rollback_gpu_bytes": 1_000_000_000,
+          "speculating": 1, "speculated_chunks": 21, "rolled_back_chunks": 2}
+    assert text(st) == "spec 21 chunks, 2 rolled back, 3.00 GB held (1.00 on the GPU)"
+    st.update(speculating=0, speculated_chunks=0, rolled_back_chunks=0, rollback_gpu_bytes=0)
+    assert text(st) == "spec paused (recent steps clipped): 0 chunks, 0 rolled back, 3.00 GB held"
 
 
 def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):

@@ -317,11 +317,12 @@ _FIELDS = [
         "in [0.0, 1.0] (1.0 is fastest at full offload when PCIe is not busy with "
         "activations)."),
     # Note [speculative step] in tiermem/optim/speculate.py: 0 keeps every chunk waiting
-    Option(_O, "rollback_bytes", 0, _bytes, bad=-1, type="int | str",
+    Option(_O, "rollback_bytes", 0, _bytes, users=_APL, bad=-1, type="int | str",
            doc="Host RAM (bytes or ``\"4GiB\"``) for pre-step copies of chunk state: with "
            "``max_grad_norm`` chunks step during backward and are rolled back when the norm "
            "clips (Note [speculative step] in tiermem/optim/speculate.py); 0: they wait for the "
-           "norm."),
+           "norm. The GPU lane's share of it is held in GPU memory instead "
+           "(Note [lane rollback on the GPU]); the planner counts both."),
     # ---- activations: offload_activations' arguments
     Option(_A, "enabled", True, _bool, users=("loop",), bad=1, type="bool",
            doc="Offload saved activations at all (False: they stay on the device)."),

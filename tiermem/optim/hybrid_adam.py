@@ -137,6 +137,7 @@ class HybridAdam(torch.optim.Optimizer):
         rollback_bytes: host RAM (bytes, or ``"4GiB"``) for pre-step copies of chunk state, so
             that with ``max_grad_norm`` chunks step during backward and are rolled back when the
             norm clips (Note [speculative step] in ``speculate.py``); 0: they wait for the norm.
+            The GPU lane's share is held in GPU memory (Note [lane rollback on the GPU]).
         grad_accumulation_steps: backward passes per optimizer step; gradients are copied off
             the GPU only in the last one.
         moments_dtype: dtype of the Adam moments, on the GPU side and the offloaded side

@@ -34,6 +34,11 @@ NVMe read-ahead             ``layout.nvme_staging_bytes(c, moments, lookahead)``
 GPU lane slots              ``layout.lane_slot_bytes(c, moments)`` = 3·4·c·(3 or 2, +1) on the
                             GPU with ``gpu_step_fraction`` > 0: three chunks of fp32 state and
                             fp32 gradients (Note [gpu lane])
+rollback copies             with ``max_grad_norm`` and ``rollback_bytes`` R (speculative
+                            clipping): n = min(chunks, R // chunk_state_bytes(c, m)) slots of
+                            4·c·(3 or 2) bytes; int(n·g) of them on the GPU for the GPU lane's
+                            share g (Note [lane rollback on the GPU]), the rest in host RAM
+                            (:func:`rollback_slot_bytes`)
 activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
                             r (4: 17·b·s·d·a, 34·b·s·d in bf16 = Megatron's sbh·34 with
                             flash attention): block input, LN1 out, QKV (3), attention out,
@@ -80,7 +85,7 @@ reference GPT: bf16, d = 2048, h = 16; 5.8 % of its block), on the safe side.
 from __future__ import annotations
 
 from tiermem.names import DTYPE_SPELLINGS, MODEL_DTYPES
-from tiermem.optim.layout import nvme_staging_bytes, ring_bytes
+from tiermem.optim.layout import chunk_state_bytes, nvme_staging_bytes, ring_bytes, state_numel
 from tiermem.optim.partition import auto_chunk_numel
 
 PARAM_DTYPES = MODEL_DTYPES + ("float16",)
@@ -101,6 +106,30 @@ def largest_chunk(offloaded_numel: int, chunk_numel: int | None) -> int:
     if not offloaded_numel:
         return 0
     return min(chunk_numel or auto_chunk_numel(offloaded_numel), offloaded_numel)
+
+
+def rollback_slot_bytes(offloaded_numel: int, chunk_numel: int | None, moments_dtype,
+                        rollback_bytes: int, gpu_step_fraction: float) -> tuple[int, int]:
+    """``(host RAM, GPU)`` bytes of HybridAdam's rollback slots (Note [speculative step] and
+    Note [lane rollback on the GPU] in ``tiermem/optim/speculate.py``) for ``offloaded_numel``
+    elements in one param group: ``min(chunks, rollback_bytes // chunk_state_bytes)`` slots of
+    one largest chunk's fp32 state blob each; ``int(slots x gpu_step_fraction)`` of them on the
+    GPU (the lane's chunks are spread evenly over the speculating order, so that many are
+    among the first ``slots`` chunks it admits), the rest in host RAM. (0, 0) without
+    offloaded elements or budget; the caller counts them only where the step speculates (with
+    ``max_grad_norm``, weights not streamed).
+
+    Raises:
+        Nothing: plain arithmetic on checked values.
+    """
+    if not offloaded_numel or not rollback_bytes:
+        return 0, 0
+    chunk = largest_chunk(offloaded_numel, chunk_numel)
+    n = min(-(-offloaded_numel // chunk), rollback_bytes // chunk_state_bytes(chunk,
+                                                                               moments_dtype))
+    n_gpu = int(n * gpu_step_fraction)
+    per = 4 * state_numel(chunk, moments_dtype)
+    return (n - n_gpu) * per, n_gpu * per
 
 
 def host_buffer_bytes(offloaded_numel: int, chunk_numel: int | None, dtype, moments_dtype,

@@ -28,7 +28,7 @@ from tiermem.names import check_int, dtype_name
 from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS,
                                   gpu_side_state_bytes, lane_slot_bytes, state_numel)
 from tiermem.apps.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, head_bytes,
-                                 host_buffer_bytes, largest_chunk,
+                                 host_buffer_bytes, largest_chunk, rollback_slot_bytes,
                                  moe_activation_bytes_per_block, short_dtype)
 from tiermem.rates import MachineRates
 from tiermem.apps.plan.result import Item, Plan, add_notes, overflow
@@ -44,6 +44,7 @@ FIELDS = {
     "nvme_lookahead_chunks": "optimizer.nvme_lookahead_chunks",
     "gpu_step_fraction": "optimizer.gpu_step_fraction",
     "max_grad_norm": "optimizer.max_grad_norm", "param_sync": "optimizer.param_sync",
+    "rollback_bytes": "optimizer.rollback_bytes",
     "offload_layers": "activations.num_layers", "activation_tier": "activations.tier",
     "prefetch_depth": "activations.prefetch_depth",
     "gpu_bytes": "budgets.gpu_bytes", "host_bytes": "budgets.host_bytes",
@@ -63,6 +64,8 @@ NOT_FIELDS = ("num_params", "model", "n_layers", "d_model", "n_heads", "vocab", 
               "mlp_ratio", "n_experts", "top_k", "d_expert", "dtype", "eager_attention", "rates")
 """The :func:`plan` keywords that are no configuration field (see :data:`FIELDS`)."""
 _D = {kw: options.default(dotted, "plan") for kw, dotted in FIELDS.items()}
+ROLLBACK_ITEM = "rollback copies (clip speculation)"
+"""The plan's item of HybridAdam's rollback slots (Note [speculative step])."""
 _WHO = options.Who("plan: ")
 
 
@@ -108,6 +111,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          grad_accumulation_steps: int = _D["grad_accumulation_steps"],
          gpu_step_fraction: float = _D["gpu_step_fraction"],
          max_grad_norm: float | None = _D["max_grad_norm"], param_sync: str = _D["param_sync"],
+         rollback_bytes: int | str = _D["rollback_bytes"],
          breadth_first_blocks: int | str = _D["breadth_first_blocks"],
          stream_weights: bool | str = _D["stream_weights"], stream_tier: str = _D["stream_tier"],
          prefetch_blocks: int = _D["prefetch_blocks"],
@@ -167,6 +171,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         max_grad_norm: HybridAdam's gradient clipping norm (a number > 0), or None (no
             clipping): only the time per step depends on it (with it the optimizer phase
             overlaps no backward: Note [optimizer tail]).
+        rollback_bytes: HybridAdam's budget of pre-step copies for speculative clipping
+            (Note [speculative step] in ``tiermem/optim/speculate.py``), bytes or ``"4GiB"``: with
+            ``max_grad_norm`` (weights not streamed) its slots are counted, in host RAM and,
+            for the GPU lane's share, on the GPU (:func:`~tiermem.apps.plan.memory.
+            rollback_slot_bytes`); a plan they overflow names the field.
         param_sync: HybridAdam's, ``"step"`` or ``"forward"``: only the time per step depends
             on it (Note [optimizer tail]).
         breadth_first_blocks: blocks run for every micro-batch before the rest of the first
@@ -288,6 +297,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     offload_fraction = _field("offload_fraction", offload_fraction)  # None: the least that fits
     gpu_step_fraction = _field("gpu_step_fraction", gpu_step_fraction)
     max_grad_norm = _field("max_grad_norm", max_grad_norm)
+    rollback_bytes = _field("rollback_bytes", rollback_bytes)
     param_sync = _field("param_sync", param_sync)
     breadth_first_blocks = _field("breadth_first_blocks", breadth_first_blocks)
     auto_blocks = breadth_first_blocks == "auto"
@@ -330,7 +340,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
                   gpu_step_fraction=gpu_step_fraction, max_grad_norm=max_grad_norm,
-                  param_sync=param_sync,
+                  param_sync=param_sync, rollback_bytes=rollback_bytes,
                   breadth_first_blocks="auto" if auto_blocks else breadth_first_blocks,
                   n_experts=n_experts, top_k=top_k, d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
@@ -374,6 +384,13 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             items.append(Item("GPU lane slots",
                               gpu=lane_slot_bytes(largest_chunk(off_n, chunk_numel), moments_dt),
                               note=f"{LANE_SLOTS} chunks of state + fp32 grads"))
+        spec = (0, 0) if max_grad_norm is None or home is not None else rollback_slot_bytes(
+            off_n, chunk_numel, moments_dt, rollback_bytes, gpu_step_fraction)
+        if any(spec):  # Note [speculative step]: the chunks' pre-step copies
+            per = 4 * state_numel(largest_chunk(off_n, chunk_numel), moments_dt)
+            items.append(Item(ROLLBACK_ITEM, host=spec[0], gpu=spec[1],
+                              note=f"{sum(spec) // per} chunks' state (rollback_bytes)"
+                                   + (f", {spec[1] // per} on the GPU lane" if spec[1] else "")))
         on_gpu_blocks = n_layers - k
         window = min(k, prefetch_depth + 1)
         act = Item("activations",
@@ -417,6 +434,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         reasons = [f"{t} needs {used[t] / GiB:,.1f} GiB, has {cap[t] / GiB:,.1f} GiB "
                    f"(over by {(used[t] - cap[t]) / GiB:,.1f} GiB)"
                    for t in ("gpu", "host", "nvme") if used[t] > cap[t]]
+        for t, held in (("gpu", spec[1]), ("host", spec[0])):  # name the field
+            if held and used[t] > cap[t]:
+                reasons = [r + (f"; optimizer.rollback_bytes={rollback_bytes} holds "
+                                f"{held / GiB:,.1f} GiB of it (speculative clipping): lower it, "
+                                f"or 0 to wait for the norm" if r.startswith(t) else "")
+                           for r in reasons]
         if stream is not None and used["gpu"] > cap["gpu"]:  # name what does not fit
             fixes = [("checkpointing (--checkpoint)", not checkpoint),
                      ("a smaller micro-batch (--batch) or shorter sequences", True),

@@ -1,0 +1,88 @@
+"""The planner counts HybridAdam's rollback slots (``rollback_bytes``, Note [speculative step]):
+host RAM for the chunks the CPU steps, GPU memory for the GPU lane's share (Note [lane rollback
+on the GPU]), only where a step can speculate (``max_grad_norm`` set), and refuses a plan they
+overflow, naming the field. The slot counts are checked against a real HybridAdam's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiermem.apps.plan import plan
+from tiermem.apps.plan.memory import rollback_slot_bytes
+from tiermem.apps.plan.placement import ROLLBACK_ITEM
+from tiermem.shapes import GiB
+
+# the bench's reference GPT (24 blocks, d_model 2048): 80 chunks of 16M elements at f=1
+KW = dict(n_layers=24, d_model=2048, n_heads=16, batch=8, seq=2048, offload_fraction=1.0,
+          state_tier="cpu", chunk_numel=1 << 24, max_grad_norm=1.0, gpu_bytes="141GB",
+          host_bytes="125GiB")
+N = 1_340_000_000
+SLOT = 4 * 3 * (1 << 24)  # one chunk's fp32 master + fp32 moments
+
+
+def _item(pl):
+    return next((i for i in pl.items if i.name == ROLLBACK_ITEM), None)
+
+
+@pytest.mark.parametrize("lane,on_gpu", [(0.0, 0), (0.5, 10), (1.0, 21)])
+def test_rollback_slots_are_counted_in_ram_and_the_lanes_share_on_the_gpu(lane, on_gpu):
+    """4 GiB holds 21 slots of 192 MiB (4 KiB-rounded state blobs): the lane's share of them
+    (int(21 x share)) on the GPU, the rest in host RAM; each tier's total grows by exactly that
+    against the same plan without a budget."""
+    with_ = plan(N, **KW, gpu_step_fraction=lane, rollback_bytes="4GiB")
+    without = plan(N, **KW, gpu_step_fraction=lane, rollback_bytes=0)
+    item = _item(with_)
+    assert item is not None and _item(without) is None
+    assert (item.host, item.gpu) == ((21 - on_gpu) * SLOT, on_gpu * SLOT)
+    assert with_.used["host"] - without.used["host"] == item.host
+    assert with_.used["gpu"] - without.used["gpu"] == item.gpu
+    assert item.note.startswith("21 chunks' state")
+
+
+def test_no_clipping_no_rollback_slots_and_at_most_one_per_chunk():
+    """Without max_grad_norm nothing speculates: nothing is counted; a budget beyond every
+    chunk's state holds one slot per chunk (80), no more."""
+    assert _item(plan(N, **dict(KW, max_grad_norm=None), rollback_bytes="4GiB")) is None
+    assert _item(plan(N, **KW, rollback_bytes="100GiB")).host == 80 * SLOT
+
+
+def test_a_budget_the_ram_cannot_hold_is_refused_naming_the_field():
+    """A plan that fits with no budget does not with 8 GiB of copies in the RAM left: the host
+    reason names optimizer.rollback_bytes; on the GPU lane the copies go to the GPU instead."""
+    base = plan(N, **KW, rollback_bytes=0)
+    host = base.used["host"] + 4 * GiB  # room for 4 GiB of copies, not 8
+    tight = dict(KW, host_bytes=host)
+    assert plan(N, **tight, rollback_bytes="4GiB").fits
+    pl = plan(N, **tight, rollback_bytes="8GiB")
+    assert not pl.fits
+    assert any(r.startswith("host") and "optimizer.rollback_bytes=8589934592" in r
+               for r in pl.reasons), pl.reasons
+    assert plan(N, **tight, rollback_bytes="8GiB", gpu_step_fraction=1.0).fits
+
+
+def test_a_bad_budget_names_the_field():
+    with pytest.raises(ValueError, match="rollback_bytes"):
+        plan(N, **KW, rollback_bytes=-1)
+
+
+@pytest.mark.parametrize("lane", [0.0, 0.5, 1.0])
+def test_the_formula_matches_hybrid_adams_slots(lane, one_thread):
+    """The planner's (host, GPU) bytes equal what a HybridAdam with one param group allocates
+    (on the CPU: its lane's "device" slots are CPU tensors, counted by the lane)."""
+    from models import make_batch
+    from optim.test_hybrid_adam import HP, make_models
+    from tiermem.optim import HybridAdam
+    model = make_models()
+    budget = 5 * 4 * 3 * 1024 + 100
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
+                     placement="given", max_grad_norm=1.0, gpu_step_fraction=lane,
+                     rollback_bytes=budget)
+    model(*make_batch(0))[1].backward()
+    opt.step()
+    off = opt.state_numel()["offloaded"]
+    host, gpu = rollback_slot_bytes(off, 1024, torch.float32, budget, lane)
+    assert (opt._spec.held_bytes() - opt._spec.gpu_held_bytes(), opt._spec.gpu_held_bytes()) \
+        == (host, gpu)
+    assert host + gpu > 0
+    opt.close()
