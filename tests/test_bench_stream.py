@@ -76,3 +76,36 @@ def test_nvme_home_smoke(capsys, tmp_path, one_thread):
 def test_bad_input_exits_2(capsys, argv, message):
     assert cli.main(["bench", "stream", *TINY, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,block_major,calls", [
+    ([], False, 3 * 2 + 2),                                   # auto at M=1: depth-first
+    (["--schedule", "block-major"], True, 3 * 2 * 2 + 2),     # asked for: a recomputation
+])
+def test_one_micro_batch_streams_depth_first(capsys, monkeypatch, one_thread, extra,
+                                             block_major, calls):
+    """Note [bench stream schedule]: with one micro-batch the block-major schedule fills each
+    block twice per step as depth-first does, and adds a forward of every block (its
+    recomputation), which the resident rows do not run; so by default the streamed rows run
+    depth-first then: each block's forward once per step (3 steps x 2 blocks, and one more for
+    the final no-grad batch)."""
+    made, seen, count = bench.make_stream, [], [0]
+    real = bench.forward_backward
+
+    def counting_stream(model, store, args):
+        for block in model.blocks:
+            block.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        return made(model, store, args)
+
+    def spy(model, batches, **kw):
+        seen.append(kw.get("block_major", False))
+        return real(model, batches, **kw)
+
+    monkeypatch.setattr(bench, "make_stream", counting_stream)
+    monkeypatch.setattr(bench, "forward_backward", spy)
+    assert cli.main(["bench", "stream", *TINY, "--optimizers", "adamw", "--repeats", "1",
+                     *extra]) == 0
+    out = capsys.readouterr().out
+    assert f"schedule={'block-major' if block_major else 'depth-first'}" in out
+    assert count[0] == calls
+    assert seen and set(seen[-3:]) == {block_major}  # the streamed row's 3 steps

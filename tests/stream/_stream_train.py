@@ -51,3 +51,10 @@ def train(model, *, steps=8, n_micro=1, clip=None, stream=None, before_step=None
         opt.zero_grad(set_to_none=True)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     return losses, weights, handle
+
+
+def fills_per_pass(n_streamed: int, prefetch: int) -> int:
+    """Fills of one pass that has a backward (depth-first: per micro-batch; block-major: per
+    step): every streamed block twice, but the last ``prefetch + 2``, which the forward keeps
+    on the device for the backward, once (Note [kept into backward])."""
+    return 2 * n_streamed - min(prefetch + 2, n_streamed)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from _parity_harness import (REFERENCE_RUNS, Run, assert_parity, first_step_noise, flat,
                              summarise)
-from _stream_train import batches, make_model
+from _stream_train import batches, fills_per_pass, make_model
 
 from tiermem import StoreConfig, TierStore
 from tiermem.schedule.micro_batches import forward_backward
@@ -135,7 +135,7 @@ def _run(device, tmp_path, tier, prefetch, dtype, n_micro, passes, saved, clip, 
             assert_parity(got, ref, label + " (blocks[1] one step stale)")
     else:
         assert_parity(got, ref, label)
-    assert fills == [2 * 4 * passes * (s + 1) for s in range(STEPS)]  # 2 per block per pass
+    assert fills == [fills_per_pass(4, prefetch) * passes * (s + 1) for s in range(STEPS)]
     assert stats["peak_blocks"] <= prefetch + 2
 
 

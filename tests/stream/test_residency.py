@@ -57,3 +57,17 @@ def test_bad_arguments(kw, exc):
     args = {"gpu_bytes": 100, "prefetch_blocks": 1} | kw
     with pytest.raises(exc):
         plan_residency([10, 10], **args)
+
+
+def test_the_last_streamed_blocks_are_kept_into_the_backward():
+    """Note [kept into backward]: the last buffer_blocks (prefetch + 2) streamed blocks, never
+    a resident one, never more than the buffers."""
+    plan = plan_residency([10] * 6, gpu_bytes=None, prefetch_blocks=1)
+    assert plan.kept == (3, 4, 5)
+    plan = plan_residency([10] * 6, gpu_bytes=None, prefetch_blocks=0)
+    assert plan.kept == (4, 5)
+    plan = plan_residency([10] * 6, gpu_bytes=50, prefetch_blocks=1)  # 4 and 5 resident
+    assert plan.resident == (4, 5) and plan.kept == (1, 2, 3)
+    plan = plan_residency([10] * 2, gpu_bytes=None, prefetch_blocks=3)  # fewer than the depth
+    assert plan.kept == (0, 1) and plan.buffer_blocks == 2
+    assert plan_residency([10] * 3, gpu_bytes=30, prefetch_blocks=1).kept == ()  # all resident

@@ -102,13 +102,7 @@ class Fetcher:
         if block.state != "released":
             return
         self.sweep()
-        for p in block.params:
-            if p.param._version != p.pass_version:
-                raise RuntimeError(
-                    f"weight streaming: blocks[{block.index}].{p.name} was changed in place "
-                    f"during the forward/backward pass (version {p.pass_version} -> "
-                    f"{p.param._version}): the forward used the old values, so the backward "
-                    f"would be wrong; change weights only between passes (after backward)")
+        self.check_unchanged(block)
         pairs = []
         try:
             for p in block.params:
@@ -142,12 +136,28 @@ class Fetcher:
             the errors of :meth:`fill`.
         """
         if block.state == "ready":
+            self.check_unchanged(block)  # a block kept into the backward: no fill checks it
             return
         self.fill(block)
         self.copies.use(block.event)
         for p in block.params:
             p.param.data = self._view(p)
         block.state = "ready"
+
+    @staticmethod
+    def check_unchanged(block: Block) -> None:
+        """Refuse a weight of ``block`` changed in place since the pass began.
+
+        Raises:
+            RuntimeError: naming the weight and its versions.
+        """
+        for p in block.params:
+            if p.param._version != p.pass_version:
+                raise RuntimeError(
+                    f"weight streaming: blocks[{block.index}].{p.name} was changed in place "
+                    f"during the forward/backward pass (version {p.pass_version} -> "
+                    f"{p.param._version}): the forward used the old values, so the backward "
+                    f"would be wrong; change weights only between passes (after backward)")
 
     def release(self, block: Block) -> None:
         """Free ``block``'s device weights (its parameters become empty placeholders).

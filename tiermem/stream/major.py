@@ -12,8 +12,10 @@ nothing and the pass goes on where it was):
 
 - **forward phase**, under ``torch.no_grad()``: block 0 for micro-batches 0..M-1, block 1 for
   0..M-1, ..., the last block for 0..M-1. A streamed block is filled before its first call
-  (prefetched ``prefetch_blocks`` blocks ahead, as in phase 1) and released after its M-th.
-  After the last block, the first blocks of the backward are prefetched while the head runs.
+  (prefetched ``prefetch_blocks`` blocks ahead, as in phase 1) and released after its M-th,
+  but the last ones (``plan.kept``), which stay on the device for the backward phase (Note
+  [kept into backward] in tiermem/stream/residency.py). After the last block, the first
+  blocks of the backward that are not on the device are prefetched while the head runs.
 - **backward phase**, with autograd on: the last block for 0..M-1, ..., block 0 for 0..M-1.
   Each call is the schedule's recomputation from the block's saved input, and the schedule
   back-propagates it (``torch.autograd.backward(y, grad_y)``) before the next call. The block
@@ -33,10 +35,11 @@ several passes before an optimizer step) is taken after each micro-batch's backw
 on the host, in micro-batch order: the adds the same loop makes without streaming. Either way
 the gradient is the same bits as depth-first's.
 
-Fills per optimizer step: 2 per streamed block (forward, backward), whatever M; phase 1's
-depth-first loop makes 2 * M. A call that fails (a fill, the block's own forward) marks the
-pass failed: later calls are refused and leaving the context ends the pass (blocks released,
-host copies restored, the stream usable; the pass's gradients are incomplete). Leaving the
+Fills per optimizer step: 2 per streamed block (forward, backward; 1 for a kept one), whatever
+M; phase 1's depth-first loop makes 2 * M (M). A call that fails (a fill, the block's own
+forward) marks the pass failed: later calls are refused and leaving the context ends the pass
+(blocks released, host copies restored, the stream usable; the pass's gradients are
+incomplete). Leaving the
 context without an error before the sequence is complete raises (the gradients would be
 incomplete) after ending the pass the same way. ``optimizer.step()`` over streamed weights
 inside the context is refused (the weights are not on the host).
@@ -181,7 +184,7 @@ class BlockMajorPass:
         self.micro = 0
         try:
             if self.phase == "forward":
-                if s._blocks[i].streamed:
+                if s._blocks[i].streamed and i not in s.plan.kept:  # Note [kept into backward]
                     s._fetcher.release(s._blocks[i])
                 self.block += 1
                 if self.block == len(s._blocks):  # the backward's first blocks, during the head

@@ -14,6 +14,18 @@ That cost is not monotone in the suffix (making a large block resident can shrin
 of the rest), so every suffix is tried, longest first, rather than stopping at the first block
 that does not fit. With every block resident no buffer is
 needed. ``gpu_bytes=None`` streams every block.
+
+Note [kept into backward]: the last streamed blocks the forward runs are the first ones the
+backward needs; releasing them after their forward only to fetch them again at the start of the
+backward costs their bytes twice and a stall (the first backward fill can overlap nothing: it
+waits for the head's backward, and the block's backward waits for it). So the forward keeps the
+last ``kept`` streamed blocks on the device into the backward (``ResidencyPlan.kept``): at most
+``buffer_blocks`` of them (``prefetch_blocks + 2``), so the device never holds more streamed
+blocks than the buffers the plan counted (in the forward at most ``max(kept, prefetch + 1)``,
+in the backward at most ``prefetch + 2``, as without keeping). Each pass that has a backward
+then fetches ``2 * streamed - kept`` blocks (block-major: per step; depth-first: per
+micro-batch). A forward without a backward (under ``no_grad``, or outputs dropped) keeps
+nothing: its blocks are released as before (depth-first), or when the pass ends.
 """
 
 from __future__ import annotations
@@ -39,6 +51,9 @@ class ResidencyPlan:
     block; 0 when nothing streams)."""
     buffer_blocks: int
     """Streamed blocks whose weights may be on the device at once."""
+    kept: tuple[int, ...] = ()
+    """The last streamed blocks, which a forward leaves on the device for its backward (Note
+    [kept into backward]; ascending, at most ``buffer_blocks`` of them)."""
 
     @property
     def device_bytes(self) -> int:
@@ -54,6 +69,16 @@ def buffer_blocks_for(prefetch_blocks: int, n_streamed: int) -> int:
         nothing: arithmetic on two ints.
     """
     return min(prefetch_blocks + 2, n_streamed)
+
+
+def kept_blocks_for(streamed: Sequence[int], buffer_blocks: int) -> tuple[int, ...]:
+    """The streamed blocks a forward keeps on the device for its backward: the last
+    ``buffer_blocks`` of ``streamed`` (Note [kept into backward]).
+
+    Raises:
+        nothing: a slice.
+    """
+    return tuple(sorted(streamed))[len(streamed) - buffer_blocks:] if buffer_blocks > 0 else ()
 
 
 def plan_residency(block_bytes: Sequence[int], *, gpu_bytes: int | None,
@@ -103,4 +128,5 @@ def _plan(sizes: list[int], first_resident: int, prefetch_blocks: int) -> Reside
     largest = max((sizes[i] for i in streamed), default=0)
     return ResidencyPlan(resident=resident, streamed=streamed,
                          resident_bytes=sum(sizes[i] for i in resident),
-                         buffer_bytes=n_buffers * largest, buffer_blocks=n_buffers)
+                         buffer_bytes=n_buffers * largest, buffer_blocks=n_buffers,
+                         kept=kept_blocks_for(streamed, n_buffers))

@@ -76,7 +76,8 @@ from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
 from tiermem.stream.major import BlockMajorPass
 from tiermem.stream.release import BackwardRelease
-from tiermem.stream.residency import ResidencyPlan, buffer_blocks_for, plan_residency
+from tiermem.stream.residency import (ResidencyPlan, buffer_blocks_for, kept_blocks_for,
+                                      plan_residency)
 
 logger = logging.getLogger("tiermem")
 _IDS = itertools.count()
@@ -181,7 +182,8 @@ class WeightStream:
             k = buffer_blocks_for(prefetch_blocks, len(streamed))
             self.plan = ResidencyPlan(resident=resident, streamed=streamed,
                                       resident_bytes=sum(sizes[i] for i in resident),
-                                      buffer_bytes=k * largest, buffer_blocks=k)
+                                      buffer_bytes=k * largest, buffer_blocks=k,
+                                      kept=kept_blocks_for(streamed, k))
         else:
             self.plan = plan_residency(sizes, gpu_bytes=gpu_bytes,
                                        prefetch_blocks=prefetch_blocks)
@@ -618,7 +620,8 @@ class WeightStream:
                 for t in outs:
                     t.register_hook(lambda g, i=i, token=token: _pre_backward(ref, i, token))
                 ps.grad_blocks.append(i)
-        if self._blocks[i].streamed:
+        keep = i in self.plan.kept and ps.grad_blocks[-1:] == [i]  # Note [kept into backward]
+        if self._blocks[i].streamed and not keep:
             self._fetcher.release(self._blocks[i])
         if ps.next == len(self._blocks) and not ps.grad_blocks:
             self._end_pass()  # no backward will come
