@@ -9,6 +9,7 @@ would not)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -30,6 +31,8 @@ from tiermem.apps.plan import plan
 from tiermem.apps.plan import placement
 from tiermem.apps.plan.cli import build_parser as plan_parser, main as plan_main
 from tiermem.apps.tune.cli import _parse_args as tune_args
+from tiermem.apps import cli
+from tiermem.apps.demo import build_parser as demo_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = {"store": config.StoreConfig, "optimizer": config.OptimizerConfig,
@@ -317,11 +320,47 @@ def _tune_parser_flags() -> dict:
     return seen
 
 
+class _Parser(BaseException):
+    """Raised from ``parse_args`` to hand the test the parser (and run nothing more)."""
+
+    def __init__(self, parser):
+        super().__init__("parser")
+        self.parser = parser
+
+
+def _parser_of(command: str):
+    """The argparse parser of ``tiermem bench NAME`` or ``tiermem demo``, read from the call
+    that parses its flags (the bench runs nothing: its parse_args raises :class:`_Parser`)."""
+    if command == "demo":
+        return demo_parser()
+    module = importlib.import_module(cli.BENCHES[command.removeprefix("bench ")])
+    entry = getattr(module, "_parse_args", None) or module.main
+
+    def capture(self, args=None, namespace=None):
+        raise _Parser(self)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        entry([])
+    except _Parser as got:
+        return got.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    raise AssertionError(f"{command} parsed no flags")
+
+
+APP_COMMANDS = [f"bench {name}" for name in sorted(cli.BENCHES)] + ["demo"]
+"""The applications' commands whose flags Note [which flags map] (tiermem/flags.py) sorts."""
+
+
 def _flags_of(command: str) -> dict:
     if command == "plan":
         return {s: a for a in plan_parser()._actions for s in a.option_strings}
     if command == "tune":
         return _tune_parser_flags()
+    if command in APP_COMMANDS:
+        return {s: a for a in _parser_of(command)._actions for s in a.option_strings}
     help_text = _train_large_help()
     return dict.fromkeys(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", help_text))
 
@@ -335,10 +374,10 @@ def _train_large_help() -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("command", sorted(flags.FLAGS))
+@pytest.mark.parametrize("command", sorted(set(flags.FLAGS) | set(APP_COMMANDS)))
 def test_every_flag_is_a_field_an_alias_or_named_as_none(command):
     found = set(_flags_of(command)) - {"--help", "-h"}
-    mapped, aliases = set(flags.FLAGS[command]), set(flags.ALIASES.get(command, {}))
+    mapped, aliases = set(flags.FLAGS.get(command, {})), set(flags.ALIASES.get(command, {}))
     unmapped = set(flags.UNMAPPED.get(command, {}))
     assert not mapped & unmapped and not aliases & (mapped | unmapped)
     if command == "train_large":  # the help lists no suppressed alias
@@ -406,3 +445,60 @@ def test_a_deprecated_flag_still_works_and_logs_a_warning(caplog, capsys):
     assert warned == ["plan: --gpu is deprecated; use --gpu-bytes (budgets.gpu_bytes)"]
     old = tune_args(["--gpu-budget", "1GiB", "--cpu-budget", "2GiB", "--num-layers", "0,1"])
     assert (old.gpu_bytes, old.host_bytes, old.num_layers) == ("1GiB", "2GiB", [0, 1])
+
+
+# ------------------------------------------------------------------ tiermem bench / demo flags
+
+
+def test_every_bench_and_demo_has_its_tables():
+    assert set(APP_COMMANDS) <= set(flags.FLAGS) and set(APP_COMMANDS) <= set(flags.UNMAPPED)
+    assert set(flags.FLAGS) == set(flags.UNMAPPED) | {"plan", "tune", "train_large"}
+    assert set(flags.USER) == set(flags.FLAGS)
+
+
+def test_one_spelling_per_field_and_one_field_per_spelling():
+    spellings: dict[str, set] = {}
+    fields: dict[str, set] = {}
+    for command, table in flags.FLAGS.items():
+        for flag, dotted in table.items():
+            assert dotted in options.OPTIONS, (command, flag, dotted)
+            spellings.setdefault(dotted, set()).add(flag)
+            fields.setdefault(flag, set()).add(dotted)
+    assert {d: s for d, s in spellings.items() if len(s) > 1} == {}
+    shared = {f: d for f, d in fields.items() if len(d) > 1}
+    assert set(shared) == set(flags.SHARED), shared  # each reason names its fields
+    for flag, dotted in shared.items():
+        assert all(d in flags.SHARED[flag] for d in dotted), (flag, dotted)
+
+
+@pytest.mark.parametrize("command", [c for c in APP_COMMANDS if flags.ALIASES.get(c)])
+def test_a_deprecated_bench_flag_sets_the_same_value_and_warns(command, caplog):
+    parser = _parser_of(command)
+    required = ["--dir", "/tmp"] if command == "bench io" else []
+    actions = _flags_of(command)
+    flags._WARNED.clear()
+    for old, new in flags.ALIASES[command].items():
+        value = (actions[new].choices or ["3"])[-1]
+        with caplog.at_level(logging.WARNING, logger="tiermem"):
+            caplog.clear()
+            got = vars(parser.parse_args(required + [old, value]))
+            assert [r.getMessage() for r in caplog.records] == [
+                f"{command}: {old} is deprecated; use {new} ({flags.FLAGS[command][new]})"]
+        assert got == vars(parser.parse_args(required + [new, value]))
+        assert str(got[actions[new].dest]) == value
+
+
+def test_an_unmapped_bench_or_demo_flag_spelled_as_a_field_says_why():
+    """A flag left local (Note [which flags map]) that is spelled as a field's name, or as the
+    flag of a field in another command, names that field in its reason: a flag that does set
+    the field cannot slip into UNMAPPED unread."""
+    elsewhere: dict[str, set] = {}
+    for table in flags.FLAGS.values():
+        for flag, dotted in table.items():
+            elsewhere.setdefault(flag, set()).add(dotted)
+    for command in APP_COMMANDS:
+        for flag, why in flags.UNMAPPED[command].items():
+            word = flag[2:].replace("-", "_")
+            near = {d for d, o in options.OPTIONS.items() if o.name == word}
+            for dotted in near | elsewhere.get(flag, set()):
+                assert dotted in why, (command, flag, dotted, why)

@@ -1,14 +1,28 @@
-"""The command-line flags of ``tiermem plan``, ``tiermem tune`` and examples/train_large.py, each
-mapped to the configuration field it sets (Note [one definition] in tiermem/options.py).
+"""The command-line flags of ``tiermem plan``, ``tiermem tune``, examples/train_large.py, every
+``tiermem bench ...`` and ``tiermem demo``, each mapped to the configuration field it sets
+(Note [one definition] in tiermem/options.py).
 
-A flag that sets a field takes its default (for its command's user) and its check from the
-field's definition; the commands spell one field with one flag (``--gpu-bytes`` is
-``budgets.gpu_bytes`` in every command). The spellings they used before stay as deprecated
-aliases (:data:`ALIASES`): they still work and log a warning naming the flag to use. Flags that
-set no configuration field (the model's shape, the grid's own knobs, output options) are in
-:data:`UNMAPPED` with the reason. tests/test_options.py checks every flag of the three parsers
-is in one of the tables, that each mapped flag's default is its field's and that a bad value is
-refused with the field's own message.
+Note [which flags map]: a flag is in :data:`FLAGS` when its value is a value of one
+configuration field: the command puts it in that field or passes it as that field's keyword
+(``HybridAdam(cpu_threads=...)``, ``StoreConfig(nvme_dir=...)``), alone or as a
+comma-separated grid of the field's values (``tiermem tune --offload-fraction 0,0.5``,
+``tiermem bench optim --grad-accumulation-steps 1,4``). Every other flag stays local to its
+command, in :data:`UNMAPPED` with the reason: the model's shape, a benchmark's or the grid's
+own knobs (``--steps`` timed steps, ``--repeats``, ``--warmup``, ``--only``), a switch that
+sets a field to one fixed value or inverts it (``tiermem demo --no-progress``), a choice of
+rows, output options. The commands spell one field with one flag (``--gpu-bytes`` is
+``budgets.gpu_bytes`` in every command); a flag spells one field, but for the few in
+:data:`SHARED`, where the same user-facing value lands in sibling fields. The spellings the
+commands used before stay as deprecated aliases (:data:`ALIASES`): they still work and log a
+warning naming the flag to use.
+
+A flag that sets a field takes its default (for its command's user, :data:`USER`) and its
+check from the field's definition: ``tiermem plan`` and ``tiermem tune`` check it as they
+parse, the others where the value reaches the field (the section's dataclass, HybridAdam,
+offload_activations, StoreConfig). A benchmark's flag may give its own default (a CPU-sized or
+an H200-sized run), beside the field's check. tests/test_options.py checks every flag of every
+parser is in one of the tables, one spelling per field, that each mapped flag of ``plan`` and
+``tune`` defaults to its field and that a bad value is refused with the field's own message.
 """
 
 from __future__ import annotations
@@ -56,16 +70,70 @@ FLAGS: dict[str, dict[str, str]] = {
         "--breadth-first-blocks": "train.breadth_first_blocks",
         "--param-sync": "optimizer.param_sync", "--nvme-dir": "store.nvme_dir",
     },
+    # ---- the applications' own commands (Note [which flags map]); tiermem bench lora,
+    # adam and transfer set no configuration field
+    "bench activations": {
+        "--offload-layers": "activations.num_layers",  # a grid: the extra rows' values
+        "--prefetch-depth": "activations.prefetch_depth", "--nvme-dir": "store.nvme_dir",
+        "--nvme-bytes": "store.nvme_bytes", "--cpu-bytes": "store.cpu_bytes",
+    },
+    "bench graphs": {"--offload-fraction": "optimizer.offload_fraction",
+                     "--cpu-threads": "optimizer.cpu_threads"},
+    "bench io": {"--io-chunk-bytes": "store.io_chunk_bytes",
+                 "--io-threads": "store.io_threads"},  # a grid: the posix/kvikio rows'
+    "bench lora": {},
+    "bench optim": {
+        "--grad-accumulation-steps": "train.grad_accumulation_steps",  # a grid
+        "--max-grad-norm": "optimizer.max_grad_norm",  # a grid, "off" for None
+        "--rollback-bytes": "optimizer.rollback_bytes", "--nvme-dir": "optimizer.nvme_dir",
+        "--cpu-threads": "optimizer.cpu_threads",
+    },
+    "bench stream": {
+        "--grad-accumulation-steps": "train.grad_accumulation_steps",
+        "--stream-tier": "streaming.tier", "--prefetch-blocks": "streaming.prefetch_blocks",
+        "--stream-schedule": "streaming.schedule", "--checkpoint": "train.checkpoint",
+        "--nvme-dir": "store.nvme_dir", "--gpu-bytes": "budgets.gpu_bytes",
+    },
+    "bench adam": {},
+    "bench transfer": {},
+    "demo": {
+        "--steps": "train.steps", "--batch": "train.micro_batch", "--device": "train.device",
+        "--tolerance": "train.tolerance", "--seed": "train.seed",
+        "--log-every": "train.log_every", "--offload-fraction": "optimizer.offload_fraction",
+        "--nvme-dir": "store.nvme_dir",
+    },
 }
 """Command -> flag -> the dotted configuration field it sets."""
+
+SHARED: dict[str, str] = {
+    "--nvme-dir": "the spill directory: store.nvme_dir, or optimizer.nvme_dir where the command "
+                  "gives HybridAdam no store (tiermem bench optim)",
+    "--nvme-bytes": "the NVMe bytes a run may use: the planner's budgets.nvme_bytes, or "
+                    "store.nvme_bytes where the command builds the store (tiermem bench "
+                    "activations)",
+}
+"""Flag -> why it spells more than one field (each command maps it to one of them)."""
 
 ALIASES: dict[str, dict[str, str]] = {
     "plan": {"--gpu": "--gpu-bytes", "--host": "--host-bytes", "--nvme": "--nvme-bytes"},
     "tune": {"--gpu-budget": "--gpu-bytes", "--cpu-budget": "--host-bytes",
              "--num-layers": "--offload-layers"},
     "train_large": {"--gpu": "--gpu-bytes"},
+    "bench activations": {"--num-layers": "--offload-layers"},
+    "bench io": {"--chunk-bytes": "--io-chunk-bytes", "--threads": "--io-threads"},
+    "bench optim": {"--accum": "--grad-accumulation-steps", "--clip": "--max-grad-norm"},
+    "bench stream": {"--micro-batches": "--grad-accumulation-steps", "--tier": "--stream-tier",
+                     "--schedule": "--stream-schedule", "--gpu": "--gpu-bytes"},
 }
 """Command -> deprecated flag -> the flag that replaces it (the same field, the same value)."""
+
+_BATCH = "sequences per micro-batch of the benchmark's own loop, which builds no train.micro_batch"
+_SHAPE = dict.fromkeys(("--layers", "--d-model", "--heads", "--seq", "--vocab"),
+                       "the benchmark model's shape, not a configuration field") | {
+                           "--batch": _BATCH}
+_TIMING = {"--steps": "timed steps per row (a benchmark's own, not train.steps)",
+           "--warmup": "untimed steps per row", "--repeats": "runs of every row"}
+_DTYPE = "bf16 or fp32 by device (None), not train.dtype's default"
 
 UNMAPPED: dict[str, dict[str, str]] = {
     "plan": dict.fromkeys(
@@ -88,12 +156,47 @@ UNMAPPED: dict[str, dict[str, str]] = {
        "--telemetry-dir": "output directory"},
     "train_large": {"--config": "the preset file", "--dry-run": "only plans",
                     "--tiny": "a tiny model on the CPU"},
+    "bench activations": _SHAPE | _TIMING | {
+        "--only": "which rows run", "--dtype": _DTYPE,
+        "--loss-chunk-tokens": "the model's loss chunking (GPT's loss_chunk_tokens)"},
+    "bench graphs": _SHAPE | _TIMING | {"--dtype": _DTYPE},
+    "bench io": {
+        "--dir": "the disk to measure (the bench makes its scratch directory there)",
+        "--nbytes": "bytes moved per row", "--extent-bytes": "bytes per spilled extent",
+        "--block-bytes": "the raw row's bytes per system call",
+        "--aiofiles-threads": "the aiofiles rows' thread counts (--io-threads is the "
+                              "posix/kvikio rows': one field, one spelling)",
+        "--repeat": "runs per row"},
+    "bench lora": _TIMING | dict.fromkeys(
+        ("--preset", "--layers", "--seqs", "--rank"),
+        "the model's and the adapters' shape, not a configuration field")
+    | {"--batch": _BATCH,
+       "--optimizer": "the adapters' optimizer in every row (hybrid or torch's fused adamw), a "
+                      "row choice: not streaming.optimizer, examples/train_large.py's"},
+    "bench optim": _SHAPE | {k: v for k, v in _TIMING.items() if k != "--warmup"} | {
+        "--setups": "the grid of setups, each several fields at once (fraction, tier, ...)",
+        "--nvme-steps": "timed steps of the NVMe setups",
+        "--world": "processes of the distributed table", "--timeout": "seconds the ranks get"},
+    "bench stream": _SHAPE | _TIMING | {
+        "--dtype": _DTYPE, "--optimizers": "which rows run (adamw, hybrid)",
+        "--probe-bytes": "bytes of the copy that measures the PCIe rate"},
+    "bench adam": {"--numel": "params per timed step", "--repeats": "timed steps per row",
+                   "--threads": "threads of the timed kernels (torch.set_num_threads), no "
+                                "HybridAdam's", "--json": "output format"},
+    "bench transfer": {"--nbytes": "bytes per copy", "--repeats": "timed copies per row"},
+    "demo": dict.fromkeys(("--layers", "--d-model", "--heads", "--seq", "--vocab"),
+                          "the model's shape (the model section), not a configuration field")
+    | {"--nvme-activations": "a switch: activations.tier=nvme (with --nvme-dir)",
+       "--no-progress": "a switch: train.progress=false"},
 }
-"""Command -> flag -> why it sets no configuration field."""
+"""Command -> flag -> why it sets no configuration field (Note [which flags map])."""
 
-USER = {"plan": "plan-cli", "tune": "tune", "train_large": None}
-"""Command -> the :data:`tiermem.options.USERS` user whose defaults its flags take (None: every
-flag defaults to None, the preset's value)."""
+USER = {"plan": "plan-cli", "tune": "tune", "train_large": None, "demo": "loop"} | dict.fromkeys(
+    ("bench activations", "bench graphs", "bench io", "bench lora", "bench optim",
+     "bench stream", "bench adam", "bench transfer"), "api")
+"""Command -> the :data:`tiermem.options.USERS` user whose defaults its flags take where they
+give none (None: every flag defaults to None, the preset's value). ``tiermem demo`` builds the
+training loop's sections; a benchmark calls the library's APIs."""
 
 
 def field_of(command: str, flag: str) -> options.Option:
@@ -153,6 +256,6 @@ def add(parser: Any, command: str, flag: str, **kwargs: Any) -> argparse.Action:
     for old, new in ALIASES.get(command, {}).items():
         if new == flag:
             parser.add_argument(old, dest=action.dest, type=action.type,
-                                action=_Deprecated, command=command, new=flag,
-                                metavar=action.metavar, help=argparse.SUPPRESS)
+                                choices=action.choices, action=_Deprecated, command=command,
+                                new=flag, metavar=action.metavar, help=argparse.SUPPRESS)
     return action

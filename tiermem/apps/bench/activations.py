@@ -58,6 +58,7 @@ from tiermem.apps.bench.common import bench_device, bench_main, learnable_batche
 from tiermem.names import gib, mib
 from tiermem.apps.bench.parity import BaselineParity
 from tiermem.config import StoreConfig, parse_bytes
+from tiermem import flags
 from tiermem.offload import default_store_config, offload_activations
 from tiermem.store import TierStore
 
@@ -95,8 +96,8 @@ def _parse_args(argv):
                    help="runs of every setup; ms/step is the median of the runs' medians")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps per setup (2: layers='auto' has chosen before timing)")
-    p.add_argument("--num-layers", default=None,
-                   help="comma-separated extra num_layers values (default: L/4, L/2, 3L/4)")
+    flags.add(p, "bench activations", "--offload-layers", dest="num_layers", default=None,
+              help="comma-separated extra num_layers values (default: L/4, L/2, 3L/4)")
     p.add_argument("--prefetch-depth", type=int, default=1, help="layers reloaded ahead")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")

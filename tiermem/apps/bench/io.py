@@ -19,7 +19,7 @@ the spread (slowest - fastest) of those runs. A missing ``--dir`` is created (mo
 
 Usage::
 
-    python -m tiermem.apps.bench.io --dir /mnt/nvme --nbytes 4GiB --threads 1,2,4 --repeat 3
+    python -m tiermem.apps.bench.io --dir /mnt/nvme --nbytes 4GiB --io-threads 1,2,4 --repeat 3
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem import flags
 from tiermem._files import make_private_dir
 from tiermem.apps.bench.common import bench_main
 from tiermem.config import parse_bytes
@@ -234,9 +235,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="directory on the disk to measure (created, mode 0700, if missing)")
     p.add_argument("--nbytes", default="256MiB", help="bytes moved per row (default 256MiB)")
     p.add_argument("--extent-bytes", default="64MiB", help="bytes per spilled extent (64MiB)")
-    p.add_argument("--chunk-bytes", default="8MiB", help="SpillSpace I/O chunk size (8MiB)")
+    flags.add(p, "bench io", "--io-chunk-bytes", dest="chunk_bytes", default="8MiB",
+              help="SpillSpace I/O chunk size (8MiB)")
     p.add_argument("--block-bytes", default="64MiB", help="raw row's bytes per syscall (64MiB)")
-    p.add_argument("--threads", default="1,2,4", help="thread counts of the posix/kvikio rows")
+    flags.add(p, "bench io", "--io-threads", dest="threads", default="1,2,4",
+              help="thread counts of the posix/kvikio rows")
     p.add_argument("--aiofiles-threads", default="2", help="thread counts of the aiofiles rows")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs per row; the median and the spread are shown (default 3)")
@@ -251,17 +254,17 @@ def run(args: argparse.Namespace, log=print) -> list[Row]:
     """
     nbytes = parse_bytes(args.nbytes, "--nbytes")
     extent_bytes = parse_bytes(args.extent_bytes, "--extent-bytes")
-    chunk_bytes = parse_bytes(args.chunk_bytes, "--chunk-bytes")
+    chunk_bytes = parse_bytes(args.chunk_bytes, "--io-chunk-bytes")
     block_bytes = parse_bytes(args.block_bytes, "--block-bytes")
     for name, v in (("--nbytes", nbytes), ("--extent-bytes", extent_bytes),
-                    ("--chunk-bytes", chunk_bytes), ("--block-bytes", block_bytes)):
+                    ("--io-chunk-bytes", chunk_bytes), ("--block-bytes", block_bytes)):
         if v < ALIGN_BYTES or v % ALIGN_BYTES:
             raise ValueError(f"{name}={v} must be a positive multiple of {ALIGN_BYTES} "
                              f"(O_DIRECT alignment)")
     threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
     aio_threads = [int(t) for t in str(args.aiofiles_threads).split(",") if t.strip()]
     if not threads or min(threads + aio_threads) < 1:
-        raise ValueError(f"--threads={args.threads!r} must list ints >= 1, e.g. 1,2,4")
+        raise ValueError(f"--io-threads={args.threads!r} must list ints >= 1, e.g. 1,2,4")
     if args.repeat < 1:
         raise ValueError(f"--repeat={args.repeat} must be >= 1 (3 or more for a median and a "
                          f"spread)")

@@ -28,6 +28,7 @@ FSDP2 + HybridAdam and data-parallel HybridAdam, see ``tiermem/apps/bench/optim_
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -36,6 +37,7 @@ import time
 
 import torch
 
+from tiermem import flags
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.names import parse_bytes
 from tiermem.apps.bench.common import bench_device, learnable_batches
@@ -368,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=2048 if big else 32)
     parser.add_argument("--vocab", type=int, default=32000 if big else 128)
     parser.add_argument("--batch", type=int, default=8 if big else 2, help="micro-batch size")
-    parser.add_argument("--accum", default="1,4", help="micro-batches per step, comma-separated")
+    add = functools.partial(flags.add, parser, "bench optim")  # the fields: tiermem/flags.py
+    add("--grad-accumulation-steps", dest="accum", default="1,4",
+        help="micro-batches per step, comma-separated")
     parser.add_argument("--setups", default=None,
                         help="gpu, naive, or F[:cpu|nvme][+fwd][+bf16][+chunk=N] (fraction F, "
                              "state tier, param_sync='forward', bf16 moments, chunk_numel; "
@@ -378,14 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme-steps", type=int, default=2, help="timed steps of NVMe setups")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every setup; ms/step is the median of the runs' medians")
-    parser.add_argument("--nvme-dir", default=None, help="spill directory (default: a temp dir)")
-    parser.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU Adam")
-    parser.add_argument("--clip", default=None,
-                        help="max_grad_norm thresholds, comma-separated, 'off' for none (default "
-                             "off,1e6,1e-3: 1e6 never clips, 1e-3 always does; one process only)")
-    parser.add_argument("--rollback-bytes", default="4GiB",
-                        help="HybridAdam rollback_bytes of the speculating clip rows (bytes or "
-                             "'4GiB'; 0: only the rows that wait for the norm)")
+    add("--nvme-dir", default=None, help="spill directory (default: a temp dir)")
+    add("--cpu-threads", type=int, default=None, help="threads of the CPU Adam")
+    add("--max-grad-norm", dest="clip", default=None,
+        help="max_grad_norm thresholds, comma-separated, 'off' for none (default "
+             "off,1e6,1e-3: 1e6 never clips, 1e-3 always does; one process only)")
+    add("--rollback-bytes", default="4GiB",
+        help="HybridAdam rollback_bytes of the speculating clip rows (bytes or "
+             "'4GiB'; 0: only the rows that wait for the norm)")
     parser.add_argument("--world", type=int, default=1,
                         help="processes (one GPU each on CUDA, gloo on the CPU otherwise); > 1 "
                              "benchmarks FSDP2 / data parallel (tiermem/apps/bench/optim_dist.py)")

@@ -34,15 +34,6 @@ the name and meaning of ``tiermem plan --gpu``). ``--micro-batches M`` runs M mi
 step (the streamed rows block-major with ``--schedule block-major``: each block crosses PCIe
 once per pass). Without CUDA the defaults are a CPU-sized model (smoke runs).
 
-Note [bench stream schedule]: with one micro-batch per step the block-major schedule moves the
-same bytes as depth-first (each block filled once per pass, twice per step) and adds a forward
-of every block, its recomputation (Note [block-major schedule]), which the resident rows do not
-run. Session 13's H200 rows at 16k tokens ran so (its log's header: ``micro_batches=1
-schedule=block-major``): fwd+bwd 320 ms streamed vs 241 resident, a gap of about one forward
-(a third of 241), which needs no PCIe stall to explain (not yet re-measured). So ``--schedule
-auto`` (the default) streams depth-first with one micro-batch and block-major with more;
-``--schedule block-major`` still forces it.
-
 Usage::
 
     tiermem bench stream --gpu 64GiB                  # reference GPT, 16k tokens per step
@@ -53,6 +44,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -62,6 +54,7 @@ from typing import Callable
 
 import torch
 
+from tiermem import flags
 from tiermem.apps import table
 from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
 from tiermem.apps.bench.optim_base import HP
@@ -144,22 +137,23 @@ def _parse_args(argv):
     p.add_argument("--seq", type=int, default=2048 if big else 32, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8 if big else 2,
                    help="sequences per micro-batch (8 x 2048: 16k tokens)")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    add = functools.partial(flags.add, p, "bench stream")  # the fields: tiermem/flags.py
+    add("--grad-accumulation-steps", dest="micro_batches", type=int, default=1,
+        help="micro-batches per step")
     p.add_argument("--vocab", type=int, default=32000 if big else 128, help="vocabulary size")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per run")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of every setup; ms is the median of the runs' medians")
-    p.add_argument("--tier", choices=("cpu", "nvme"), default="cpu",
-                   help="the streamed weights' home (nvme: needs --nvme-dir)")
-    p.add_argument("--nvme-dir", default=None, help="spill directory for --tier nvme")
+    add("--stream-tier", dest="tier", choices=("cpu", "nvme"), default="cpu",
+        help="the streamed weights' home (nvme: needs --nvme-dir)")
+    p.add_argument("--nvme-dir", default=None, help="spill directory for --stream-tier nvme")
     p.add_argument("--prefetch-blocks", type=int, default=1, help="blocks fetched ahead")
-    p.add_argument("--schedule", choices=("auto", "block-major", "depth-first"),
-                   default="auto", help="streamed rows' schedule over the micro-batches (auto: "
-                   "block-major with 2 or more, Note [bench stream schedule])")
+    add("--stream-schedule", dest="schedule", choices=("block-major", "depth-first"),
+        default="block-major", help="streamed rows' schedule over the micro-batches")
     p.add_argument("--checkpoint", action="store_true", help="checkpoint every block (all rows)")
-    p.add_argument("--gpu", default=None, metavar="SIZE",
-                   help="cap CUDA memory at SIZE (as tiermem plan --gpu); default: no cap")
+    add("--gpu-bytes", dest="gpu", default=None, metavar="SIZE",
+        help="cap CUDA memory at SIZE (as tiermem plan --gpu-bytes); default: no cap")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--optimizers", default="adamw,hybrid",
@@ -181,8 +175,6 @@ def _parse_args(argv):
         raise ValueError(f"--optimizers={args.optimizers!r}: give adamw, hybrid or both "
                          f"(comma-separated)")
     args.optimizer_set = wanted
-    if args.schedule == "auto":  # Note [bench stream schedule]
-        args.schedule = "block-major" if args.micro_batches > 1 else "depth-first"
     args.gpu_bytes = None if args.gpu is None else parse_bytes(args.gpu, "--gpu")
     args.probe = parse_bytes(args.probe_bytes, "--probe-bytes")
     return args
