@@ -226,15 +226,6 @@ def test_train_large_step_lines_report_the_clip_speculation():
     assert len(lines) == 2 and all(ln.endswith("| spec off") for ln in lines), lines
 
 
-def _train_large_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("train_large",
-                                                  ROOT / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_speculation_text_of_a_step_line():
     """examples/train_large.py's step-line part: off, speculating (with the GPU lane's share of
     the bytes held), paused by the switch (Note [speculation switch])."""

@@ -86,3 +86,25 @@ def test_the_formula_matches_hybrid_adams_slots(lane, one_thread):
         == (host, gpu)
     assert host + gpu > 0
     opt.close()
+
+
+def test_the_20b_ram_preset_has_ram_for_36_slots_and_not_for_what_its_last_backward_overlaps():
+    """The decision behind the 20B RAM preset's missing budget (docs/configuration.md): its
+    plan holds 4 GiB of copies (the 4.5 GiB left of the store's budget: 36 slots of 128 MiB
+    at most), not the ~14.4 GiB (115 chunks) the last of its 16 backward passes could overlap;
+    the refusal names the field."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_large_rb",
+                                                  root / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = str(root / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
+    assert module.load(path)["optimizer"].rollback_bytes == 0  # the preset sets none
+    fits = module.make_plan(module.load(path, overrides=["optimizer.rollback_bytes=4GiB"]))
+    item = _item(fits)
+    assert fits.fits and item.host == 32 * 4 * 2 * (1 << 24) and item.gpu == 0
+    big = module.make_plan(module.load(path, overrides=["optimizer.rollback_bytes=15GiB"]))
+    assert not big.fits
+    assert any(r.startswith("host") and "optimizer.rollback_bytes" in r for r in big.reasons)
