@@ -34,6 +34,15 @@ the name and meaning of ``tiermem plan --gpu``). ``--micro-batches M`` runs M mi
 step (the streamed rows block-major with ``--schedule block-major``: each block crosses PCIe
 once per pass). Without CUDA the defaults are a CPU-sized model (smoke runs).
 
+Note [bench stream schedule]: with one micro-batch per step the block-major schedule moves the
+same bytes as depth-first (each block filled once per pass, twice per step) and adds a forward
+of every block, its recomputation (Note [block-major schedule]), which the resident rows do not
+run. Session 13's H200 rows at 16k tokens ran so (its log's header: ``micro_batches=1
+schedule=block-major``): fwd+bwd 320 ms streamed vs 241 resident, a gap of about one forward
+(a third of 241), which needs no PCIe stall to explain (not yet re-measured). So ``--schedule
+auto`` (the default) streams depth-first with one micro-batch and block-major with more;
+``--schedule block-major`` still forces it.
+
 Usage::
 
     tiermem bench stream --gpu 64GiB                  # reference GPT, 16k tokens per step
@@ -149,8 +158,9 @@ def _parse_args(argv):
         help="the streamed weights' home (nvme: needs --nvme-dir)")
     p.add_argument("--nvme-dir", default=None, help="spill directory for --stream-tier nvme")
     p.add_argument("--prefetch-blocks", type=int, default=1, help="blocks fetched ahead")
-    add("--stream-schedule", dest="schedule", choices=("block-major", "depth-first"),
-        default="block-major", help="streamed rows' schedule over the micro-batches")
+    add("--stream-schedule", dest="schedule", choices=("auto", "block-major", "depth-first"),
+        default="auto", help="streamed rows' schedule over the micro-batches (auto: "
+        "block-major with 2 or more, Note [bench stream schedule])")
     p.add_argument("--checkpoint", action="store_true", help="checkpoint every block (all rows)")
     add("--gpu-bytes", dest="gpu", default=None, metavar="SIZE",
         help="cap CUDA memory at SIZE (as tiermem plan --gpu-bytes); default: no cap")
@@ -175,6 +185,8 @@ def _parse_args(argv):
         raise ValueError(f"--optimizers={args.optimizers!r}: give adamw, hybrid or both "
                          f"(comma-separated)")
     args.optimizer_set = wanted
+    if args.schedule == "auto":  # Note [bench stream schedule]
+        args.schedule = "block-major" if args.micro_batches > 1 else "depth-first"
     args.gpu_bytes = None if args.gpu is None else parse_bytes(args.gpu, "--gpu")
     args.probe = parse_bytes(args.probe_bytes, "--probe-bytes")
     return args
