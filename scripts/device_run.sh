@@ -51,6 +51,15 @@
 #                                       timed: ~3-4 min estimated)
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
+#   bench_stream_diag  nvidia-h200      issue 29's stream timing questions: the CUDA test that a fill
+#                                       lands while the block before it computes (test_kept.py),
+#                                       then bench stream at 16k tokens, 1 run (depth-first at one
+#                                       micro-batch now; each run's line gives HybridAdam's last
+#                                       step_stats and the gradients handed during / after the
+#                                       passes: Note [hand-off lag]), bounded 120 + 420 s
+#   bench_stream_bm1   nvidia-h200      the same bench forced block-major at one micro-batch,
+#                                       HybridAdam rows only (the recomputation's cost, Note
+#                                       [bench stream schedule]), bounded 300 s
 #   bench_hf           nvidia-h200      Trainer + AdamW vs TiermemTrainer (HybridAdam f=1.0, + act.
 #                                       offload) and the plain loop, 1.1B Llama, seq 2048: 3 runs,
 #                                       a round started only if it ends within 270 s (bounded 300 s)
@@ -148,6 +157,13 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_graphs) run bench_graphs 240 tiermem bench graphs --steps 10 --warmup 3 --repeats 3 ;;
     bench_stream) run bench_stream 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
       --warmup 1 --repeats 3 --gpu 64GiB ;;
+    bench_stream_diag)
+      run stream_kept_cuda 120 "${PYTEST[@]}" tests/stream/test_kept.py
+      run bench_stream_diag 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
+        --warmup 1 --repeats 1 --gpu-bytes 64GiB ;;
+    bench_stream_bm1) run bench_stream_bm1 300 tiermem bench stream "${GPT[@]}" --batch 8 \
+      --steps 3 --warmup 1 --repeats 1 --gpu-bytes 64GiB --stream-schedule block-major \
+      --optimizers hybrid ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
       --micro-batches 4 --steps 3 --warmup 1 --repeats 3 --gpu 64GiB ;;
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \

@@ -248,3 +248,63 @@ def test_a_fill_lands_while_the_block_before_it_computes(tmp_path):
         assert all(p.param.grad.is_pinned() for b in h._blocks for p in b.params)
         assert h.stats()["fills"] == 8 - 3
         h.close()
+
+
+# ------------------------------------------------------------------ gradient hand-off
+
+
+class _Copy:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+class _GradCopies:
+    """HostGrads' view of the copy streams on CUDA: each D2H copy's event lands only when the
+    test says so (``landed`` is the host waiting for it)."""
+
+    cuda = True
+
+    def __init__(self):
+        self.events: list = []
+
+    def grad_out(self, dst, src):
+        dst.copy_(src)
+        self.events.append(_Copy())
+        return self.events[-1]
+
+    @staticmethod
+    def finished(event):
+        return event.done
+
+    @staticmethod
+    def landed(event):
+        event.done = True
+
+
+def test_a_gradient_reaches_the_optimizer_only_when_a_later_take_sees_its_copy_landed():
+    """Note [hand-off lag], the mechanism: on CUDA a gradient is handed to the sink at the first
+    take (or flush) after its copy landed; the ones whose copies land after the last take of
+    the pass wait for flush(), at the end of the pass; the counts say which was which."""
+    from types import SimpleNamespace
+
+    from tiermem.stream.grads import HostGrads
+
+    copies = _GradCopies()
+    grads = HostGrads(copies, pin=False)
+    told = []
+    grads.sink = lambda entry, passes: told.append(entry.name)
+    entries = [SimpleNamespace(name=f"w{k}", acc=None, staging=None) for k in range(3)]
+    grads.take(entries[0], torch.ones(4))
+    grads.take(entries[1], torch.ones(4))
+    assert told == []  # both copies in flight
+    copies.events[0].done = True
+    grads.take(entries[2], torch.ones(4))
+    assert told == ["w0"]  # w0's copy landed before this take looked
+    copies.events[1].done = copies.events[2].done = True  # landed after the last take
+    assert told == ["w0"]
+    grads.flush()
+    assert told == ["w0", "w1", "w2"]
+    assert grads.handed == {"handed_in_pass": 1, "handed_at_end": 2}

@@ -28,6 +28,21 @@ complete only when its D2H copy (and the add of a staged later micro-batch) has 
 take lands, in issue order, the copies already finished (``event.query()``, no wait) and hands
 over every parameter with nothing left in flight; the rest are handed over by :meth:`flush`
 at the end of the pass. The sink never sees a gradient still being written.
+
+Note [hand-off lag]: on CUDA the sink learns of a gradient only when the autograd thread polls
+(a later take) after its D2H copy has landed, or at :meth:`HostGrads.flush` when the pass ends.
+Nothing in a streamed pass blocks the host, so it runs ahead of the GPU by as many kernels as
+CUDA lets it queue: the copies of the last gradients a backward produces (perhaps most of
+them) have not landed at any later take and reach the sink only at the end of the pass, and
+HybridAdam then steps their chunks after the backward instead of during it. HybridAdam's own
+gradient hook hands over an event instead (its worker thread waits for the GPU). ``stats()``
+of the stream counts both (``handed_in_pass``, ``handed_at_end``). Session 13's streamed
+HybridAdam row spent 481 ms after its backward against the resident row's 264: this lag if
+most gradients are handed at the end (measured by scripts/device_run.sh's stage
+``bench_stream_diag``, not yet run). The fix then: hand a gradient copied straight into its
+host gradient over at once with its D2H event and make HybridAdam's worker wait for that
+event before it reads a host gradient (``_copy_grads`` in tiermem/optim/chunk_worker.py); a
+staged later micro-batch's add must still land first.
 """
 
 from __future__ import annotations
@@ -62,6 +77,8 @@ class HostGrads:
         self._staged: set[int] = set()  # id(entry) whose staging tensor a pending copy fills
         self.sink: Any = None  # Note [streamed gradient hand-off]: callable(entry, passes)
         self._told: list[tuple[Any, int]] = []  # (entry, passes) not yet handed to the sink
+        # Note [hand-off lag]: gradients handed to the sink during the pass / by flush()
+        self.handed = {"handed_in_pass": 0, "handed_at_end": 0}
 
     def take(self, entry: Any, grad: torch.Tensor, passes: int = 1) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
@@ -77,6 +94,7 @@ class HostGrads:
             else:
                 entry.acc.add_(grad)
             if self.sink is not None:
+                self.handed["handed_in_pass"] += 1
                 self.sink(entry, passes)
             return
         if entry.acc is None:
@@ -105,11 +123,12 @@ class HostGrads:
                     self._staged.discard(id(item.entry))
         self._tell()
 
-    def _tell(self) -> None:
+    def _tell(self, when: str = "handed_in_pass") -> None:
         """Hand the sink, in take order, each told parameter whose copies have all landed."""
         busy = {id(item.entry) for item in self._pending}
         while self._told and id(self._told[0][0]) not in busy:  # the order: none passes a busy one
             entry, passes = self._told.pop(0)  # taken first: a sink that raises is not told twice
+            self.handed[when] += 1
             self.sink(entry, passes)
 
     def _land(self, entry: Any) -> None:
@@ -139,4 +158,4 @@ class HostGrads:
             if item.staging is not None:
                 item.entry.acc.add_(item.staging)
         if self._told:
-            self._tell()
+            self._tell("handed_at_end")

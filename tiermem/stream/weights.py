@@ -322,12 +322,14 @@ class WeightStream:
     def stats(self) -> dict:
         """Counts since the stream began: ``fills`` (blocks copied to the device),
         ``h2d_bytes``, ``peak_blocks`` (streamed blocks on the device at once, at most
-        ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy).
+        ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy),
+        ``handed_in_pass`` / ``handed_at_end`` (gradients handed to a connected optimizer
+        during a pass / when it ended: Note [hand-off lag]).
 
         Raises:
             nothing.
         """
-        return dict(self._fetcher.stats)
+        return dict(self._fetcher.stats, **self._grads.handed)
 
     def close(self, *, force: bool = False) -> None:
         """Stop streaming: every streamed parameter becomes an ordinary parameter on the device

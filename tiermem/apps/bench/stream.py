@@ -266,6 +266,7 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
                 step_s.append(t2 - t0)
                 if stream is not None:
                     streamed += stream.stats()["h2d_bytes"] - before
+        diag = _diagnosis(opt, stream)  # the last step's (Note [hand-off lag])
         with torch.no_grad():  # the final weights, seen through one more batch
             losses.append(float(model(*batches[-1][0])[1]))
     finally:
@@ -274,7 +275,23 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
         if stream is not None:
             stream.close(force=True)
     per_step = streamed // max(1, len(step_s)) if stream is not None else None
-    return fb_s, step_s, losses, per_step
+    return fb_s, step_s, losses, per_step, diag
+
+
+def _diagnosis(opt, stream) -> str:
+    """Where a row's optimizer tail goes (Note [hand-off lag] in tiermem/stream/grads.py):
+    HybridAdam's last step (``step_stats``: worker and CPU Adam seconds, the wait of ``step()``
+    for the worker) and the gradients the stream handed over during the passes / at their end
+    (totals since the stream began); "" for a row with neither."""
+    parts = []
+    if hasattr(opt, "step_stats"):
+        st = opt.step_stats()
+        parts += [f"{k} {st[k]:.3f}" for k in ("step_s", "stall_s", "worker_s", "cpu_adam_s",
+                                               "copy_wait_s") if k in st]
+    if stream is not None:
+        st = stream.stats()
+        parts += [f"{k} {st[k]}" for k in ("handed_in_pass", "handed_at_end")]
+    return ", ".join(parts)
 
 
 def run(args, log=print) -> list[Row]:
@@ -322,13 +339,14 @@ def run(args, log=print) -> list[Row]:
         for setup in setups:
             fb, steps, runs, per_step = [], [], [], None
             for rep in range(1, args.repeats + 1):
-                fb_s, step_s, losses, per_step = _train(setup, build, init, batches, store,
-                                                        args, device)
+                fb_s, step_s, losses, per_step, diag = _train(setup, build, init, batches,
+                                                              store, args, device)
                 gc.collect()
                 fb.append(1e3 * statistics.median(fb_s))
                 steps.append(1e3 * statistics.median(step_s))
                 runs.append(losses)
-                log(f"  {setup.name}: run {rep}/{args.repeats}: {steps[-1]:.1f} ms/step")
+                log(f"  {setup.name}: run {rep}/{args.repeats}: {steps[-1]:.1f} ms/step"
+                    + (f" (last step: {diag})" if diag else ""))
             runs_of[setup.name] = runs
             if setup.reference is None:
                 parity = "baseline"
