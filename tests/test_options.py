@@ -118,8 +118,9 @@ def test_each_section_dataclass_has_the_fields_and_defaults_of_its_definition(se
 
 
 def _with_option(monkeypatch, option: options.Option) -> None:
-    """The table with ``option`` added at its end, for the rest of the test."""
-    monkeypatch.setitem(options.OPTIONS, option.dotted, option)
+    """The table with ``option`` added at its end, for the rest of the test (a copy: the
+    table's order is the fields' order, and must come back as it was)."""
+    monkeypatch.setattr(options, "OPTIONS", {**options.OPTIONS, option.dotted: option})
 
 
 NEW_KNOB = options.Option("optimizer", "new_knob", 7, options._int(1, "widgets"),
@@ -234,8 +235,9 @@ def test_the_hybrid_adam_drift_check_sees_either_side(monkeypatch):
     _with_option(monkeypatch, NEW_KNOB)  # defined, not taken
     assert _hybrid_adam_drift() == ["optimizer.new_knob is defined but HybridAdam does not "
                                     "take it"]
-    monkeypatch.delitem(options.OPTIONS, "optimizer.new_knob")
-    monkeypatch.delitem(options.OPTIONS, "optimizer.placement")  # taken, not defined
+    monkeypatch.setattr(options, "OPTIONS", {d: o for d, o in options.OPTIONS.items() if d not in
+                                             ("optimizer.new_knob", "optimizer.placement")})
+    # placement: taken, not defined
     assert _hybrid_adam_drift() == ["HybridAdam(placement=...) is not defined in "
                                     "tiermem/options.py"]
 
