@@ -145,10 +145,11 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_activations_chunked) run bench_activations_chunked 420 tiermem bench activations \
       "${GPT[@]}" --batch 8 --steps 3 --warmup 2 --repeats 3 --loss-chunk-tokens 1024 \
       --only "checkpoint every block,checkpoint + tiermem cpu,auto,all but last,save_on_cpu" ;;
-    bench_optim) run bench_optim 540 tiermem bench optim --steps 3 --accum 1,4 --repeats 3 \
-      --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 --clip off ;;
-    bench_optim_clip) run bench_optim_clip 540 tiermem bench optim --steps 3 --accum 1 \
-      --repeats 3 --setups gpu,1.0,1.0+gpu=1.0 --clip off,1e6,1e-3 --rollback-bytes 4GiB ;;
+    bench_optim) run bench_optim 540 tiermem bench optim --steps 3 --grad-accumulation-steps 1,4 \
+      --repeats 3 \
+      --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 --max-grad-norm off ;;
+    bench_optim_clip) run bench_optim_clip 540 tiermem bench optim --steps 3 \
+      --grad-accumulation-steps 1 --repeats 3 --setups gpu,1.0,1.0+gpu=1.0 --max-grad-norm off,1e6,1e-3 --rollback-bytes 4GiB ;;
     bench_basics)
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
       run bench_adam 90 tiermem bench adam --numel 200000000
@@ -156,7 +157,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_hf) run bench_hf 300 python3 examples/bench_hf_trainer.py ;;
     bench_graphs) run bench_graphs 240 tiermem bench graphs --steps 10 --warmup 3 --repeats 3 ;;
     bench_stream) run bench_stream 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
-      --warmup 1 --repeats 3 --gpu 64GiB ;;
+      --warmup 1 --repeats 3 --gpu-bytes 64GiB ;;
     bench_stream_diag)
       run stream_kept_cuda 120 "${PYTEST[@]}" tests/stream/test_kept.py
       run bench_stream_diag 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
@@ -165,12 +166,12 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --steps 3 --warmup 1 --repeats 1 --gpu-bytes 64GiB --stream-schedule block-major \
       --optimizers hybrid ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
-      --micro-batches 4 --steps 3 --warmup 1 --repeats 3 --gpu 64GiB ;;
+      --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB ;;
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \
       --steps 3 --warmup 2 --repeats 3 ;;
     dist_tests) nvidia-smi -L; run dist_tests 420 "${PYTEST[@]}" tests/distributed ;;
     bench_optim_world2) run bench_optim_world2 300 tiermem bench optim --world 2 --steps 3 \
-      --accum 1,4 --setups gpu,0.5,1.0 --timeout 290 ;;
+      --grad-accumulation-steps 1,4 --setups gpu,0.5,1.0 --timeout 290 ;;
     large13) run large_13b 330 python3 examples/train_large.py \
       --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL" ;;
     large20) run large_20b 540 python3 examples/train_large.py \
