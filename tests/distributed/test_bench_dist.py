@@ -67,7 +67,8 @@ def check_rows(rows: list[dict], world: int = 2) -> None:
 
 def test_world_2_on_cpu_prints_every_setup_with_half_the_state_per_rank(monkeypatch, capfd,
                                                                          tmp_path):
-    rc, rows = run_main(monkeypatch, TINY + ["--world", "2", "--steps", "2", "--accum", "1",
+    rc, rows = run_main(monkeypatch, TINY + ["--world", "2", "--steps", "2",
+                                             "--grad-accumulation-steps", "1",
                                              "--nvme-dir", str(tmp_path)])
     out, err = capfd.readouterr()
     assert rc == 0, err
@@ -101,8 +102,8 @@ def test_bad_flags_name_the_flag():
         main(TINY + ["--world", "0"])
     with pytest.raises(ValueError, match="'naive' runs only with --world 1"):
         main(TINY + ["--world", "2", "--setups", "gpu,naive"])
-    with pytest.raises(ValueError, match="--accum='0' must be"):
-        main(TINY + ["--world", "2", "--accum", "0"])
+    with pytest.raises(ValueError, match="--grad-accumulation-steps='0' must be"):
+        main(TINY + ["--world", "2", "--grad-accumulation-steps", "0"])
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA GPU"):
             main(TINY + ["--world", str(torch.cuda.device_count() + 1)])
@@ -117,7 +118,8 @@ def test_world_2_on_two_gpus_with_nccl(monkeypatch, capfd):
         pytest.skip("needs 2 CUDA GPUs (device kind nvidia-h200-x2)")
     rc, rows = run_main(monkeypatch, ["--layers", "2", "--d-model", "256", "--heads", "4",
                                       "--seq", "256", "--vocab", "1024", "--batch", "2",
-                                      "--world", "2", "--steps", "2", "--accum", "1,2",
+                                      "--world", "2", "--steps", "2",
+                                      "--grad-accumulation-steps", "1,2",
                                       "--timeout", "300"])
     out, err = capfd.readouterr()
     assert rc == 0, err

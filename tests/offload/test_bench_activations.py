@@ -25,7 +25,7 @@ def test_bench_runs_tiny_on_cpu(capsys, tmp_path):
 def test_bench_rejects_bad_sizes(capsys):
     assert main(["--layers", "0"]) == 2
     assert "--layers=0 must be >= 1" in capsys.readouterr().err
-    assert main(["--layers", "4", "--num-layers", "9", "--d-model", "8", "--heads", "2",
+    assert main(["--layers", "4", "--offload-layers", "9", "--d-model", "8", "--heads", "2",
                  "--seq", "4", "--vocab", "8", "--batch", "1", "--steps", "1"]) == 2
     assert "outside [0, 4)" in capsys.readouterr().err
 

@@ -9,13 +9,13 @@ from tiermem.apps.bench import optim
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARGS = ["--steps", "2", "--accum", "1", "--layers", "1", "--d-model", "32", "--heads", "4",
-        "--seq", "16", "--vocab", "64", "--batch", "2"]
+ARGS = ["--steps", "2", "--grad-accumulation-steps", "1", "--layers", "1", "--d-model", "32",
+        "--heads", "4", "--seq", "16", "--vocab", "64", "--batch", "2"]
 
 
 def test_one_table_with_a_parity_verdict_per_row(capsys):
     assert optim.main(ARGS + ["--setups", "gpu,0.5,1.0+bf16", "--repeats", "2",
-                                  "--clip", "off"]) == 0
+                                  "--max-grad-norm", "off"]) == 0
     out = capsys.readouterr().out
     assert out.count("tokens/step") == 1  # the table once (progress goes to stderr)
     rows = [line for line in out.splitlines() if "HybridAdam" in line or "AdamW" in line]
@@ -41,7 +41,7 @@ def test_a_wrong_optimizer_is_reported_and_fails(capsys, monkeypatch):
         return opt
 
     monkeypatch.setattr(optim, "_make_opt", make)
-    assert optim.main(ARGS + ["--setups", "gpu,0.5", "--clip", "off"]) == 1
+    assert optim.main(ARGS + ["--setups", "gpu,0.5", "--max-grad-norm", "off"]) == 1
     captured = capsys.readouterr()
     assert "WRONG" in next(r for r in captured.out.splitlines() if "f=0.5" in r)
     assert "did not train as the baseline" in captured.err
@@ -124,7 +124,7 @@ def test_clip_rows_are_the_default_and_each_is_checked_against_adamw_clipped_ali
 
 def test_a_broken_rollback_is_reported_wrong_and_fails(capsys, monkeypatch):
     _patch(monkeypatch, broken=True)
-    assert optim.main(ARGS + ["--setups", "gpu,0.5", "--clip", "1e-3"]) == 1
+    assert optim.main(ARGS + ["--setups", "gpu,0.5", "--max-grad-norm", "1e-3"]) == 1
     captured = capsys.readouterr()
     rows = _rows(captured.out)
     assert "WRONG" in next(r for r in rows if " 1e-3 spec " in r), captured.out
@@ -133,11 +133,12 @@ def test_a_broken_rollback_is_reported_wrong_and_fails(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--clip", "0"], "--clip: '0' is not off or a positive finite max_grad_norm"),
-    (["--clip", "inf"], "--clip: 'inf' is not off"),
-    (["--clip", "x"], "--clip: 'x' is not off"),
+    (["--max-grad-norm", "0"],
+     "--max-grad-norm: '0' is not off or a positive finite max_grad_norm"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm: 'inf' is not off"),
+    (["--max-grad-norm", "x"], "--max-grad-norm: 'x' is not off"),
     (["--rollback-bytes", "-1"], "--rollback-bytes"),
-    (["--world", "2", "--clip", "1e6"], "--clip: not with --world > 1"),
+    (["--world", "2", "--max-grad-norm", "1e6"], "--max-grad-norm: not with --world > 1"),
 ])
 def test_bad_clip_input_exits_2(capsys, argv, message):
     assert optim.main(ARGS + ["--setups", "gpu"] + argv) == 2
@@ -149,7 +150,7 @@ def test_clipped_rows_against_an_unclipped_baseline_would_be_wrong(capsys, monke
     baseline's clip_grad_norm_ made a no-op, the always-clipping HybridAdam rows differ from it
     beyond the noise bound: the parity column can tell a clipped step from an unclipped one."""
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: None)
-    assert optim.main(ARGS + ["--setups", "gpu,0.5", "--clip", "1e-3",
+    assert optim.main(ARGS + ["--setups", "gpu,0.5", "--max-grad-norm", "1e-3",
                               "--rollback-bytes", "0"]) == 1
     rows = _rows(capsys.readouterr().out)
     assert "WRONG" in next(r for r in rows if " 1e-3 wait " in r)

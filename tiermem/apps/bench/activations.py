@@ -6,7 +6,7 @@ they compare within a run:
 - ``no offload``; ``checkpoint every block``;
 - ``save_on_cpu(pin_memory=True)`` (torch's own offload; unpinned on a machine without CUDA);
 - ``tiermem cpu N=...``: :func:`~tiermem.offload.offload_activations` of the first N blocks to
-  pinned host memory, for N = all but the last and the values of ``--num-layers``;
+  pinned host memory, for N = all but the last and the values of ``--offload-layers``;
 - ``tiermem cpu auto``: ``layers="auto"``, the blocks whose copies hide behind compute, chosen
   after the second forward (needs ``--warmup`` >= 2 to time the chosen set only);
 - ``tiermem cpu N=... double-buffered``;
@@ -136,7 +136,7 @@ def _setups(args, store: TierStore, nvme_store: TierStore | None) -> list[tuple[
              else sorted({n // 4, n // 2, 3 * n // 4} - {0, n - 1}))
     for k in sorted(set(extra) | {n - 1}, reverse=True):
         if not 0 <= k < n:
-            raise ValueError(f"--num-layers value {k} is outside [0, {n})")
+            raise ValueError(f"--offload-layers value {k} is outside [0, {n})")
         rows.append((f"tiermem cpu N={k}" + (" (all but last)" if k == n - 1 else ""), False,
                      lambda m, k=k: offload_activations(m.blocks, store=store, num_layers=k,
                                                         prefetch_depth=args.prefetch_depth)))

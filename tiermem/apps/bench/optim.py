@@ -14,8 +14,8 @@ worker's busy time (kernel + copy waits + per-chunk bookkeeping), ``stall ms`` t
 step waited for the CPU side after backward. Modifiers: ``+bf16`` (bf16 moments, a precision
 trade), ``+chunk=16M`` (``chunk_numel``), ``+gpu=0.5`` (``gpu_step_fraction``: half the
 offloaded chunks stepped by the GPU streaming their state, Note [gpu lane]).
-Clipping (``--clip``, default ``off,1e6,1e-3``: what users run, Note [bench clip rows]): each
-threshold is a block of its own; the AdamW rows (``gpu``, ``naive``) clip with
+Clipping (``--max-grad-norm``, default ``off,1e6,1e-3``: what users run, Note [bench clip
+rows]): each threshold is a block of its own; the AdamW rows (``gpu``, ``naive``) clip with
 ``torch.nn.utils.clip_grad_norm_``, every HybridAdam setup runs with ``max_grad_norm`` twice,
 ``wait`` (``rollback_bytes=0``: the CPU step waits for the norm) and ``spec`` (``--rollback-bytes``:
 Note [speculative step]), ``spec/rb`` its speculated / rolled-back chunks over the timed steps.
@@ -117,8 +117,8 @@ def parse_setup(name: str) -> dict:
 
 
 def parse_clips(text: str) -> list[tuple[str, float | None]]:
-    """Parse ``--clip``: comma-separated ``off`` or positive finite ``max_grad_norm`` values;
-    returns ``(as written, value or None)`` pairs in order, duplicates dropped.
+    """Parse ``--max-grad-norm``: comma-separated ``off`` or positive finite ``max_grad_norm``
+    values; returns ``(as written, value or None)`` pairs in order, duplicates dropped.
 
     Raises:
         ValueError: an entry that is neither, naming it and the fix.
@@ -132,12 +132,13 @@ def parse_clips(text: str) -> list[tuple[str, float | None]]:
         except ValueError:
             value = float("nan")
         if value is not None and not 0.0 < value < float("inf"):
-            raise ValueError(f"--clip: {item!r} is not off or a positive finite max_grad_norm "
-                             f"(e.g. --clip off,1e6,1e-3)")
+            raise ValueError(f"--max-grad-norm: {item!r} is not off or a positive finite "
+                             f"max_grad_norm (e.g. --max-grad-norm off,1e6,1e-3)")
         if all(value != v for _, v in out):
             out.append((item, value))
     if not out:
-        raise ValueError(f"--clip: {text!r} names no threshold (e.g. --clip off,1e6,1e-3)")
+        raise ValueError(f"--max-grad-norm: {text!r} names no threshold "
+                         f"(e.g. --max-grad-norm off,1e6,1e-3)")
     return out
 
 
@@ -398,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.world != 1:
         if args.clip not in (None, "off"):
-            print("error: --clip: not with --world > 1 (the distributed table does not clip); "
-                  "leave it out or pass --clip off", file=sys.stderr)
+            print("error: --max-grad-norm: not with --world > 1 (the distributed table does not "
+                  "clip); leave it out or pass --max-grad-norm off", file=sys.stderr)
             return 2
         from tiermem.apps.bench import optim_dist
         return optim_dist.main_dist(args)

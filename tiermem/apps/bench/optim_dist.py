@@ -3,9 +3,10 @@
 The command spawns ``N`` processes itself (127.0.0.1, a free TCP port): NCCL with one GPU per
 rank when CUDA has at least ``N`` GPUs, else gloo on the CPU. Every rank builds the same
 reference GPT (``tiermem/models/gpt.py``, same seed) and trains on its own micro-batches (a
-fixed seed per rank). Side by side in one run, for each ``--accum`` setting (micro-batches per
-optimizer step; the FSDP2 rows reduce-scatter after every micro-batch, FSDP2's default, which
-keeps gradients sharded; the data-parallel rows reduce only after the last one):
+fixed seed per rank). Side by side in one run, for each ``--grad-accumulation-steps`` setting
+(micro-batches per optimizer step; the FSDP2 rows reduce-scatter after every micro-batch,
+FSDP2's default, which keeps gradients sharded; the data-parallel rows reduce only after the
+last one):
 
 - ``fsdp2 fused AdamW (GPU)``: ``fully_shard`` on every block and the root with fp32 params,
   ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on CUDA (plain fp32 on
@@ -308,7 +309,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, spec: Spec) -> No
         rows = []
         for accum in spec.accums:
             for setup in spec.setups:
-                where = f"setup {setup.label!r}, --accum {accum}"
+                where = f"setup {setup.label!r}, --grad-accumulation-steps {accum}"
                 mine = _time_setup(setup, accum, spec, device, rank)
                 ranks = [None] * world
                 dist.all_gather_object(ranks, mine)
@@ -438,8 +439,8 @@ def main_dist(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: ``--world`` < 1 or above the CUDA GPU count, a bad ``--setups`` item, a
-            non-positive ``--accum``, ``--steps``, ``--nvme-steps``, ``--batch`` or
-            ``--timeout``, a bad model size; each naming the flag.
+            non-positive ``--grad-accumulation-steps``, ``--steps``, ``--nvme-steps``,
+            ``--batch`` or ``--timeout``, a bad model size; each naming the flag.
     """
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                     seq_len=args.seq, vocab=args.vocab)
@@ -451,7 +452,8 @@ def main_dist(args: argparse.Namespace) -> int:
     except ValueError:
         accums = [0]
     if min(accums) < 1:
-        raise ValueError(f"--accum={args.accum!r} must be comma-separated ints >= 1")
+        raise ValueError(f"--grad-accumulation-steps={args.accum!r} must be comma-separated "
+                         f"ints >= 1")
     for flag, value in (("--steps", args.steps), ("--nvme-steps", args.nvme_steps),
                         ("--batch", args.batch), ("--timeout", timeout)):
         if value <= 0:
