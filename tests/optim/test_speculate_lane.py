@@ -175,3 +175,75 @@ def test_a_refused_step_restores_lane_chunks_from_their_device_copies(monkeypatc
         runs.append((model, opt.state_dict()))
         opt.close()
     assert_same_bits(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize("tier,regime", [("cpu", "never"), ("cpu", "always"), ("nvme", "never")])
+def test_chunks_beyond_the_budget_are_stepped_in_forward_order(tier, regime, tmp_path,
+                                                               monkeypatch, one_thread):
+    """Note [held chunks]: room for 3 chunks; the first steps speculate 3 chunks (the last ones:
+    backward order) and the others, held until step() has the norm, are stepped in forward
+    order (the order a param_sync="forward" forward needs them in; the old code stepped them in
+    backward order), or with NVMe chunks in the order they were held (the read-ahead's);
+    bit-identical to the waiting run."""
+    from tiermem.optim.step_state import StepState
+    order: list = []
+    issued = StepState.chunk_issued
+
+    def record(self, item, event):
+        order.append(item)
+        return issued(self, item, event)
+
+    monkeypatch.setattr(StepState, "chunk_issued", record)
+    held_order: list = []  # per step: the chunks claim() held, in that order
+    claim = speculate.Speculation.claim
+
+    def claim_and_record(self, item):
+        ok = claim(self, item)
+        if not ok and item not in held_order[-1]:
+            held_order[-1].append(item)
+        return ok
+
+    monkeypatch.setattr(speculate.Speculation, "claim", claim_and_record)
+    slot = chunk_state_bytes(1024, torch.float32)
+    max_norm, scale = (1.0, lambda s: 1e-2) if regime == "never" else (1e-3, lambda s: 1.0)
+    kw = dict(KW, param_sync="forward")
+    if tier == "nvme":
+        kw.update(state_tier="nvme", nvme_dir=str(tmp_path))
+    model = make_models()
+    opt = HybridAdam(model.parameters(), **kw, max_grad_norm=max_norm, rollback_bytes=3 * slot)
+    chunks = _chunks(opt)
+    steps = []
+    for step in range(STEPS):
+        order.clear()
+        held_order.append([])
+        (model(*make_batch(step))[1] * scale(step)).backward()
+        opt.step()
+        opt.synchronize()
+        opt.zero_grad(set_to_none=True)
+        st = opt.step_stats()
+        steps.append((list(order), st["speculated_chunks"], st["rolled_back_chunks"]))
+    for k, (seen, spec, rolled) in enumerate(steps):
+        if regime == "always" and k >= 2:  # the switch is off: forward order, as waiting
+            assert spec == 0 and seen == chunks, (k, seen)
+            continue
+        assert spec == 3 and rolled == (3 if regime == "always" else 0), (k, spec, rolled)
+        first, rest = seen[:3], seen[3:]
+        held = [c for c in chunks if c not in first]  # in forward order
+        assert len(held) == len(chunks) - 3 and sorted(held_order[k]) == held, (k, seen)
+        if regime == "always":  # the held ones, then the three rolled back
+            assert rest == held + first, (k, seen)
+        else:  # forward order; with NVMe the order they were held in (arrival)
+            assert rest == (held_order[k] if tier == "nvme" else held), (k, seen)
+            assert tier == "nvme" or held_order[k] != held  # arrival order is not forward
+    ref = make_models()
+    kw_ref = dict(kw, nvme_dir=str(tmp_path / "ref")) if tier == "nvme" else kw
+    if tier == "nvme":
+        (tmp_path / "ref").mkdir()
+    ref_opt = HybridAdam(ref.parameters(), **kw_ref, max_grad_norm=max_norm, rollback_bytes=0)
+    for step in range(STEPS):
+        (ref(*make_batch(step))[1] * scale(step)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    ref_opt.synchronize()
+    assert_same_bits(model, opt.state_dict(), ref, ref_opt.state_dict())
+    opt.close(), ref_opt.close()

@@ -84,6 +84,8 @@ class ChunkWorker:
         with step.lock:
             if item in step.queued:
                 return
+            if step.speculation is not None and not step.speculation.claim(item):
+                return  # Note [held chunks] (speculate.py): step() queues it with the norm
             step.queued.add(item)
             step.outstanding += 1
         self.queue.put(item)

@@ -51,6 +51,18 @@ is one process only: with ``data_parallel`` or FSDP2 chunks wait for the all-red
 (logged); with streamed weights (Note [streamed write-back]) it is refused the same way (not
 tested yet); HybridAdam steps chunks in forward order whenever a step does not speculate.
 
+Note [held chunks]: a speculating step ships gradients as they land (backward order: the last
+layers first), and the chunks that find no slot wait for the norm. Queued behind the admitted
+ones they would be stepped, once ``step()`` has the norm, in that backward order -- the order
+the next forward needs them *last*: with ``param_sync="forward"`` its first offloaded blocks
+would wait for nearly the whole CPU step (the non-speculating path steps them in forward order:
+Note [stepping order]). So only as many chunks as there are slots are queued during backward
+(:meth:`Speculation.claim`, counting them as :meth:`Speculation.admit` takes slots); the rest
+are held, and ``step()`` queues them once it has decided, in forward order (ahead of any
+rolled-back chunks), or, with NVMe-resident chunks, in the order they were held, the one the
+NVMe read-ahead follows (``StateLayout.expected_order``). The order of the steps changes no
+bit (each chunk's step reads only its own state and gradients).
+
 Note [speculation switch]: a clipped step costs a rollback and a second CPU step of every
 admitted chunk, so speculation pays only while clipping is rare. Every step's outcome (clipped:
 the coefficient is not exactly 1) is recorded, also on steps that did not speculate (their
@@ -154,6 +166,8 @@ class Speculation:
         self._decided = False
         self._restore: set[tuple[int, int]] = set()
         self._saved: set[tuple[int, int]] = set()
+        self._claimed = [0, 0]  # slots claimed by queued chunks: host, GPU (Note [held chunks])
+        self._held: list[tuple[int, int]] = []  # chunks queued by step() (Note [held chunks])
         self._outcome: tuple | None = None  # (host coefficient, event or None)
         self._lock = threading.Lock()  # _saved: worker writes, the stats read
 
@@ -244,6 +258,8 @@ class Speculation:
             self._admitted.clear()
             self._admitted_gpu.clear()
             self._restore.clear()
+            self._claimed = [0, 0]
+            self._held = []
             self._decided = False
         self._saved.clear()
         self.active = (ready and bool(self._slots or self._gpu_slots())
@@ -272,6 +288,37 @@ class Speculation:
             return False
         self._admitted[item] = len(self._admitted)
         return True
+
+    def claim(self, item: tuple[int, int]) -> bool:
+        """Whether chunk ``item``, complete during backward, goes to the worker's queue now:
+        while this step speculates and has not decided, only as many chunks as there are slots
+        (of its kind, as :meth:`admit` takes them) are queued; the rest are held for
+        :meth:`settle` (Note [held chunks]). Hooks' thread, under the step's lock.
+
+        Raises:
+            Nothing.
+        """
+        if not self.active or self._decided:
+            return True
+        if item in self._held:
+            return False
+        lane = self._lane is not None and item in self._lane.chunks
+        if lane and self._claimed[1] < len(self._gpu_slots()):
+            self._claimed[1] += 1
+            return True
+        if self._claimed[0] < len(self._slots):
+            self._claimed[0] += 1
+            return True
+        self._held.append(item)
+        return False
+
+    def _release_held(self, enqueue: Callable[[tuple[int, int]], None]) -> None:
+        """Queue the held chunks (caller's thread, in ``step()``, decided): in forward order
+        without NVMe chunks, else in the order they were held (Note [held chunks])."""
+        with self._step.lock:
+            held, self._held = self._held, []
+        for item in (held if self._layout.nvme_chunks else sorted(held)):
+            enqueue(item)
 
     def lane_copy(self, item: tuple[int, int]) -> tuple[torch.Tensor, bool] | None:
         """For a lane chunk admitted to a device slot (Note [lane rollback on the GPU]): ``(the
@@ -401,6 +448,7 @@ class Speculation:
                 events = [step.chunk_h2d[i] for i in items]
             step.add_stats(speculated_chunks=len(admitted), rolled_back_chunks=len(items))
             if not clipped:
+                self._release_held(enqueue)  # Note [held chunks]
                 return 0  # the coefficient is 1: clipping would change no gradient
             for event in events if consumer is not None else ():
                 if event is not None:
@@ -418,6 +466,7 @@ class Speculation:
             clip_event = torch.cuda.Event()
             clip_event.record(consumer)  # D2H copies and the lane read clipped grads
             step.clip_event = clip_event
+        self._release_held(enqueue)  # Note [held chunks]: before the rolled-back ones
         if not items:
             return 0 if self.active else None
         with step.lock:
