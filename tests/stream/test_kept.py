@@ -308,3 +308,21 @@ def test_a_gradient_reaches_the_optimizer_only_when_a_later_take_sees_its_copy_l
     grads.flush()
     assert told == ["w0", "w1", "w2"]
     assert grads.handed == {"handed_in_pass": 1, "handed_at_end": 2}
+
+
+def test_an_unpinned_store_on_cuda_is_warned_about():
+    """Note [pinned host copies]: on a CUDA device only StoreConfig.pin_memory=False leaves the
+    stream's host memory pageable (its copies then serialize with compute); 'auto' and True
+    pin, and a CPU device has nothing to pin."""
+    from types import SimpleNamespace
+
+    from tiermem.stream.checks import unpinned_warning
+
+    def store(device, pin):
+        return SimpleNamespace(device=torch.device(device),
+                               config=SimpleNamespace(pin_memory=pin))
+
+    assert "pin_memory=False" in unpinned_warning(store("cuda", False))
+    assert unpinned_warning(store("cuda", "auto")) is None
+    assert unpinned_warning(store("cuda", True)) is None
+    assert unpinned_warning(store("cpu", False)) is None

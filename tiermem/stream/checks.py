@@ -127,6 +127,31 @@ def check_options(store: Any, tier: Any, prefetch_blocks: Any, gpu_bytes: Any,
     return None, tuple(sorted(out))
 
 
+def unpinned_warning(store: Any) -> str | None:
+    """The warning for a store on a CUDA device whose host memory is not pinned (Note [pinned
+    host copies]), or None.
+
+    Note [pinned host copies]: a host-to-device copy from pageable memory is synchronous to
+    the host (CUDA's API synchronization notes: ``cudaMemcpyAsync`` returns once the bytes are
+    staged through a pinned bounce buffer, which for a block of weights means once the copy,
+    ordered after the compute stream's work queued before the fill, has largely run). The host
+    then cannot queue the running block's kernels while the next block is being copied, and
+    the stream's copies serialize with the compute they should hide behind. Every H2D copy of
+    a stream reads the store's cpu pool (the host copies with ``tier="cpu"``, the NVMe staging
+    with ``"nvme"``), pinned on CUDA unless ``StoreConfig.pin_memory=False``; the host
+    gradients the D2H copies write are pinned by the stream itself (Note [host gradients]).
+
+    Raises:
+        nothing.
+    """
+    if store.device.type == "cuda" and store.config.pin_memory is False:
+        return ("weight streaming: the store's host memory is not pinned "
+                "(StoreConfig.pin_memory=False) on a CUDA device: every weight copy to the GPU "
+                "is synchronous and cannot overlap compute (Note [pinned host copies]); set "
+                "pin_memory='auto' or True")
+    return None
+
+
 def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The empty tensor a streamed parameter's ``.data`` is while its block is not on the
     device during a pass (any use of it fails on its shape instead of reading freed memory).

@@ -70,7 +70,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tiermem.stream.blocks import Block, Fetcher, Param
 from tiermem.stream.checks import (STREAMED_BLOCKS, block_params, check_composition,
                                    check_grad_flags, check_options, placeholder,
-                                   select_frozen)
+                                   select_frozen, unpinned_warning)
 from tiermem.stream.compose import eager as _eager
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
@@ -191,6 +191,9 @@ class WeightStream:
         self.tier = tier
         self.prefetch_blocks = prefetch_blocks
         self.device = store.device
+        unpinned = unpinned_warning(store)  # Note [pinned host copies]
+        if unpinned is not None:
+            logger.warning(unpinned)
         self._modules = list(blocks)
         self._uid = next(_IDS)
         self._copies = StreamCopies(self.device)
