@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import weakref
 from typing import Any
 
 from tiermem import options
@@ -222,16 +223,58 @@ def shown(value: Any) -> str:
 _WARNED: set[tuple[str, str]] = set()
 """(command, deprecated flag) already warned about in this process: once is enough."""
 
+_GIVEN: dict[int, tuple[Any, dict[str, str]]] = {}
+"""id(namespace) -> (a weak reference to it, dest -> the spelling given in that parse)."""
+
+
+def _one_spelling(action: argparse.Action, namespace: Any, spelling: str) -> None:
+    """Refuse a second spelling of ``action``'s field in one parse (Note [both spellings]).
+
+    Note [both spellings]: a deprecated flag (:data:`ALIASES`) and its new spelling set one
+    destination; given both, argparse would keep whichever came last, so ``--gpu 40GB
+    --gpu-bytes 80GB`` and ``--gpu-bytes 80GB --gpu 40GB`` would plan for different GPUs with
+    only a deprecation warning. Both spellings on one command line are refused (exit 2, naming
+    both), whatever their values; one spelling given twice keeps argparse's rule (the last).
+    Each parse has its own namespace, so what one parse gave is kept beside it (by id, dropped
+    with it), never in the parser.
+
+    Raises:
+        argparse.ArgumentError: the field was given in another spelling in this parse.
+    """
+    key = id(namespace)
+    entry = _GIVEN.get(key)
+    if entry is None or entry[0]() is not namespace:
+        def drop(ref: Any, key: int = key) -> None:
+            if _GIVEN.get(key, (None,))[0] is ref:
+                del _GIVEN[key]
+        entry = (weakref.ref(namespace, drop), {})
+        _GIVEN[key] = entry
+    other = entry[1].setdefault(action.dest, spelling)
+    if other != spelling:
+        raise argparse.ArgumentError(action, f"{other} and {spelling} set the same field; "
+                                             f"give one of them, not both")
+
+
+class _Spelled(argparse.Action):
+    """The spelling to use of a flag that has deprecated ones: stores its value (as argparse's
+    ``store``) after :func:`_one_spelling`'s check."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _one_spelling(self, namespace, option_string)
+        setattr(namespace, self.dest, values)
+
 
 class _Deprecated(argparse.Action):
     """A deprecated spelling of a flag: sets the same destination and logs a warning (once a
-    process per spelling)."""
+    process per spelling); given with the new spelling it is refused (Note [both
+    spellings])."""
 
     def __init__(self, option_strings, dest, *, command: str, new: str, **kwargs) -> None:
         self.command, self.new = command, new
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _one_spelling(self, namespace, option_string)
         if (self.command, option_string) not in _WARNED:
             _WARNED.add((self.command, option_string))
             logger.warning("%s: %s is deprecated; use %s (%s)", self.command, option_string,
@@ -252,6 +295,9 @@ def add(parser: Any, command: str, flag: str, **kwargs: Any) -> argparse.Action:
         kwargs["default"] = list(kwargs["default"])
     if "help" in kwargs:
         kwargs["help"] = kwargs["help"].replace("%(default)s", shown(kwargs["default"]))
+    olds = [old for old, new in ALIASES.get(command, {}).items() if new == flag]
+    if olds and kwargs.get("action", "store") == "store":  # Note [both spellings]
+        kwargs["action"] = _Spelled
     action = parser.add_argument(flag, **kwargs)
     for old, new in ALIASES.get(command, {}).items():
         if new == flag:
