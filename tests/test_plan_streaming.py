@@ -6,6 +6,7 @@ issue's 13B example. The references are written from the shapes here, not read f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -129,7 +130,8 @@ def _split(p):
 
 @pytest.mark.parametrize("accum", [1, 4])
 def test_block_major_moves_each_streamed_block_once_per_pass(accum):
-    """Block-major: 2·S H2D + S D2H per step whatever the micro-batches; depth-first M times
+    """Block-major: 2·S - K H2D + S D2H per step whatever the micro-batches (K: the last 3
+    streamed blocks, kept into the backward: Note [kept into backward]); depth-first M times
     that; the optimizer phase ships only the resident params (a streamed weight's update is
     not sent back). PCIe: the largest of D2H, H2D and both at once (Note [streaming plan])."""
     r = MachineRates()
@@ -137,21 +139,71 @@ def test_block_major_moves_each_streamed_block_once_per_pass(accum):
     df = issue_13b(grad_accumulation_steps=accum, stream_schedule="depth-first")
     for p, passes in ((bm, 1), (df, accum)):
         S, rest = _split(p)
+        n_streamed = S // block_weight_bytes(PRESETS["13b"].d_model)
+        K = 3 * block_weight_bytes(PRESETS["13b"].d_model)  # prefetch 1 + 2 blocks
+        assert n_streamed > 3 and p.stream.kept == tuple(range(n_streamed - 3, n_streamed))
+        fetched = passes * (2 * S - K)
         m = p.step_time.moved
-        assert m["stream_h2d_bytes"] == 2 * passes * S and m["stream_d2h_bytes"] == passes * S
+        assert m["stream_h2d_bytes"] == fetched and m["stream_d2h_bytes"] == passes * S
         assert (p.stream.passes, p.stream.h2d_bytes, p.stream.d2h_bytes) == \
-            (passes, 2 * passes * S, passes * S)
-        d2h, h2d = rest + passes * S, rest + 2 * passes * S
+            (passes, fetched, passes * S)
+        d2h, h2d = rest + passes * S, rest + fetched
         assert m["pcie_d2h_bytes"] == d2h and m["pcie_h2d_bytes"] == h2d
         assert p.step_time.seconds["pcie"] == pytest.approx(max(
             d2h / r.pcie_d2h_bytes_per_s, h2d / r.pcie_h2d_bytes_per_s,
             (d2h + h2d) / r.pcie_both_bytes_per_s))
-        traffic = max(passes * S / r.pcie_d2h_bytes_per_s, 2 * passes * S /
-                      r.pcie_h2d_bytes_per_s, 3 * passes * S / r.pcie_both_bytes_per_s)
+        traffic = max(passes * S / r.pcie_d2h_bytes_per_s, fetched /
+                      r.pcie_h2d_bytes_per_s, (passes * S + fetched) / r.pcie_both_bytes_per_s)
         assert p.step_time.fwd_bwd_s == pytest.approx(max(p.step_time.seconds["gpu"], traffic))
     assert bm.step_time.stream_schedule == "block-major"
     if accum > 1:  # block-major keeps every micro-batch's block inputs: fewer stay resident
         assert len(bm.stream.resident) < len(df.stream.resident)
+
+
+@pytest.mark.parametrize("schedule, prefetch", [("block-major", 1), ("depth-first", 1),
+                                                ("block-major", 0), ("depth-first", 0)])
+def test_planned_streamed_bytes_are_what_a_real_stream_fetches(schedule, prefetch, one_thread):
+    """The plan's streamed H2D bytes per step (``StreamPlan.h2d_bytes`` and the step time's)
+    are what ``stream_weights`` fetches, counted per step, training the planned model: 8 AdamW
+    steps of 2 different micro-batches, every block streamed. The forward keeps the last
+    blocks for the backward (Note [kept into backward]), so this is less than 2 fetches per
+    streamed block per pass; and the stream never holds more streamed blocks than the
+    buffers the plan counts on the GPU."""
+    from stream._stream_train import CFG, make_model, train
+    from tiermem.schedule.micro_batches import forward_backward
+    n, L, micro = CFG.num_params(), CFG.n_layers, 2
+    kw = dict(n_layers=L, d_model=CFG.d_model, n_heads=CFG.n_heads, vocab=CFG.vocab,
+              seq=CFG.seq_len, batch=2, dtype="float32", grad_accumulation_steps=micro,
+              stream_weights=True, stream_schedule=schedule, prefetch_blocks=prefetch,
+              gpu_reserve_bytes=0)
+    w = sum(p.numel() for p in make_model().blocks[0].parameters()) * 4  # fp32 block weights
+    buffers = prefetch + 2
+    others = plan(n, **kw, gpu_bytes=1 << 30).used["gpu"] - L * 2 * w  # every block resident
+    p = plan(n, **kw, gpu_bytes=others + buffers * 2 * w)  # room for the buffers alone
+    assert p.fits and p.stream.streamed == tuple(range(L)) and p.stream.block_bytes == w
+    passes = 1 if schedule == "block-major" else micro
+    fetched = passes * (2 * L - buffers) * w  # written from the rule, not read from the plan
+    assert p.stream.h2d_bytes == p.step_time.moved["stream_h2d_bytes"] == fetched
+    store = TierStore(StoreConfig(device="cpu", cpu_bytes="16MiB"))
+    held, per_step = {}, []
+
+    def start(model):
+        held["h"] = stream_weights(model.blocks, store=store, tier="cpu",
+                                   prefetch_blocks=prefetch, gpu_bytes=p.stream.stream_gpu_bytes)
+        return held["h"]
+
+    def count(model, step):
+        per_step.append(held["h"].stats()["h2d_bytes"] - sum(per_step))
+
+    fb = functools.partial(forward_backward, block_major=schedule == "block-major")
+    _, _, h = train(make_model(), steps=8, n_micro=micro, stream=start, before_step=count, fb=fb)
+    try:
+        assert h.plan.streamed == p.stream.streamed and h.plan.kept == p.stream.kept
+        assert per_step == [p.stream.h2d_bytes] * 8
+        assert 0 < h.stats()["peak_blocks"] <= p.stream.buffer_blocks == buffers
+    finally:
+        h.close()
+        store.close()
 
 
 def test_block_major_activations_grow_with_the_micro_batches():
@@ -185,7 +237,8 @@ def test_block_major_recomputes_so_it_counts_as_checkpointing():
 
 def test_nvme_home_reads_the_weights_at_every_fetch_and_writes_them_once():
     """RAM too small for the streamed weights: the plan puts them on NVMe (and says so), with
-    RAM staging for prefetch + 3 blocks; NVMe time: 2·S read per pass + S written per step."""
+    RAM staging for prefetch + 3 blocks; NVMe time: 2·S - K read per pass (the 3 blocks kept
+    into the backward read once) + S written per step."""
     r = MachineRates()
     p = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", state_tier="cpu")
     assert p.fits and p.stream.tier == "nvme"
@@ -193,7 +246,9 @@ def test_nvme_home_reads_the_weights_at_every_fetch_and_writes_them_once():
     S = p.stream.streamed_bytes
     assert rows["parameters"].nvme == S and rows["parameters"].host == 0
     assert rows["streaming RAM staging"].host == 4 * block_weight_bytes(5120)
-    assert p.step_time.seconds["nvme"] == pytest.approx(2 * S / r.nvme_read_bytes_per_s
+    reads = 2 * S - 3 * block_weight_bytes(5120)
+    assert p.step_time.moved["stream_nvme_read_bytes"] == reads
+    assert p.step_time.seconds["nvme"] == pytest.approx(reads / r.nvme_read_bytes_per_s
                                                         + S / r.nvme_write_bytes_per_s)
     assert "streamed from NVMe" in p.table()
     pinned = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", stream_tier="cpu",
@@ -217,6 +272,19 @@ def test_step_time_streaming_terms_by_closed_form():
     nvme = step_time(**kw, stream_tier="nvme")
     assert nvme.seconds["nvme"] == pytest.approx(2e9 / r.nvme_read_bytes_per_s
                                                  + 1e9 / r.nvme_write_bytes_per_s)
+    # K kept into the backward: fetched (and read from NVMe) once per pass, not twice
+    for accum, sched in ((1, "block-major"), (3, "depth-first")):
+        k = step_time(**kw, stream_kept_bytes=4 * 10**8, stream_tier="nvme",
+                      grad_accumulation_steps=accum, stream_schedule=sched)
+        passes = accum if sched == "depth-first" else 1
+        assert k.moved["stream_h2d_bytes"] == k.moved["stream_nvme_read_bytes"] == \
+            passes * (2 * 10**9 - 4 * 10**8)
+        assert k.moved["pcie_h2d_bytes"] == 10**9 + passes * 16 * 10**8
+        assert k.moved["stream_d2h_bytes"] == passes * 10**9
+    with pytest.raises(ValueError, match="stream_kept_bytes=3 must be whole params"):
+        step_time(**kw, stream_kept_bytes=3)
+    with pytest.raises(ValueError, match="at most streamed_bytes=1000000000"):
+        step_time(**kw, stream_kept_bytes=2 * 10**9)
     with pytest.raises(ValueError, match="streamed_bytes=3 must be whole params"):
         step_time(**{**kw, "streamed_bytes": 3})
     with pytest.raises(ValueError, match="among the offloaded_params=0"):
@@ -270,7 +338,7 @@ def test_command_plans_the_issue_example(capsys):
 
 
 def test_command_refuses_in_one_line_and_rejects_bad_flags(capsys):
-    assert main(ISSUE_13B + ["--gpu", "6GiB", "--batch", "4", "--stream-weights", "on"]) == 1
+    assert main(ISSUE_13B + ["--gpu-bytes", "6GiB", "--batch", "4", "--stream-weights", "on"]) == 1
     out = capsys.readouterr().out
     refusal = [line for line in out.splitlines() if line.startswith("does not fit: gpu")]
     assert len(refusal) == 1 and "streaming buffers" in refusal[0] and "fix:" in refusal[0]

@@ -505,7 +505,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
         param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,
         n_layers=n_layers, streamed_bytes=st.streamed_bytes if st else 0,
-        stream_schedule=schedule, stream_tier=st.tier if st else "cpu", rates=rates)
+        stream_kept_bytes=st.kept_bytes if st else 0, stream_schedule=schedule,
+        stream_tier=st.tier if st else "cpu", rates=rates)
     add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best

@@ -34,14 +34,20 @@ state of as many parameters as stay resident.
 
 Per optimizer step of M micro-batches the streamed bytes S (the streamed blocks' weights) cross
 PCIe: **block-major** (issue 29 item 4: each block runs for every micro-batch while its weights
-are on the GPU; the default, and with M = 1 the same as depth-first) ``2·S`` host to device (forward, and backward with the
-checkpoint recomputation in the same fetch) and ``S`` of gradients device to host, once per
-step, whatever M; **depth-first** (the stream's plain loop) ``2·M·S`` and ``M·S``. Both happen during
+are on the GPU; the default, and with M = 1 the same as depth-first) ``2·S − K`` host to
+device (forward, and backward with the checkpoint recomputation in the same fetch) and ``S`` of
+gradients device to host, once per step, whatever M; **depth-first** (the stream's plain loop)
+``M·(2·S − K)`` and ``M·S``. K is the weights of the blocks a forward keeps on the GPU for its
+backward (the library's ``ResidencyPlan.kept``, Note [kept into backward] in
+``tiermem/stream/residency.py``: the last ``prefetch_blocks + 2`` streamed blocks, fetched once
+per pass, not twice). They take no GPU memory beyond the buffers above: the device never holds
+more streamed blocks than ``buffer_blocks`` (the stream's ``peak_blocks``), and each buffer is
+counted with weights and gradients. Both happen during
 forward + backward, beside the GPU's work (Note [optimizer tail]: the floor's first term is the
 larger of the GPU's time and this traffic's). A streamed weight's update is not copied back
 (HybridAdam writes the host copy the next forward streams), so the optimizer phase's PCIe
-counts only the resident parameters. With the weights on NVMe each fetch reads them (``2·S``
-per pass) and the update writes them once per step (in the optimizer phase). Block-major over
+counts only the resident parameters. With the weights on NVMe each fetch reads them (``2·S −
+K`` per pass) and the update writes them once per step (in the optimizer phase). Block-major over
 M > 1 micro-batches (Note [block-major schedule] in ``tiermem/schedule/block_major.py``) saves
 only each block's input per micro-batch, all M at once, and recomputes every block in the
 backward: its activations are those of checkpointing times M (the inputs the GPU keeps, or
@@ -92,9 +98,12 @@ class StreamPlan:
         tier: the streamed weights' home, ``"cpu"`` (pinned RAM) or ``"nvme"``.
         schedule: ``"block-major"`` or ``"depth-first"``.
         micro_batches: per optimizer step (M).
-        passes: times each streamed block's weights are fetched per step, per direction of the
-            pass: 1 block-major, M depth-first.
-        h2d_bytes: streamed weights host to device per step (``2 x passes x S``).
+        passes: passes (forward + backward) each streamed block runs per step: 1 block-major,
+            M depth-first.
+        kept: the streamed blocks a forward keeps on the GPU for its backward (the library's
+            ``ResidencyPlan.kept``, Note [kept into backward]).
+        kept_bytes: their weights (K).
+        h2d_bytes: streamed weights host to device per step (``passes x (2 x S - K)``).
         d2h_bytes: their gradients device to host per step (``passes x S``).
     """
 
@@ -113,6 +122,8 @@ class StreamPlan:
     schedule: str
     micro_batches: int
     passes: int
+    kept: tuple[int, ...]
+    kept_bytes: int
     h2d_bytes: int
     d2h_bytes: int
 
@@ -219,14 +230,16 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
     s_params = n_streamed * block_params
     s_bytes = s_params * param_bytes
     passes = 1 if schedule == "block-major" else micro_batches
+    kept_bytes = len(res.kept) * w  # Note [kept into backward]: fetched once per pass
     stream = StreamPlan(
         n_blocks=n_layers, resident=res.resident, streamed=res.streamed,
         block_params=block_params, block_bytes=w, streamed_params=s_params,
         streamed_bytes=s_bytes, prefetch_blocks=prefetch_blocks,
         buffer_blocks=res.buffer_blocks, buffer_bytes=res.buffer_bytes,
         stream_gpu_bytes=(len(res.resident) + res.buffer_blocks) * w, tier=tier,
-        schedule=schedule, micro_batches=micro_batches, passes=passes,
-        h2d_bytes=2 * passes * s_bytes, d2h_bytes=passes * s_bytes)
+        schedule=schedule, micro_batches=micro_batches, passes=passes, kept=res.kept,
+        kept_bytes=kept_bytes, h2d_bytes=passes * (2 * s_bytes - kept_bytes),
+        d2h_bytes=passes * s_bytes)
     home = "RAM" if tier == "cpu" else "NVMe"
     params.gpu -= s_bytes
     setattr(params, "host" if tier == "cpu" else "nvme", s_bytes)

@@ -171,8 +171,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               gpu_step_fraction: float = 0.0, max_grad_norm: float | None = None,
               offloaded_chunks: int = 0, param_sync: str = "step",
               breadth_first_blocks: int = 0, n_layers: int | None = None,
-              streamed_bytes: int = 0, stream_schedule: str = "block-major",
-              stream_tier: str = "cpu", rates: MachineRates | None = None) -> StepTime:
+              streamed_bytes: int = 0, stream_kept_bytes: int = 0,
+              stream_schedule: str = "block-major", stream_tier: str = "cpu",
+              rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
@@ -196,12 +197,14 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
       on one disk (plus ``activation_offload_bytes`` per micro-batch with
       ``activation_tier="nvme"``);
     - streamed weights (``streamed_bytes`` S > 0; Note [streaming plan] in
-      ``tiermem/apps/plan/streaming.py``): ``2·S`` H2D and ``S`` of gradients D2H per pass, one
-      pass per step block-major, one per micro-batch depth-first, during forward + backward;
-      their params are neither sent back nor their gradients shipped in the optimizer phase
-      (``S / param_bytes`` of the offloaded params leave the optimizer's PCIe bytes); with
-      ``stream_tier="nvme"`` also ``2·S`` NVMe reads per pass (forward + backward) and ``S``
-      written per step (the update, in the optimizer phase).
+      ``tiermem/apps/plan/streaming.py``): ``2·S − K`` H2D (``K``: ``stream_kept_bytes``, the
+      blocks kept into the backward, fetched once: Note [kept into backward]) and ``S`` of
+      gradients D2H per pass, one pass per step block-major, one per micro-batch depth-first,
+      during forward + backward; their params are neither sent back nor their gradients
+      shipped in the optimizer phase (``S / param_bytes`` of the offloaded params leave the
+      optimizer's PCIe bytes); with ``stream_tier="nvme"`` also ``2·S − K`` NVMe reads per
+      pass (forward + backward) and ``S`` written per step (the update, in the optimizer
+      phase).
 
     The step (Note [optimizer tail]): the floor is forward + backward (the GPU, or the
     offloaded activations' traffic if slower) plus what of the optimizer phase (its PCIe, CPU
@@ -242,6 +245,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         n_layers: the model's blocks (needed with ``breadth_first_blocks``).
         streamed_bytes: bytes of the streamed blocks' weights (0: none streamed); their
             params must be among the offloaded ones.
+        stream_kept_bytes: bytes of the streamed blocks' weights a forward keeps on the GPU
+            for its backward (``StreamPlan.kept_bytes``), 0 to ``streamed_bytes``.
         stream_schedule: ``"block-major"`` or ``"depth-first"``.
         stream_tier: the streamed weights' home, ``"cpu"`` or ``"nvme"``.
         rates: :class:`MachineRates`; None: the H200 machine's.
@@ -252,7 +257,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             number in [0.0, 1.0], ``max_grad_norm`` not a number > 0 (or None), ``rates``
             not MachineRates, an unknown ``param_sync``, ``breadth_first_blocks`` above
             ``n_layers`` or given without it, ``streamed_bytes`` not a whole number of
-            params or more params than are offloaded, an unknown schedule or stream tier.
+            params or more params than are offloaded, ``stream_kept_bytes`` not whole params
+            or above ``streamed_bytes``, an unknown schedule or stream tier.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -267,7 +273,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                         ("nvme_state_bytes", nvme_state_bytes),
                         ("activation_offload_bytes", activation_offload_bytes),
                         ("offloaded_chunks", offloaded_chunks),
-                        ("streamed_bytes", streamed_bytes)):
+                        ("streamed_bytes", streamed_bytes),
+                        ("stream_kept_bytes", stream_kept_bytes)):
         check_int(who, name, value, low=0)
     check_choice(who, "stream_schedule", stream_schedule, ("block-major", "depth-first"))
     check_choice(who, "stream_tier", stream_tier, OFFLOAD_TIERS)
@@ -276,6 +283,10 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         raise ValueError(f"{who}streamed_bytes={streamed_bytes} must be whole params of "
                          f"param_bytes={param_bytes} among the offloaded_params="
                          f"{offloaded_params} (a streamed weight is stepped on the host)")
+    if stream_kept_bytes % param_bytes or stream_kept_bytes > streamed_bytes:
+        raise ValueError(f"{who}stream_kept_bytes={stream_kept_bytes} must be whole params of "
+                         f"param_bytes={param_bytes}, at most streamed_bytes={streamed_bytes} "
+                         f"(the kept blocks are streamed ones: StreamPlan.kept_bytes)")
     moments = _field("optimizer.moments_dtype", who, moments_dtype)
     _field("activations.tier", who, activation_tier, "activation_tier")
     share = _field("optimizer.gpu_step_fraction", who, gpu_step_fraction)
@@ -297,12 +308,17 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     # each way, once per optimizer step: the CPU chunks' gradients off and params back, the
     # lane chunks' state (fp32 master + moments) in and back
     opt_bytes = (cpu_params - streamed_params) * param_bytes + lane_bytes
-    # Note [streaming plan]: per pass 2·S weights H2D, S gradients D2H (and 2·S NVMe reads);
-    # one pass per step block-major (fixed), one per micro-batch depth-first (per token)
+    # Note [streaming plan]: per pass S gradients D2H and 2·S - K weights H2D (the K kept into
+    # the backward fetched once), as many NVMe reads with the weights there; one pass per step
+    # block-major (fixed), one per micro-batch depth-first (per token)
     per_mb = stream_schedule == "depth-first"
-    s_fixed, s_per = (0.0, streamed_bytes / micro_batch_tokens) if per_mb else \
-        (float(streamed_bytes), 0.0)
-    s_read = 2 if stream_tier == "nvme" else 0  # NVMe reads per streamed byte and pass
+
+    def per_pass(nbytes: int) -> tuple[float, float]:  # (fixed, per token) of bytes per pass
+        return (0.0, nbytes / micro_batch_tokens) if per_mb else (float(nbytes), 0.0)
+
+    s_fixed, s_per = per_pass(streamed_bytes)  # the gradients, D2H
+    f_fixed, f_per = per_pass(2 * streamed_bytes - stream_kept_bytes)  # the fetches, H2D
+    s_read = 1 if stream_tier == "nvme" else 0  # NVMe reads per fetched byte
     s_write = streamed_bytes if stream_tier == "nvme" else 0  # the update, once per step
     adam_rate = r.cpu_adam_params_per_s if moments == "float32" else \
         r.cpu_adam_bf16_moments_params_per_s
@@ -311,15 +327,15 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     terms = {
         "pcie": [((opt_bytes + s_fixed) / r.pcie_d2h_bytes_per_s,
                   (act_per_token + s_per) / r.pcie_d2h_bytes_per_s),
-                 ((opt_bytes + 2 * s_fixed) / r.pcie_h2d_bytes_per_s,
-                  (act_per_token + 2 * s_per) / r.pcie_h2d_bytes_per_s),
-                 ((2 * opt_bytes + 3 * s_fixed) / r.pcie_both_bytes_per_s,
-                  (2 * act_per_token + 3 * s_per) / r.pcie_both_bytes_per_s)],
+                 ((opt_bytes + f_fixed) / r.pcie_h2d_bytes_per_s,
+                  (act_per_token + f_per) / r.pcie_h2d_bytes_per_s),
+                 ((2 * opt_bytes + s_fixed + f_fixed) / r.pcie_both_bytes_per_s,
+                  (2 * act_per_token + s_per + f_per) / r.pcie_both_bytes_per_s)],
         "cpu_adam": [(cpu_params / adam_rate + offloaded_chunks * r.worker_s_per_chunk, 0.0)],
         "nvme": [(nvme_state_bytes * disk + s_write / r.nvme_write_bytes_per_s
-                  + s_read * s_fixed / r.nvme_read_bytes_per_s,
+                  + s_read * f_fixed / r.nvme_read_bytes_per_s,
                   (act_per_token * disk if activation_tier == "nvme" else 0.0)
-                  + s_read * s_per / r.nvme_read_bytes_per_s)],
+                  + s_read * f_per / r.nvme_read_bytes_per_s)],
     }
     g = flops_per_token / (r.gpu_flops_checkpointed if checkpoint else r.gpu_flops)
     seconds = {"gpu": g * tokens}
@@ -331,14 +347,15 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     pcie_per_byte = max(1 / r.pcie_d2h_bytes_per_s, 1 / r.pcie_h2d_bytes_per_s,
                         2 / r.pcie_both_bytes_per_s)  # s per byte moved each way
     act_bytes = act_per_token * tokens  # each way, all micro-batches
-    s_step = s_fixed + s_per * tokens  # streamed bytes per pass x passes: S or M·S
+    s_step = s_fixed + s_per * tokens  # gradients D2H per step: S or M·S
+    f_step = f_fixed + f_per * tokens  # weights H2D per step: 2·S - K or M·(2·S - K)
     # forward + backward: the GPU's work, or the traffic that runs during it if longer
     fwd_bwd = max(seconds["gpu"],
                   (act_bytes + s_step) / r.pcie_d2h_bytes_per_s,
-                  (act_bytes + 2 * s_step) / r.pcie_h2d_bytes_per_s,
-                  (2 * act_bytes + 3 * s_step) / r.pcie_both_bytes_per_s,
+                  (act_bytes + f_step) / r.pcie_h2d_bytes_per_s,
+                  (2 * act_bytes + s_step + f_step) / r.pcie_both_bytes_per_s,
                   (act_bytes * disk if activation_tier == "nvme" else 0.0)
-                  + s_read * s_step / r.nvme_read_bytes_per_s)
+                  + s_read * f_step / r.nvme_read_bytes_per_s)
     opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"],
            nvme_state_bytes * disk + s_write / r.nvme_write_bytes_per_s)
     window = 0.0 if max_grad_norm is not None else \
@@ -364,18 +381,18 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     act_total = activation_offload_bytes * grad_accumulation_steps
     moved = dict(gpu_flops=float(flops_per_token * tokens),
                  pcie_d2h_bytes=float(opt_bytes + act_total + s_step),
-                 pcie_h2d_bytes=float(opt_bytes + act_total + 2 * s_step),
+                 pcie_h2d_bytes=float(opt_bytes + act_total + f_step),
                  pcie_gpu_lane_bytes=float(lane_bytes),
                  cpu_adam_params=float(cpu_params),
                  offloaded_chunks=float(offloaded_chunks),
                  gpu_lane_params=float(lane_params),
-                 nvme_read_bytes=float(nvme_state_bytes + s_read * s_step
+                 nvme_read_bytes=float(nvme_state_bytes + s_read * f_step
                                        + (act_total if activation_tier == "nvme" else 0)),
                  nvme_write_bytes=float(nvme_state_bytes + s_write
                                         + (act_total if activation_tier == "nvme" else 0)))
     if streamed_bytes:
-        moved.update(stream_h2d_bytes=float(2 * s_step), stream_d2h_bytes=float(s_step),
-                     stream_nvme_read_bytes=float(s_read * s_step),
+        moved.update(stream_h2d_bytes=float(f_step), stream_d2h_bytes=float(s_step),
+                     stream_nvme_read_bytes=float(s_read * f_step),
                      stream_nvme_write_bytes=float(s_write))
     return StepTime(tokens=tokens, micro_batch_tokens=micro_batch_tokens, seconds=seconds,
                     bound=bound, overlapped_s=overlapped, serial_s=serial,
@@ -505,16 +522,18 @@ def stream_line(st: StepTime) -> str:
     """
     m = st.moved
     accum = st.tokens // st.micro_batch_tokens
-    s = m["stream_d2h_bytes"] / GiB
+    s, h = m["stream_d2h_bytes"] / GiB, m["stream_h2d_bytes"] / GiB
+    # Note [kept into backward]: the blocks a forward keeps for its backward are fetched once
+    kept = "the last ones, kept on the GPU from forward into backward, once"
     if st.stream_schedule == "block-major":
         how = (f"block-major (the default when streaming): each streamed block's weights cross "
-               f"once per pass over the {accum} micro-batch{'es' if accum > 1 else ''}, 2 x "
-               f"{s:,.1f} GiB H2D + {s:,.1f} GiB of gradients D2H per step; depth-first moves "
-               f"that once per micro-batch")
+               f"twice per pass over the {accum} micro-batch{'es' if accum > 1 else ''} "
+               f"({kept}), {h:,.1f} GiB H2D + {s:,.1f} GiB of gradients D2H per step; "
+               f"depth-first moves that once per micro-batch")
     else:
         per = "" if accum == 1 else f" over {accum} micro-batches"
-        how = (f"depth-first: 2 x {s:,.1f} GiB H2D + {s:,.1f} GiB of gradients D2H per "
-               f"step{per} (each micro-batch fetches every streamed block twice)")
+        how = (f"depth-first: {h:,.1f} GiB H2D + {s:,.1f} GiB of gradients D2H per "
+               f"step{per} (each micro-batch fetches every streamed block twice, {kept})")
     home = " from NVMe (read at every fetch)" if st.stream_tier == "nvme" else ""
     return (f"weights streamed{home}, {how}; during forward + backward, so fwd+bwd is the "
             f"longer of the GPU's time and this traffic's (a prediction: no streaming run "
