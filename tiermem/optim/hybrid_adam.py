@@ -777,6 +777,9 @@ class HybridAdam(torch.optim.Optimizer):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()
+        if getattr(self, "_lane", None) is not None:  # the worker is stopped: nothing steps
+            self._spec.free()  # Note [lane rollback on the GPU]: its host and device copies
+            self._lane.clear()  # and the lane's device slots
 
 
 def choose_mode(params: list[torch.Tensor], data_parallel: bool | None, process_group: Any,

@@ -202,6 +202,22 @@ class Speculation:
         """
         return sum(s.numel() * s.element_size() for s in self._gpu_slots())
 
+    def free(self) -> None:
+        """Give back the rollback slots, host RAM and the lane's device slots (``close()``,
+        the worker stopped): a closed optimizer the caller still holds keeps none of
+        ``rollback_bytes``; nothing speculates after.
+
+        Raises:
+            Nothing beyond torch's errors.
+        """
+        device = self._layout.device
+        if self._gpu_slots() and device.type == "cuda":
+            torch.cuda.synchronize(device)  # no lane copy still reads or writes a slot
+        self._slots = []
+        if self._lane is not None:
+            self._lane.rollback = []
+        self.enabled = self.active = False
+
     def _alloc(self) -> None:
         """Allocate ``rollback_bytes // (largest chunk's state bytes)`` slots, at most one per
         chunk (caller's thread, at the first step with state): on the GPU as many as there are
