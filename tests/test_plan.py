@@ -1458,3 +1458,17 @@ def test_plan_hf_config_refuses_clearly(tmp_path, capsys, monkeypatch):
     assert main(["--hf-config", str(path), "--layers", "4"]) == 2
     assert "--hf-config sets the shape; drop --layers" in capsys.readouterr().err
     assert main(["--hf-config", str(path), "--model-size", "7b"]) == 2  # argparse: one model
+
+
+def test_configuration_doc_has_a_row_for_every_plan_flag():
+    """docs/configuration.md's ``tiermem plan`` flag table names every flag the command
+    documents (its deprecated spellings, hidden from --help, aside), and only those."""
+    import argparse
+    from tiermem.apps.plan import build_parser
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    table = text.split("## `tiermem plan` flags")[1].split("\n## ")[0]
+    in_doc = {flag for line in table.splitlines() if line.startswith("| `")
+              for flag in re.findall(r"`(--[a-z0-9-]+)`", line.split("|")[1])}
+    parsed = {o for a in build_parser()._actions if a.help != argparse.SUPPRESS
+              for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert in_doc == parsed

@@ -5,6 +5,9 @@ overflow, naming the field. The slot counts are checked against a real HybridAda
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -108,3 +111,68 @@ def test_the_20b_ram_preset_has_ram_for_36_slots_and_not_for_what_its_last_backw
     big = module.make_plan(module.load(path, overrides=["optimizer.rollback_bytes=15GiB"]))
     assert not big.fits
     assert any(r.startswith("host") and "optimizer.rollback_bytes" in r for r in big.reasons)
+
+
+# ---------------------------------------------------------------- tiermem plan --rollback-bytes
+
+CLI = ["--params", str(N), "--layers", "24", "--d-model", "2048", "--heads", "16", "--batch", "8",
+       "--seq", "2048", "--offload-fraction", "1", "--state-tier", "cpu",
+       "--host-bytes", "125GiB"]
+"""KW on the command line (the plan's own chunk size: 80 chunks of 16M elements here too)."""
+
+
+def _row(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(ROLLBACK_ITEM)]
+
+
+@pytest.mark.parametrize("lane,on_gpu", [(0.0, 0), (0.5, 10)])
+def test_the_command_shows_the_rollback_slots_in_its_memory_table(lane, on_gpu, capsys):
+    """``--rollback-bytes 4GiB`` with ``--max-grad-norm``: the table's row holds 21 slots'
+    bytes, the lane's share in the GPU column; JSON carries the exact bytes; without
+    ``--max-grad-norm`` (nothing speculates) there is no row."""
+    from tiermem.apps.plan import main
+    argv = CLI + ["--max-grad-norm", "1", "--gpu-step-fraction", str(lane),
+                  "--rollback-bytes", "4GiB"]
+    assert main(argv) == 0
+    row = _row(capsys.readouterr().out)
+    assert len(row) == 1
+    gpu, host, nvme, note = re.split(r"\s{2,}", row[0][len(ROLLBACK_ITEM):].strip())
+    assert gpu == (f"{on_gpu * SLOT / GiB:,.1f} GiB" if on_gpu else "-") and nvme == "-"
+    assert host == f"{(21 - on_gpu) * SLOT / GiB:,.1f} GiB" and note.startswith("21 chunks'")
+    assert main(argv + ["--json"]) == 0
+    item = next(i for i in json.loads(capsys.readouterr().out)["items"]
+                if i["name"] == ROLLBACK_ITEM)
+    assert (item["host"], item["gpu"]) == ((21 - on_gpu) * SLOT, on_gpu * SLOT)
+    assert main(CLI + ["--rollback-bytes", "4GiB"]) == 0
+    assert _row(capsys.readouterr().out) == []
+
+
+def test_the_command_refuses_a_budget_that_alone_does_not_fit_with_the_largest_that_does(capsys):
+    """RAM for 6.5 slots beside a plan that fits without a budget: ``--rollback-bytes 8GiB``
+    (42 slots) is refused in one line on stderr, exit 2, naming the flag, its field and the
+    fix: 6 slots' budget, which fits, where 7 do not."""
+    from tiermem.apps.plan import main
+    base = plan(N, **KW, rollback_bytes=0)
+    host = base.used["host"] + 6 * SLOT + SLOT // 2
+    argv = CLI[:-2] + ["--host-bytes", str(host), "--max-grad-norm", "1"]
+    assert main(argv + ["--rollback-bytes", str(6 * SLOT)]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--rollback-bytes", "8GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("tiermem plan: error: --rollback-bytes 8589934592 "
+                          "(optimizer.rollback_bytes) does not fit")
+    assert "the host needs" in err and f"fix: --rollback-bytes {6 * SLOT} or less" in err
+    assert main(argv + ["--rollback-bytes", str(7 * SLOT)]) == 2
+    assert f"fix: --rollback-bytes {6 * SLOT} or less" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_without_the_budget_is_reported_as_any_other(capsys):
+    """Too little RAM even with no budget: exit 1, the table's reason names the field."""
+    from tiermem.apps.plan import main
+    argv = CLI[:-2] + ["--host-bytes", "20GiB", "--max-grad-norm", "1"]
+    assert main(argv + ["--rollback-bytes", "4GiB"]) == 1
+    out = capsys.readouterr()
+    assert out.err == "" and "optimizer.rollback_bytes=4294967296 holds" in out.out
+    assert main(argv + ["--rollback-bytes", "lots"]) == 2
+    assert "rollback_bytes" in capsys.readouterr().err

@@ -47,6 +47,7 @@ FLAGS: dict[str, dict[str, str]] = {
         "--state-tier": "optimizer.state_tier",
         "--gpu-step-fraction": "optimizer.gpu_step_fraction",
         "--max-grad-norm": "optimizer.max_grad_norm", "--param-sync": "optimizer.param_sync",
+        "--rollback-bytes": "optimizer.rollback_bytes",
         "--offload-layers": "activations.num_layers", "--activation-tier": "activations.tier",
         "--prefetch-depth": "activations.prefetch_depth", "--checkpoint": "train.checkpoint",
         "--grad-accumulation-steps": "train.grad_accumulation_steps",

@@ -25,6 +25,8 @@ What is where (each module's docstring has the details; every name below is impo
   :func:`breadth_first_note`;
 - :mod:`~tiermem.apps.plan.streaming`: weight streaming in a placement (:class:`StreamPlan`: the
   resident blocks, the buffers, the weights' home and what they move; Note [streaming plan]);
+- :mod:`~tiermem.apps.plan.rollback`: the command's refusal of a ``--rollback-bytes`` budget
+  that alone keeps the plan from fitting (Note [rollback refusal]);
 - :mod:`~tiermem.apps.plan.cli`: the ``tiermem plan`` command (:func:`main`).
 """
 

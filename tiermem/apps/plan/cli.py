@@ -15,6 +15,7 @@ import sys
 from tiermem import flags
 from tiermem.names import PARAM_SYNCS
 from tiermem.apps.plan.placement import breadth_first_note, plan
+from tiermem.apps.plan.rollback import rollback_refusal
 from tiermem.rates import MachineRates
 from tiermem.shapes import PRESETS
 
@@ -134,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         "time per step: with it the optimizer phase cannot overlap backward (it "
         "waits for the global norm), so the floor step is the GPU's time plus "
         "the whole optimizer phase (default: no clipping)")
+    add("--rollback-bytes", metavar="SIZE",
+        help="HybridAdam's budget of pre-step copies for speculative clipping "
+        "(optimizer.rollback_bytes): with --max-grad-norm the chunks it holds step "
+        "during backward and are rolled back when the norm clips; the memory table "
+        "counts the copies in host RAM (the GPU lane's share on the GPU); a budget "
+        "that alone keeps the plan from fitting is refused with the largest that fits "
+        "(default %(default)s: every chunk waits for the norm)")
     add("--grad-accumulation-steps", type=int, metavar="N",
         help="micro-batches per optimizer step, for the time per step: tokens per "
         "step = batch x seq x N (default %(default)s; the memory depends on it only with "
@@ -258,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
             grad_accumulation_steps=args.grad_accumulation_steps,
             gpu_step_fraction=args.gpu_step_fraction, max_grad_norm=args.max_grad_norm,
-            param_sync=args.param_sync, breadth_first_blocks=args.breadth_first_blocks,
+            rollback_bytes=args.rollback_bytes, param_sync=args.param_sync,
+            breadth_first_blocks=args.breadth_first_blocks,
             stream_weights=_STREAM[args.stream_weights], stream_tier=args.stream_tier,
             prefetch_blocks=args.prefetch_blocks, stream_schedule=args.stream_schedule,
             rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
@@ -281,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             n = args.params
         result = plan(n, **kw)
+        refusal = rollback_refusal(result, n, kw)  # Note [rollback refusal]
+        if refusal:
+            raise ValueError(refusal)
         hint = breadth_first_note(result, n, kw)
     except (ValueError, TypeError) as exc:
         print(f"tiermem plan: error: {exc}", file=sys.stderr)
