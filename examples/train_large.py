@@ -103,13 +103,15 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
          grad_accumulation_steps: int | None = None,
          gpu_step_fraction: float | None = None, chunk_numel: int | None = None,
          breadth_first_blocks: int | str | None = None, param_sync: str | None = None,
-         overrides: list[str] = (), gpu: str | int | None = None) -> dict:
+         overrides: list[str] = (), gpu: str | int | None = None,
+         steps: int | None = None) -> dict:
     """Read the preset into its config classes (:data:`SECTIONS`), with ``--tiny``'s values,
     ``--gpu-bytes`` (budgets.gpu_bytes), ``--nvme-dir``, ``--grad-accumulation-steps``
     (micro-batches per optimizer step),
     ``--gpu-step-fraction`` (HybridAdam's share of offloaded chunks the GPU steps),
     ``--chunk-numel`` (elements per offloaded chunk), ``--breadth-first-blocks`` and
-    ``--param-sync`` applied first, then the dotted ``section.field=value`` ``overrides``.
+    ``--param-sync`` and ``--steps`` (train.steps) applied first, then the dotted
+    ``section.field=value`` ``overrides``.
 
     Raises:
         OSError, UnicodeDecodeError, yaml.YAMLError: the file cannot be read or parsed.
@@ -131,7 +133,8 @@ def load(path: str, tiny: bool = False, nvme_dir: str | None = None,
     for section, name, value in (("optimizer", "gpu_step_fraction", gpu_step_fraction),
                                  ("optimizer", "chunk_numel", chunk_numel),
                                  ("optimizer", "param_sync", param_sync),
-                                 ("train", "breadth_first_blocks", breadth_first_blocks)):
+                                 ("train", "breadth_first_blocks", breadth_first_blocks),
+                                 ("train", "steps", steps)):
         if value is not None and isinstance(tree.get(section), dict):
             tree[section][name] = value
     apply_overrides(tree, list(overrides))
@@ -478,7 +481,7 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
     try:
         cfg = load(args.config, args.tiny, args.nvme_dir, args.grad_accumulation_steps,
                    args.gpu_step_fraction, args.chunk_numel, args.breadth_first_blocks,
-                   args.param_sync, args.overrides + flagged, gpu=args.gpu)
+                   args.param_sync, args.overrides + flagged, gpu=args.gpu, steps=args.steps)
         pl = make_plan(cfg)
     except CONFIG_ERRORS as exc:
         print(f"train_large: error: {config_error('--config', args.config, exc)}",
@@ -512,7 +515,7 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
               f"(--gpu-bytes)", flush=True)
     dtype = getattr(torch, t.dtype)
     accum = t.grad_accumulation_steps
-    steps = args.steps or t.steps
+    steps = t.steps  # --steps is train.steps, checked by TrainConfig (load)
     torch.manual_seed(t.seed)
     t0 = time.perf_counter()
     with torch.device("meta"):
