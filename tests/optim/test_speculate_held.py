@@ -154,3 +154,62 @@ def test_close_frees_the_rollback_slots(fraction, one_thread):
     assert [r for r in refs if r() is not None] == []
     assert spec.held_bytes() == 0 and opt._lane.device_bytes() == 0
     opt.close()  # idempotent
+
+
+@pytest.mark.parametrize("nth", [1, 4])
+def test_a_failed_speculating_step_resumes_exactly_from_a_checkpoint(nth, monkeypatch, tmp_path,
+                                                                     one_thread):
+    """The CPU kernel raises on the ``nth`` chunk of a speculating, clipped step (2 slots:
+    chunks admitted, others held): step() raises, the optimizer stays usable; the caller loads
+    the checkpoint taken before that step (model and optimizer) into the same optimizer and
+    trains on: bit-identical to the run that never failed nor speculated."""
+    from tiermem.optim import chunk_worker
+    kernel = chunk_worker.adam_step_unchecked
+    calls = {"n": 0, "armed": False}
+
+    def failing_kernel(*args, **kw):
+        if calls["armed"]:
+            calls["n"] += 1
+            if calls["n"] == nth:
+                calls["armed"] = False
+                raise OSError("injected kernel failure")
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(chunk_worker, "adam_step_unchecked", failing_kernel)
+    max_norm, scale = REGIMES["alternate"]
+    kw = dict(**HP, chunk_numel=1024, offload_fraction=0.5, max_grad_norm=max_norm)
+    model = make_models()
+    opt = HybridAdam(param_groups(model), **kw, rollback_bytes=SMALL)
+    step, saved = 0, None
+    failed = False
+    while step < STEPS:
+        if step == 3 and saved is None:
+            opt.synchronize()
+            saved = (opt.state_dict(),
+                     {k: v.detach().clone() for k, v in model.state_dict().items()})
+        (model(*make_batch(step))[1] * scale(step)).backward()
+        calls["armed"] = step == 3 and not failed
+        try:
+            opt.step()
+            opt.synchronize()
+        except RuntimeError:
+            failed = True
+            opt.zero_grad(set_to_none=True)
+            model.load_state_dict(saved[1])
+            opt.load_state_dict(saved[0])
+            continue  # step 3 again
+        opt.zero_grad(set_to_none=True)
+        step += 1
+    assert failed
+    opt.synchronize()
+    got = (model, opt.state_dict())
+    opt.close()
+    ref = make_models()
+    ref_opt = HybridAdam(param_groups(ref), **kw, rollback_bytes=0)
+    for step in range(STEPS):
+        (ref(*make_batch(step))[1] * scale(step)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    ref_opt.synchronize()
+    assert_same_bits(*got, ref, ref_opt.state_dict())
+    ref_opt.close()
