@@ -284,10 +284,10 @@ class _GradCopies:
         event.done = True
 
 
-def test_a_gradient_reaches_the_optimizer_only_when_a_later_take_sees_its_copy_landed():
-    """Note [hand-off lag], the mechanism: on CUDA a gradient is handed to the sink at the first
-    take (or flush) after its copy landed; the ones whose copies land after the last take of
-    the pass wait for flush(), at the end of the pass; the counts say which was which."""
+def test_a_gradient_reaches_the_optimizer_at_its_take_with_its_copy_event():
+    """Note [hand-off lag], the fix: on CUDA a gradient copied straight into its host gradient
+    is handed to the sink at its take, with its copy's event while that is in flight, not at
+    a later take or flush() after it landed; the counts say so."""
     from types import SimpleNamespace
 
     from tiermem.stream.grads import HostGrads
@@ -295,19 +295,17 @@ def test_a_gradient_reaches_the_optimizer_only_when_a_later_take_sees_its_copy_l
     copies = _GradCopies()
     grads = HostGrads(copies, pin=False)
     told = []
-    grads.sink = lambda entry, passes: told.append(entry.name)
+    grads.sink = lambda entry, passes, event: told.append((entry.name, event))
     entries = [SimpleNamespace(name=f"w{k}", acc=None, staging=None) for k in range(3)]
     grads.take(entries[0], torch.ones(4))
     grads.take(entries[1], torch.ones(4))
-    assert told == []  # both copies in flight
+    assert told == [("w0", copies.events[0]), ("w1", copies.events[1])]  # in flight
     copies.events[0].done = True
     grads.take(entries[2], torch.ones(4))
-    assert told == ["w0"]  # w0's copy landed before this take looked
-    copies.events[1].done = copies.events[2].done = True  # landed after the last take
-    assert told == ["w0"]
+    assert told[2] == ("w2", copies.events[2])
     grads.flush()
-    assert told == ["w0", "w1", "w2"]
-    assert grads.handed == {"handed_in_pass": 1, "handed_at_end": 2}
+    assert len(told) == 3
+    assert grads.handed == {"handed_in_pass": 3, "handed_at_end": 0}
 
 
 def test_an_unpinned_store_on_cuda_is_warned_about():

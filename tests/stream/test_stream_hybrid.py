@@ -8,6 +8,7 @@ step stale (a skipped write-back, a skipped NVMe rewrite) makes the comparison f
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import torch
@@ -262,27 +263,161 @@ class _Entry:
         self.name, self.acc, self.staging = name, None, None
 
 
-def test_cuda_hand_off_waits_for_the_landing_and_keeps_backward_order():
-    """Note [streamed gradient hand-off] on the CUDA path (fake events): a gradient is handed
-    over only once its copies (and a staged micro-batch's add) have landed, in take order."""
+def test_cuda_hand_off_is_at_once_with_the_copy_event_and_keeps_backward_order():
+    """Note [streamed gradient hand-off] on the CUDA path (fake events): a gradient copied
+    straight into its host gradient is handed over at once with its copy's event (in flight),
+    or with None once landed; a staged micro-batch is handed over only once its copy has
+    landed and been added, and holds back the ones taken after it (take order)."""
     from tiermem.stream.grads import HostGrads
 
     copies = _Copies()
     grads = HostGrads(copies, pin=False)
     told = []
-    grads.sink = lambda e, passes: told.append((e.name, passes, e.acc.clone()))
-    a, b, c = _Entry("a"), _Entry("b"), _Entry("c")
+    grads.sink = lambda e, passes, event: told.append((e.name, passes, event, e.acc.clone()))
+    a, b, c, d = _Entry("a"), _Entry("b"), _Entry("c"), _Entry("d")
     ga, gb, gc = torch.full((3,), 1.5), torch.full((3,), 2.5), torch.full((3,), 3.5)
     grads.take(a, ga)
     grads.take(b, gb, passes=4)
-    assert told == []  # nothing landed
-    copies.events[0].complete()  # a's copy lands; b's has not
+    assert [(t[0], t[1]) for t in told] == [("a", 1), ("b", 4)]  # nothing landed: at once
+    assert told[0][2] is copies.events[0] and told[1][2] is copies.events[1]
+    copies.events[0].complete()  # a's copy lands
     grads.take(c, gc)
-    assert [t[0] for t in told] == ["a"] and torch.equal(told[0][2], ga)
-    copies.events[2].complete()  # c landed before b: still told after b
+    assert told[2][:3] == ("c", 1, copies.events[2])
     grads.take(a, ga)  # a second micro-batch of a: staged, added once landed
-    assert [t[0] for t in told] == ["a"]
+    grads.take(d, gc)  # straight, but taken after a's staged one: held back
+    assert len(told) == 3
+    for k in (1, 2, 3):  # the copies land in issue order, up to a's staged one
+        copies.events[k].complete()
+    grads.take(c, gc)  # c's second micro-batch: staged, held until it is added
+    assert [(t[0], t[1]) for t in told[3:]] == [("a", 1), ("d", 1)]
+    assert told[3][2] is None and torch.equal(told[3][3], ga + ga)  # told after the add
+    assert told[4][2] is copies.events[4]  # d's copy still in flight
     grads.flush()
-    assert [(t[0], t[1]) for t in told] == [("a", 1), ("b", 4), ("c", 1), ("a", 1)]
-    assert torch.equal(told[1][2], gb) and torch.equal(told[2][2], gc)
-    assert torch.equal(told[3][2], ga + ga)  # told after the staged add
+    assert [(t[0], t[2]) for t in told[5:]] == [("c", None)]
+    assert torch.equal(c.acc, gc + gc) and torch.equal(b.acc, gb)
+    assert grads.handed == {"handed_in_pass": 5, "handed_at_end": 1}
+
+
+class _LateCopy:
+    """A D2H copy's CUDA event, stood in: its copy writes the host gradient only when the event
+    completes (``synchronize()``, the worker's wait, or ``landed()``, the pass end's), and
+    ``query()`` says not done until then, like a copy still in flight."""
+
+    def __init__(self, dst, src):
+        self.dst, self.src, self.done, self.by = dst, src, False, None
+        self._lock = threading.Lock()
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        with self._lock:
+            if not self.done:
+                self.dst.data.copy_(self.src)  # .data: the landing bumps no version, like DMA
+                self.done, self.by = True, threading.current_thread().name
+
+
+class _LateCopies:
+    """StreamCopies as HostGrads sees it on CUDA, with :class:`_LateCopy` copies: issuing one
+    fills the host gradient with NaN (what an unlanded copy leaves to a premature reader) and
+    bumps its version, as the real ``copy_`` does when it is issued."""
+
+    cuda = True
+
+    def __init__(self):
+        self.events = []
+
+    def grad_out(self, dst, src):
+        dst.fill_(float("nan"))
+        self.events.append(_LateCopy(dst, src))
+        return self.events[-1]
+
+    @staticmethod
+    def finished(event):
+        return event.query()
+
+    @staticmethod
+    def landed(event):
+        event.synchronize()
+
+
+def test_the_worker_waits_for_each_streamed_gradients_own_copy(stores, one_thread):
+    """Note [streamed gradient hand-off], Note [hand-off lag]: on the CUDA path (stand-in
+    events whose copies land only when waited on) every streamed gradient is handed over
+    during the pass (none at its end), with its copy's event, and HybridAdam's worker waits on
+    that event before it reads the host gradient: the pass end lands nothing until the worker
+    has stepped every chunk shipped during backward, so a worker that read a host gradient
+    before its copy landed would step NaN. Bit-identical to HybridAdam without streaming."""
+    cfg = CASES["cpu-f1"]
+    want = _train(cfg, stores, streamed=False)
+    run = Run(cfg, stores, streamed=True)
+    copies = _LateCopies()
+    grads = run.stream._grads
+    grads.copies = copies
+    real_flush = grads.flush
+    step_state = run.opt._step
+
+    def flush():  # the pass ends only once the worker is idle: what it read, it waited for
+        with step_state.idle:
+            step_state.idle.wait_for(lambda: step_state.outstanding == 0, timeout=120)
+        real_flush()
+
+    grads.flush = flush
+    n_streamed = sum(1 for b in run.model.blocks for _ in b.parameters())
+    got, by_worker = [], []
+    try:
+        for step in range(STEPS):
+            first = len(copies.events)
+            got.append(run.step(step))
+            by_worker.append(sum(ev.by == "tiermem-hybrid-adam"
+                                 for ev in copies.events[first:]))
+            assert len(copies.events) - first == n_streamed
+            assert all(ev.done for ev in copies.events)
+        stats = run.stream.stats()
+    finally:
+        run.close()
+    _same(got, want, "late copies")
+    assert stats["handed_in_pass"] == STEPS * n_streamed and stats["handed_at_end"] == 0
+    # step 0 records the trace (step() ships everything after the pass: landed by its end);
+    # from then on the worker waited for every streamed gradient's copy itself
+    assert by_worker == [0] + [n_streamed] * (STEPS - 1)
+
+
+def test_single_piece_streamed_chunks_are_stepped_in_place(stores, one_thread, monkeypatch):
+    """Note [in-place host chunks]: the CPU kernel of a chunk that is all one piece of a
+    streamed weight writes the host copy itself and reads no gradient ring slot; every other
+    chunk goes through the rings. Counted over 8 steps against the plan's chunks (the values
+    are test_streamed_hybrid_adam_is_bit_identical's)."""
+    from tiermem.optim import chunk_worker
+
+    def within(ptr, t):
+        return t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size()
+
+    calls = []
+    real = chunk_worker.adam_step_unchecked
+
+    def spy(param, grad, exp_avg, exp_avg_sq, **kw):
+        calls.append((grad.data_ptr(), kw["param_out"].data_ptr() + kw["offset"]
+                      * kw["param_out"].element_size()))
+        return real(param, grad, exp_avg, exp_avg_sq, **kw)
+
+    monkeypatch.setattr(chunk_worker, "adam_step_unchecked", spy)
+    run = Run(CASES["cpu-f1"], stores, streamed=True)
+    try:
+        for step in range(STEPS):
+            run.step(step)
+        groups = run.opt._layout.groups
+        hosts = [t for g in groups for t in g.host_copies.values()]
+        grad_rings = [t for g in groups for t in g.grad_ring]
+        out_rings = [t for g in groups for t in g.out_ring]
+        whole = sum(1 for g in groups for c in g.plan.chunks if len(c.pieces) == 1
+                    and c.pieces[0].param in g.host_copies)
+        mixed = sum(len(g.plan.chunks) for g in groups) - whole
+    finally:
+        run.close()
+    in_place = [(gp, op) for gp, op in calls if any(within(op, h) for h in hosts)]
+    assert whole > 0 and mixed > 0
+    assert len(in_place) == STEPS * whole  # one run each: every step, every such chunk
+    assert not any(any(within(gp, r) for r in grad_rings) for gp, _ in in_place)
+    ringed = [op for _, op in calls if any(within(op, r) for r in out_rings)]
+    assert len(ringed) + len(in_place) == len(calls) >= STEPS * (whole + mixed)

@@ -2,7 +2,26 @@
 are complete (Note [hybrid step] in hybrid_adam.py). Per chunk it copies the gradients D2H into
 the group's pinned gradient ring (the next chunk's copy runs while this one steps), runs the
 native CPU Adam into the pinned param-out ring, copies the params H2D, and writes NVMe chunks
-back; chunks of the GPU lane are handed to it instead.
+back; chunks of the GPU lane are handed to it instead. A streamed weight's gradient is already
+on the host, perhaps still being written by the stream's D2H copy: the worker waits for that
+copy's event first (:func:`host_grads_landed`, Note [streamed gradient hand-off]).
+
+Note [in-place host chunks]: a chunk that is all one piece of a streamed weight (its gradient
+and its host copy are host tensors: Note [streamed write-back] in streamed.py) is stepped in
+place: the CPU kernel reads the host gradient itself and writes the updated weights straight
+into the host copy, instead of a memcpy of the gradient into the gradient ring and one from
+the param-out ring into the host copy (2 + 2 bytes per bf16 weight and step on this thread).
+Exact: the same kernel call (the same offset and numel, so the same split into threads and
+vector body) on the same bytes at other addresses. Safe: after its hand-off a host gradient is
+written only by the clip, which ``step()`` applies before the worker may read it (a chunk
+stepped speculatively before the clip is stepped again unless the clip multiplied by exactly
+1: Note [speculative step]), or after the step is complete (the next pass: ``Link.before_pass``
+synchronizes; ``zero_grad(set_to_none=False)`` too); the host copy is written when the ring's
+memcpy would have written it, and no fill of that pass reads it. The kernel's write bumps no
+version: none is needed (HybridAdam marks every weight it stepped changed before the next
+pass, and the watch of Note [param changes] only excuses HybridAdam's own bumps). A chunk of
+several pieces keeps the rings: a kernel call per piece would change the runs, and torch's
+fallback kernel rounds its scalar remainder unlike its vector body.
 """
 
 from __future__ import annotations
@@ -19,13 +38,48 @@ from tiermem.optim.cpu_adam import adam_step_unchecked
 from tiermem.optim.gpu_lane import GpuLane
 from tiermem.optim.layout import (GRAD_SLOTS, OUT_SLOTS, Group, StateLayout, local_view, runs,
                                   state_views)
-from tiermem.optim.partition import Chunk
+from tiermem.optim.partition import Chunk, Piece
 from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.step_state import StepState
 from tiermem.store.transfer import Copier
 
 _STOP = object()
 """Tells the worker thread to exit."""
+
+
+def host_grads_landed(refs: dict[int, tuple | None], block: bool = True) -> bool:
+    """Wait until every host gradient in ``refs`` (local tensor -> ``(flat gradient, event)``
+    or None) may be read: a streamed weight's gradient is handed over with the event of the
+    D2H copy still writing it (Note [streamed gradient hand-off] in tiermem/stream/grads.py).
+    With ``block`` False, return False instead of waiting while one has not landed. A device
+    gradient's event is the D2H copy's to wait for, not the host's.
+
+    Raises:
+        RuntimeError: CUDA's errors.
+    """
+    events = [ref[1] for ref in refs.values()
+              if ref is not None and ref[1] is not None and ref[0].device.type == "cpu"]
+    if not block and not all(ev.query() for ev in events):
+        return False
+    for ev in events:
+        ev.synchronize()  # the worker reads the host gradient this D2H copy writes
+    return True
+
+
+def host_piece(group: Group, chunk: Chunk, has_grad: dict[int, bool]) -> Piece | None:
+    """Chunk ``chunk``'s one piece when the worker steps it in place (Note [in-place host
+    chunks]): all of the chunk, of a streamed weight (``group.host_copies``) with a gradient
+    this step; else None.
+
+    Raises:
+        Nothing.
+    """
+    if len(chunk.pieces) != 1:
+        return None
+    pc = chunk.pieces[0]
+    if pc.param not in group.host_copies or not has_grad[pc.param] or pc.numel != chunk.numel:
+        return None
+    return pc
 
 
 def stop_thread(work: queue.Queue, thread: threading.Thread) -> None:
@@ -172,6 +226,16 @@ class ChunkWorker:
         if got is None:
             return None
         refs, waits = got
+        t_wait = time.perf_counter()
+        if not host_grads_landed(refs, block):
+            return None  # a streamed gradient's D2H is in flight: copied when this chunk steps
+        self._step.add_stats(copy_wait_s=time.perf_counter() - t_wait)
+        has_grad = {p: ref is not None for p, ref in refs.items()}
+        pc = host_piece(group, chunk, has_grad)
+        if pc is not None and refs[pc.param][0].dtype == group.grad_ring[0].dtype:
+            done = (refs[pc.param][0][pc.start:pc.start + pc.numel], has_grad, None)
+            self._copies[key] = done  # Note [in-place host chunks]: the host gradient itself
+            return done
         slot = group.grad_next
         group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
         buf = group.grad_ring[slot][:chunk.numel]
@@ -181,14 +245,14 @@ class ChunkWorker:
                 continue
             rel = pc.flat_offset - chunk.flat_start
             grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
-            if self._copier.cuda and grad.device.type == "cpu":  # a streamed weight's, landed
+            if self._copier.cuda and grad.device.type == "cpu":  # a streamed one's, landed above
                 buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back] (streamed.py)
                 continue
             pairs.append((buf[rel:rel + pc.numel], grad))
             nbytes += pc.numel * buf.element_size()
         last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
         self._step.add_stats(d2h_bytes=nbytes)
-        done = (buf, {p: ref is not None for p, ref in refs.items()}, last)
+        done = (buf, has_grad, last)
         self._copies[key] = done
         return done
 
@@ -209,7 +273,11 @@ class ChunkWorker:
             self._read_ahead.after(g, c)
             lo = chunk.flat_start
             t_wait = time.perf_counter()
-            out, slot = self._out_slot(group, chunk.numel)
+            whole = host_piece(group, chunk, has_grad)
+            if whole is None:
+                out, slot = self._out_slot(group, chunk.numel)
+            else:  # Note [in-place host chunks]: the kernel writes the host copy itself
+                out, slot = local_view(group, whole.param)[whole.start:][:chunk.numel], None
             wait_s += time.perf_counter() - t_wait
             hp = self._step.hyperparams(g, self._param_groups)
             beta1, beta2 = hp["betas"]
@@ -223,7 +291,7 @@ class ChunkWorker:
                                     numel=numel, num_threads=self._cpu_threads)
             adam_s = time.perf_counter() - t0
             pairs, h2d = [], 0
-            for pc in chunk.pieces:
+            for pc in chunk.pieces if whole is None else ():
                 if not has_grad[pc.param]:
                     continue  # no gradient this step: param and state untouched, like torch
                 rel = pc.flat_offset - lo
@@ -234,7 +302,8 @@ class ChunkWorker:
                                       if has_grad[pc.param]):  # Note [param changes]
                 last = self._copier.h2d_many(pairs)
             self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1)
-            group.out_events[slot] = last
+            if slot is not None:
+                group.out_events[slot] = last
         finally:
             layout.store.release(key)
         if (g, c) in layout.nvme_chunks:

@@ -397,17 +397,17 @@ class HybridAdam(torch.optim.Optimizer):
                 return  # Note [stepping order]: else step() ships it, in forward order
         self._ship(g, i)
 
-    def _ship(self, g: int, i: int) -> None:
+    def _ship(self, g: int, i: int, ready: Any = None) -> None:
         """Hand local tensor ``i``'s gradient to the CPU side: keep a reference and an event
-        marking it complete on the current stream (its D2H is issued by the chunk worker), and
-        queue the chunks it completes."""
+        marking it complete (``ready``, a streamed host gradient's D2H event, else recorded on
+        the current stream for a device gradient: the chunk worker issues its D2H), and queue
+        the chunks it completes."""
         self._watch.sync(g, i)  # Note [param changes]: before any chunk of it can be stepped
         group = self._groups[g]
         grad = self._mode.grad_of(group, i)
         ref = None
         if grad is not None:
-            ready = None
-            if self._copier.cuda:
+            if ready is None and grad.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))  # the D2H waits for the grad
             ref = (grad.detach(), ready)

@@ -8,21 +8,24 @@ never through ``param.data``: :class:`StreamedMode` puts ``stream.host_copy(para
 group's ``host_copies``, and ``local_view`` (tiermem/optim/layout.py), through which HybridAdam
 reads a weight (the masters at step 0, a changed weight: Note [param changes]) and writes it
 (the worker's copy out of the param-out ring, the GPU lane's cast, the GPU side's copy), returns
-it for these weights. So an updated chunk goes from the CPU step into the host copy that the
-next pass streams (``tier="cpu"``: the store's held pool view, in place; ``tier="nvme"``: the
-host copy, and the store's NVMe copy is rewritten at the next pass start because HybridAdam
-calls ``stream.mark_changed(param)`` for every weight it stepped, before that pass begins), and
-nothing is copied back to the device. Gradients come the other way: HybridAdam registers no
-gradient hook on a streamed weight; the stream hands each one over as it lands on the host
-(Note [streamed gradient hand-off] in tiermem/stream/grads.py), and :func:`on_host_grad` counts
-it and ships it like HybridAdam's own hook (``_on_grad``) would: as soon as the last backward
-pass of the step has landed (overlap, no clipping), else in ``step()`` from ``param.grad``, which
-is the same host tensor between passes. A host copy is written only after its weight's gradient
-of the step's last backward pass was taken, and in that pass its block is never filled again
-(forward first, each block's backward fill before its gradients; block-major: one backward fill
-per pass), so no fill reads a half-written copy; a weight that has no gradient is not written.
-Before every pass the stream calls ``before_pass``: HybridAdam completes a pending step (with
-``param_sync="forward"`` the worker may still be writing host copies) and marks what it stepped.
+it for these weights (and the worker's kernel writes it itself for a chunk that is all one
+piece of such a weight: Note [in-place host chunks] in chunk_worker.py). So an updated chunk
+goes from the CPU step into the host copy that the next pass streams (``tier="cpu"``: the
+store's held pool view, in place; ``tier="nvme"``: the host copy, and the store's NVMe copy is
+rewritten at the next pass start because HybridAdam calls ``stream.mark_changed(param)`` for
+every weight it stepped, before that pass begins), and nothing is copied back to the device.
+Gradients come the other way: HybridAdam registers no gradient hook on a streamed weight; the
+stream hands each one over at its take, with the event of its D2H copy still in flight
+(Note [streamed gradient hand-off] in tiermem/stream/grads.py), and :func:`on_host_grad` counts it
+and ships it like HybridAdam's own hook (``_on_grad``) would: as soon as the step's last
+backward pass has handed it over (overlap, no clipping; the worker waits for the copy), else in
+``step()`` from ``param.grad``, which is the same host tensor between passes. A host copy is
+written only after its weight's gradient of the step's last backward pass was taken, and in
+that pass its block is never filled again (forward first, each block's backward fill before
+its gradients; block-major: one backward fill per pass), so no fill reads a half-written
+copy; a weight that has no gradient is not written. Before every pass the stream calls
+``before_pass``: HybridAdam completes a pending step (with ``param_sync="forward"`` the worker
+may still be writing host copies) and marks what it stepped.
 Why it is exact: the same gradients (Note [host gradients]: the same adds in the same order),
 the same state and kernels per element, and the weight the next forward reads is the one
 HybridAdam wrote; chunks, the GPU side and the lane are elementwise, so the partition between
@@ -168,8 +171,10 @@ class Link:
         self._where = where
         self._marked: dict[tuple[int, int], int] = {}  # (g, i) -> steps when last marked
 
-    def take(self, param: torch.Tensor, grad: torch.Tensor, passes: int) -> None:
-        """The stream's gradient hand-off (Note [streamed gradient hand-off]).
+    def take(self, param: torch.Tensor, grad: torch.Tensor, passes: int,
+             event: Any = None) -> None:
+        """The stream's gradient hand-off (Note [streamed gradient hand-off]); ``event``: the
+        D2H copy still writing ``grad`` (CUDA), or None.
 
         Raises:
             the errors of shipping the gradient (HybridAdam's ``_ship``).
@@ -177,7 +182,7 @@ class Link:
         opt = self._ref()
         item = self._where.get(id(param))
         if opt is not None and item is not None:
-            on_host_grad(opt, *item, grad, passes)
+            on_host_grad(opt, *item, grad, passes, event)
 
     def before_pass(self) -> None:
         """Before a pass: complete a pending step, mark the weights it wrote changed.
@@ -207,10 +212,14 @@ class Link:
             self._stream.connect(None)
 
 
-def on_host_grad(opt: Any, g: int, i: int, grad: torch.Tensor, passes: int) -> None:
-    """A streamed weight's host gradient, complete for ``passes`` more backward passes: count
-    it, and ship it when it is the step's last, like HybridAdam's ``_on_grad``
-    (Note [stepping order], Note [trace placement]).
+def on_host_grad(opt: Any, g: int, i: int, grad: torch.Tensor, passes: int,
+                 event: Any = None) -> None:
+    """A streamed weight's host gradient, complete for ``passes`` more backward passes once
+    ``event`` (its D2H copy in flight, or None) has: count it, and ship it with ``event`` when
+    it is the step's last, like HybridAdam's ``_on_grad`` (Note [stepping order], Note [trace
+    placement]); the chunk worker waits on ``event`` before it reads the gradient
+    (``host_grads_landed`` in chunk_worker.py). A gradient left to ``step()`` is shipped after
+    the pass ended, when every copy has landed.
 
     Raises:
         the errors of HybridAdam's ``_ship``.
@@ -225,4 +234,4 @@ def on_host_grad(opt: Any, g: int, i: int, grad: torch.Tensor, passes: int) -> N
         if (not opt._layout.backward_order or count < opt.grad_accumulation_steps
                 or (g, i) in step.shipped or i not in opt._groups[g].plan.chunks_of_param):
             return  # step() ships it (Note [stepping order])
-    opt._ship(g, i)  # its gradient: StreamedMode.grad_of, the stream's host gradient
+    opt._ship(g, i, event)  # its gradient: StreamedMode.grad_of, the stream's host gradient

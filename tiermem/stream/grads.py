@@ -19,30 +19,33 @@ once.
 
 Note [streamed gradient hand-off]: ``HostGrads.take`` is the one place a streamed weight's
 gradient lands on the host, so it is also where an optimizer that steps the host copies
-(HybridAdam, tiermem/optim/streamed.py) is told about it: a ``sink(entry, passes)`` set by
-:meth:`tiermem.stream.WeightStream.connect` is called once the host gradient ``entry.acc``
-holds every backward pass taken so far (``passes``: how many backward passes this take covers,
-``n_micro`` for a block-major pass's device-accumulated gradient, else 1), in the order the
-gradients were taken (backward order). On the CPU that is at once. On CUDA a gradient is
-complete only when its D2H copy (and the add of a staged later micro-batch) has landed: each
-take lands, in issue order, the copies already finished (``event.query()``, no wait) and hands
-over every parameter with nothing left in flight; the rest are handed over by :meth:`flush`
-at the end of the pass. The sink never sees a gradient still being written.
+(HybridAdam, tiermem/optim/streamed.py) is told about it: a ``sink(entry, passes, event)`` set
+by :meth:`tiermem.stream.WeightStream.connect` is called once the host gradient ``entry.acc``
+holds, or is being written with, every backward pass taken so far (``passes``: how many
+backward passes this take covers, ``n_micro`` for a block-major pass's device-accumulated
+gradient, else 1), in the order the gradients were taken (backward order). ``event`` is None
+when ``entry.acc`` is complete, else the CUDA event of the D2H copy still writing it: the sink
+(HybridAdam's chunk worker: ``host_grads_landed`` in tiermem/optim/chunk_worker.py) waits on it
+before it reads the host gradient. On the CPU every take hands over at once with no event. On
+CUDA (Note [hand-off lag]) a take whose copy goes straight into the host gradient (the first
+of the step, or a block-major pass's one) hands it over at once with that copy's event; a
+later micro-batch's copy goes into a staging tensor whose add on the host must come first, so
+it is handed over once that copy has landed and been added: by a later take that sees it
+finished (``event.query()``, no wait) or by :meth:`flush` at the end of the pass. A parameter
+waiting for its add holds back the ones taken after it (the order).
 
-Note [hand-off lag]: on CUDA the sink learns of a gradient only when the autograd thread polls
-(a later take) after its D2H copy has landed, or at :meth:`HostGrads.flush` when the pass ends.
-Nothing in a streamed pass blocks the host, so it runs ahead of the GPU by as many kernels as
-CUDA lets it queue: the copies of the last gradients a backward produces (perhaps most of
-them) have not landed at any later take and reach the sink only at the end of the pass, and
-HybridAdam then steps their chunks after the backward instead of during it. HybridAdam's own
-gradient hook hands over an event instead (its worker thread waits for the GPU). ``stats()``
-of the stream counts both (``handed_in_pass``, ``handed_at_end``). Session 13's streamed
-HybridAdam row spent 481 ms after its backward against the resident row's 264: this lag if
-most gradients are handed at the end (measured by scripts/device_run.sh's stage
-``bench_stream_diag``, not yet run). The fix then: hand a gradient copied straight into its
-host gradient over at once with its D2H event and make HybridAdam's worker wait for that
-event before it reads a host gradient (``_copy_grads`` in tiermem/optim/chunk_worker.py); a
-staged later micro-batch's add must still land first.
+Note [hand-off lag]: the sink once learned of every CUDA gradient only when the autograd
+thread polled (a later take) after its D2H copy had landed, or at :meth:`HostGrads.flush` when
+the pass ended. Nothing in a streamed pass blocks the host, so it runs ahead of the GPU: the
+copies of the last gradients a backward produced had not landed at any later take and reached
+the sink only at the end of the pass, and HybridAdam stepped their chunks after the backward
+instead of during it (session 13's streamed HybridAdam row spent 481 ms after its backward
+against the resident row's 264). Now a gradient copied straight into its host gradient is
+handed over at once with its D2H event, like HybridAdam's own hook hands over an event for a
+device gradient, and the worker thread waits for the GPU instead of the autograd thread
+polling (Note [streamed gradient hand-off]). Only a staged later micro-batch (gradient
+accumulation over depth-first passes) still waits for a poll or the pass end. ``stats()`` of
+the stream counts both (``handed_in_pass``, ``handed_at_end``).
 """
 
 from __future__ import annotations
@@ -75,15 +78,19 @@ class HostGrads:
         self.pin = pin
         self._pending: list[_Pending] = []
         self._staged: set[int] = set()  # id(entry) whose staging tensor a pending copy fills
-        self.sink: Any = None  # Note [streamed gradient hand-off]: callable(entry, passes)
-        self._told: list[tuple[Any, int]] = []  # (entry, passes) not yet handed to the sink
+        # Note [streamed gradient hand-off]: callable(entry, passes, event)
+        self.sink: Any = None
+        # (entry, passes, the D2H event of a copy straight into entry.acc or None), not yet
+        # handed to the sink
+        self._told: list[tuple[Any, int, Any]] = []
         # Note [hand-off lag]: gradients handed to the sink during the pass / by flush()
         self.handed = {"handed_in_pass": 0, "handed_at_end": 0}
 
     def take(self, entry: Any, grad: torch.Tensor, passes: int = 1) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
-        gradient or None) into ``entry.acc``; hand it to the sink once it has landed (Note
-        [streamed gradient hand-off]). ``passes``: backward passes ``grad`` holds.
+        gradient or None) into ``entry.acc``; hand it to the sink, at once with the event of
+        its copy straight into ``entry.acc``, or once a staged copy has landed and been added
+        (Note [streamed gradient hand-off]). ``passes``: backward passes ``grad`` holds.
 
         Raises:
             RuntimeError: torch's copy or add errors; the sink's errors.
@@ -95,11 +102,13 @@ class HostGrads:
                 entry.acc.add_(grad)
             if self.sink is not None:
                 self.handed["handed_in_pass"] += 1
-                self.sink(entry, passes)
+                self.sink(entry, passes, None)
             return
+        straight = None  # the event of a copy straight into entry.acc
         if entry.acc is None:
             entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
-            self._pending.append(_Pending(entry, None, self.copies.grad_out(entry.acc, grad)))
+            straight = self.copies.grad_out(entry.acc, grad)
+            self._pending.append(_Pending(entry, None, straight))
         else:
             if entry.staging is None:
                 entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
@@ -109,12 +118,13 @@ class HostGrads:
                                           self.copies.grad_out(entry.staging, grad)))
             self._staged.add(id(entry))
         if self.sink is not None:
-            self._told.append((entry, passes))
+            self._told.append((entry, passes, straight))
             self._land_finished()
 
     def _land_finished(self) -> None:
         """Land the copies that have finished, in issue order, without waiting, and hand the
-        sink every parameter with no copy left in flight (Note [streamed gradient hand-off])."""
+        sink every parameter with no staged add left to do (Note [streamed gradient
+        hand-off])."""
         while self._pending and self.copies.finished(self._pending[0].event):
             item = self._pending.pop(0)
             if item.staging is not None:
@@ -124,12 +134,14 @@ class HostGrads:
         self._tell()
 
     def _tell(self, when: str = "handed_in_pass") -> None:
-        """Hand the sink, in take order, each told parameter whose copies have all landed."""
-        busy = {id(item.entry) for item in self._pending}
+        """Hand the sink, in take order, each told parameter with no staged copy in flight,
+        with the event of its copy straight into ``entry.acc`` while that is in flight."""
+        busy = {id(item.entry) for item in self._pending if item.staging is not None}
         while self._told and id(self._told[0][0]) not in busy:  # the order: none passes a busy one
-            entry, passes = self._told.pop(0)  # taken first: a sink that raises is not told twice
+            entry, passes, event = self._told.pop(0)  # first: a sink that raises is told once
             self.handed[when] += 1
-            self.sink(entry, passes)
+            landed = event is None or self.copies.finished(event)
+            self.sink(entry, passes, None if landed else event)
 
     def _land(self, entry: Any) -> None:
         """Wait for ``entry``'s gradient copies in flight and add them, in issue order (a

@@ -294,9 +294,10 @@ class WeightStream:
 
     def connect(self, link: Any) -> None:
         """Connect an optimizer that steps the host copies (Note [streamed write-back]):
-        ``link.take(param, host_grad, passes)`` receives each streamed gradient as it lands on
-        the host (Note [streamed gradient hand-off]), ``link.before_pass()`` runs before every
-        pass begins; ``connect(None)`` disconnects. One optimizer per stream.
+        ``link.take(param, host_grad, passes, event)`` receives each streamed gradient
+        (``event``: its D2H copy still in flight, or None; Note [streamed gradient hand-off]),
+        ``link.before_pass()`` runs before every pass begins; ``connect(None)`` disconnects.
+        One optimizer per stream.
 
         Raises:
             RuntimeError: the stream is closed, a pass is open (connecting; disconnecting
@@ -312,7 +313,7 @@ class WeightStream:
                 "WeightStream.connect(): a pass is open; connect between passes")
         self._link = link
         self._grads.sink = None if link is None else (
-            lambda entry, passes: link.take(entry.param, entry.acc, passes))
+            lambda entry, passes, event: link.take(entry.param, entry.acc, passes, event))
 
     def _entry(self, param: nn.Parameter) -> Param:
         p = self._entries.get(id(param)) if not self._closed else None

@@ -1,0 +1,126 @@
+"""CUDA: HybridAdam's worker steps a streamed weight's chunk only once that weight's gradient
+has landed on the host (Note [streamed gradient hand-off] in tiermem/stream/grads.py).
+
+The stream hands each gradient over at its take, with the event of its D2H copy still in
+flight (Note [hand-off lag]); the worker waits on that event (``host_grads_landed`` in
+tiermem/optim/chunk_worker.py) before it reads the pinned host gradient. To make a missing
+wait give wrong numbers every step, the D2H stream sleeps ~50 ms (``torch.cuda._sleep``) after
+each gradient is produced and before its copy: the hand-off reaches the worker long before the
+bytes do. The reference is the same model, resident, with the same HybridAdam (every weight
+offloaded, stepped by the same CPU kernel on the same gradients); params are compared by their
+relative update error after 8 steps (1e-3, the bound of tests/optim/test_grad_copy_waits_cuda.py;
+a gradient read before it landed is another step's or uninitialised memory: an error of order
+1). The same comparison with the wait removed must fail: the tolerance is shown to fail.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tiermem import StoreConfig, TierStore
+from tiermem.optim import HybridAdam
+from tiermem.stream import stream_weights
+from tiermem.stream.copies import StreamCopies
+
+pytestmark = pytest.mark.cuda
+
+WIDTH = 512
+BLOCKS = 4
+STEPS = 8
+SLEEP_CYCLES = 100_000_000  # ~50 ms at the H200's ~2 GHz: far longer than a hand-off
+REL_TOL = 1e-3
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(BLOCKS))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _optimizer(model):
+    return HybridAdam(model.parameters(), lr=1e-3, weight_decay=0.1, offload_fraction=1.0,
+                      chunk_numel=WIDTH * WIDTH, placement="given")  # every chunk in backward
+
+
+def _train(model, opt):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(STEPS):
+        x = torch.randn(64, WIDTH, device="cuda", generator=gen)  # a new batch each step
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.synchronize()
+    torch.cuda.synchronize()
+
+
+def _slow_grad_out(real):
+    def grad_out(self, dst, src):
+        if self.cuda:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            self.d2h_stream.wait_event(produced)  # the sleep starts once the gradient exists
+            with torch.cuda.stream(self.d2h_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # the copy issued next lands ~50 ms late
+        return real(self, dst, src)
+    return grad_out
+
+
+def _check(monkeypatch, tmp_path):
+    torch.manual_seed(0)
+    ref = _Net().cuda()
+    model = copy.deepcopy(ref)
+    start = [p.detach().clone() for p in ref.parameters()]
+    ref_opt = _optimizer(ref)
+    _train(ref, ref_opt)
+    ref_opt.close()
+    monkeypatch.setattr(StreamCopies, "grad_out", _slow_grad_out(StreamCopies.grad_out))
+    with TierStore(StoreConfig(device="cuda", gpu_bytes=32 << 20, cpu_bytes=64 << 20,
+                               pool_slab_bytes=4 << 20)) as store:
+        stream = stream_weights(model.blocks, store=store, prefetch_blocks=1)
+        opt = _optimizer(model)
+        try:
+            _train(model, opt)
+            chunks = opt.step_stats()["chunks"]
+            stats = stream.stats()
+        finally:
+            opt.close()
+            stream.close()
+    assert chunks == BLOCKS  # every weight was stepped on the CPU
+    # every gradient was handed over at its take, none at the pass end (Note [hand-off lag])
+    assert stats["handed_in_pass"] == BLOCKS * STEPS and stats["handed_at_end"] == 0
+    for k, (a, b, b0) in enumerate(zip(model.parameters(), ref.parameters(), start)):
+        rel = float(torch.linalg.vector_norm(a.detach().cuda() - b)
+                    / torch.linalg.vector_norm(b - b0))
+        print(f"block {k}: relative update error {rel:.2e}")
+        assert rel < REL_TOL, f"block {k}: relative update error {rel:.2e}"
+
+
+def test_cuda_worker_steps_a_streamed_chunk_only_after_its_gradient_landed(monkeypatch,
+                                                                           tmp_path):
+    _check(monkeypatch, tmp_path)
+
+
+def test_cuda_the_comparison_fails_without_the_workers_wait(monkeypatch, tmp_path):
+    """The tolerance is shown to fail: the worker reads each host gradient at once."""
+    from tiermem.optim import chunk_worker
+
+    monkeypatch.setattr(chunk_worker, "host_grads_landed", lambda refs, block=True: True)
+    with pytest.raises(AssertionError, match="relative update error"):
+        _check(monkeypatch, tmp_path)
