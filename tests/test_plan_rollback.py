@@ -176,3 +176,89 @@ def test_a_plan_that_does_not_fit_without_the_budget_is_reported_as_any_other(ca
     assert out.err == "" and "optimizer.rollback_bytes=4294967296 holds" in out.out
     assert main(argv + ["--rollback-bytes", "lots"]) == 2
     assert "rollback_bytes" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the step with speculated chunks
+
+def _hand_case(**kw):
+    """GPU 1.0 s (6 x 1e9 params x 1,000 tokens at 6 TFLOP/s), so the last backward's window is
+    4/6 s; CPU Adam 1.0 s for 1e9 offloaded params in 10 chunks; PCIe and NVMe next to nothing,
+    no worker time: the optimizer phase is 1.0 s."""
+    import dataclasses
+    from tiermem.apps.plan import MachineRates, step_time
+    rates = dataclasses.replace(MachineRates(), gpu_flops=6e12, cpu_adam_params_per_s=1e9,
+                                worker_s_per_chunk=0.0, pcie_h2d_bytes_per_s=1e18,
+                                pcie_d2h_bytes_per_s=1e18, pcie_both_bytes_per_s=2e18)
+    return step_time(active_params=10**9, offloaded_params=10**9, param_bytes=2,
+                     micro_batch_tokens=1000, offloaded_chunks=10, n_layers=4, rates=rates,
+                     **kw)
+
+
+@pytest.mark.parametrize("speculated, spec_s, step_s", [
+    (0, 0.0, 2.0),        # every chunk waits for the norm: GPU 1 + the whole phase 1
+    (4, 0.4, 1.6),        # 0.4 s inside the 2/3 s window, the other 6 chunks' 0.6 s after
+    (6, 0.6, 1.4),
+    (8, 0.8, 4 / 3),      # 0.8 - 2/3 past the window + 0.2: as without clipping
+    (10, 1.0, 4 / 3),
+])
+def test_the_speculated_chunks_overlap_the_backward_and_the_rest_wait(speculated, spec_s,
+                                                                      step_s):
+    """Note [speculated chunks] on a hand-computed case: the first ``s`` of 10 chunks (what
+    the budget holds) take s/10 of the 1.0 s phase and overlap the 2/3 s backward window as
+    without clipping; what outlasts the window, then the waiting chunks, follow the backward.
+    Enough speculated chunks give the unclipped step (4/3 s)."""
+    st = _hand_case(max_grad_norm=1.0, speculated_chunks=speculated)
+    assert st.optimizer_overlapped_s == pytest.approx(1.0)
+    assert st.speculated_chunks == speculated and st.speculated_s == pytest.approx(spec_s)
+    assert st.overlapped_s == pytest.approx(step_s)
+    assert st.overlap_window_s == pytest.approx(2 / 3 if speculated else 0.0)
+    assert _hand_case().overlapped_s == pytest.approx(4 / 3)  # no clipping
+
+
+def test_the_waiting_chunks_run_beside_the_next_forward_with_forward_sync():
+    """param_sync="forward": the next forward (1/3 s: one micro-batch's) overlaps only the
+    chunks that waited for the norm: 4 speculated -> 1 + max(0, 0.4 - 2/3) + (0.6 - 1/3)."""
+    kw = dict(max_grad_norm=1.0, param_sync="forward")
+    assert _hand_case(**kw).overlapped_s == pytest.approx(1 + 2 / 3)
+    assert _hand_case(**kw, speculated_chunks=4).overlapped_s == pytest.approx(1 + 0.6 - 1 / 3)
+    assert _hand_case(**kw, speculated_chunks=10).overlapped_s == pytest.approx(4 / 3)
+
+
+def test_bad_speculated_chunks_are_refused_in_one_line():
+    for kw in (dict(max_grad_norm=1.0, speculated_chunks=11), dict(speculated_chunks=1)):
+        with pytest.raises(ValueError, match=r"speculated_chunks=\d+ needs max_grad_norm"):
+            _hand_case(**kw)
+
+
+def test_the_plan_times_the_chunks_its_budget_holds():
+    """plan(): the 21 slots of 4 GiB are the speculated chunks of 80; 100 GiB holds a slot for
+    every chunk, so the step is the unclipped one; without a budget the clipped one."""
+    clipped = plan(N, **KW, rollback_bytes=0).step_time
+    four = plan(N, **KW, rollback_bytes="4GiB").step_time
+    every = plan(N, **KW, rollback_bytes="100GiB").step_time
+    free = plan(N, **dict(KW, max_grad_norm=None), rollback_bytes="4GiB").step_time
+    assert (clipped.speculated_chunks, four.speculated_chunks, every.speculated_chunks) == \
+        (0, 21, 80) and four.moved["offloaded_chunks"] == 80
+    assert four.speculated_s == pytest.approx(four.optimizer_overlapped_s * 21 / 80)
+    assert free.overlapped_s < four.overlapped_s < clipped.overlapped_s
+    assert every.overlapped_s == pytest.approx(free.overlapped_s)
+    assert "the 21 of 80 chunks the rollback budget lets speculate" in \
+        plan(N, **KW, rollback_bytes="4GiB").table()
+
+
+def test_the_20b_presets_dry_run_prints_the_speculated_chunks(capsys):
+    """examples/train_large.py --dry-run of the 20B RAM preset with a 4 GiB budget: its plan's
+    step lines name the 32 chunks that speculate and the rest that wait for the norm."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_large_dry",
+                                                  root / "examples" / "train_large.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = str(root / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
+    assert module.main(["--config", path, "--dry-run", "optimizer.rollback_bytes=4GiB"]) == 0
+    out = capsys.readouterr().out
+    chunks = re.search(r"with the 32 of (\d+) chunks the rollback budget lets speculate", out)
+    assert chunks, out
+    assert f"the other {int(chunks.group(1)) - 32} wait for the global norm" in out

@@ -134,12 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="HybridAdam's gradient clipping norm (optimizer.max_grad_norm), for the "
         "time per step: with it the optimizer phase cannot overlap backward (it "
         "waits for the global norm), so the floor step is the GPU's time plus "
-        "the whole optimizer phase (default: no clipping)")
+        "the whole optimizer phase, but for the chunks --rollback-bytes lets "
+        "speculate (default: no clipping)")
     add("--rollback-bytes", metavar="SIZE",
         help="HybridAdam's budget of pre-step copies for speculative clipping "
         "(optimizer.rollback_bytes): with --max-grad-norm the chunks it holds step "
         "during backward and are rolled back when the norm clips; the memory table "
-        "counts the copies in host RAM (the GPU lane's share on the GPU); a budget "
+        "counts the copies in host RAM (the GPU lane's share on the GPU), the time "
+        "per step lets those chunks overlap backward (if the norm does not clip); a budget "
         "that alone keeps the plan from fitting is refused with the largest that fits "
         "(default %(default)s: every chunk waits for the norm)")
     add("--grad-accumulation-steps", type=int, metavar="N",

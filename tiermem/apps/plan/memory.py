@@ -122,14 +122,28 @@ def rollback_slot_bytes(offloaded_numel: int, chunk_numel: int | None, moments_d
     Raises:
         Nothing: plain arithmetic on checked values.
     """
-    if not offloaded_numel or not rollback_bytes:
+    n = rollback_slots(offloaded_numel, chunk_numel, moments_dtype, rollback_bytes)
+    if not n:
         return 0, 0
-    chunk = largest_chunk(offloaded_numel, chunk_numel)
-    n = min(-(-offloaded_numel // chunk), rollback_bytes // chunk_state_bytes(chunk,
-                                                                               moments_dtype))
     n_gpu = int(n * gpu_step_fraction)
-    per = 4 * state_numel(chunk, moments_dtype)
+    per = 4 * state_numel(largest_chunk(offloaded_numel, chunk_numel), moments_dtype)
     return (n - n_gpu) * per, n_gpu * per
+
+
+def rollback_slots(offloaded_numel: int, chunk_numel: int | None, moments_dtype,
+                   rollback_bytes: int) -> int:
+    """HybridAdam's rollback slots for ``offloaded_numel`` elements in one param group: the
+    chunks a step can speculate on (``min(chunks, rollback_bytes // chunk_state_bytes)``, the
+    first that many in backward order; Note [speculative step]); 0 without either.
+
+    Raises:
+        Nothing: plain arithmetic on checked values.
+    """
+    if not offloaded_numel or not rollback_bytes:
+        return 0
+    chunk = largest_chunk(offloaded_numel, chunk_numel)
+    return min(-(-offloaded_numel // chunk), rollback_bytes // chunk_state_bytes(chunk,
+                                                                                  moments_dtype))
 
 
 def host_buffer_bytes(offloaded_numel: int, chunk_numel: int | None, dtype, moments_dtype,

@@ -29,6 +29,7 @@ from tiermem.optim.layout import (GRAD_SLOTS, LANE_SLOTS, NVME_EXTRA_CHUNKS, OUT
                                   gpu_side_state_bytes, lane_slot_bytes, state_numel)
 from tiermem.apps.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, head_bytes,
                                  host_buffer_bytes, largest_chunk, rollback_slot_bytes,
+                                 rollback_slots,
                                  moe_activation_bytes_per_block, short_dtype)
 from tiermem.rates import MachineRates
 from tiermem.apps.plan.result import Item, Plan, add_notes, overflow
@@ -503,6 +504,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                                                         else per_block),
         activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
         max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
+        speculated_chunks=0 if max_grad_norm is None or st is not None else rollback_slots(
+            off_n, chunk_numel, moments_dt, rollback_bytes),  # as the memory counts them
         param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,
         n_layers=n_layers, streamed_bytes=st.streamed_bytes if st else 0,
         stream_kept_bytes=st.kept_bytes if st else 0, stream_schedule=schedule,

@@ -26,7 +26,8 @@ predicts a step as forward + backward followed by an optimizer phase:
   backward, next to the GPU's work);
 - it can overlap a window of backward: without ``max_grad_norm`` the backward share of one
   micro-batch, ``GPU / grad_accumulation_steps x 4/6`` (6/8 with checkpointing: backward and
-  the recomputed forward of the ``6·N·T`` / ``8·N·T`` count); with ``max_grad_norm`` none;
+  the recomputed forward of the ``6·N·T`` / ``8·N·T`` count); with ``max_grad_norm`` none,
+  but for the chunks a rollback budget lets speculate (Note [speculated chunks]);
 - with ``max_grad_norm`` and ``param_sync="forward"`` the chunks are stepped in forward order
   (Note [stepping order] in tiermem/optim/hybrid_adam.py) and each module of the next forward
   waits only for its own, so the next step's forward runs beside the phase: the forward
@@ -43,6 +44,21 @@ predicts a step as forward + backward followed by an optimizer phase:
   of every resource's time, nothing overlapping.
 
 The docs/sizing.md comparison table shows the logged H200 runs against both ends.
+
+Note [speculated chunks]
+~~~~~~~~~~~~~~~~~~~~~~~~
+With ``max_grad_norm`` and a rollback budget (``rollback_bytes``: Note [speculative step] in
+``tiermem/optim/speculate.py``) HybridAdam steps the first ``s = speculated_chunks`` of its
+``C`` offloaded chunks in backward order as their gradients land, as without clipping, betting
+that the norm does not clip; the other ``C - s`` wait for the norm. The chunks being of one
+size, the speculated ones take ``spec = opt_max·s/C`` of the pipelined phase: that overlaps the
+backward window as without clipping, what of it outlasts the window runs first after the
+backward, then the waiting chunks, beside which the next forward may run
+(``forward_overlap_s``: they go in forward order). The tail: ``max(0, spec - window) + max(0,
+opt_max - spec - forward_overlap_s)``; ``s = 0`` gives the clipped tail, ``s = C`` the
+unclipped one. Not counted: the pre-step copies (a host memcpy of each speculated chunk's
+state; the GPU lane's on the GPU) and a step whose norm clips (its speculated chunks are
+restored and stepped again after the norm: about the clipped step plus the restores).
 """
 
 from __future__ import annotations
@@ -88,11 +104,13 @@ class StepTime:
             (seconds): the largest of its PCIe, CPU Adam and NVMe times (without the
             activations' traffic).
         optimizer_serial_s: the same resources one after another (seconds): their sum.
-        overlap_window_s: seconds of backward the optimizer phase can overlap: 0 with
-            ``max_grad_norm``, else the last micro-batch's backward, ``seconds["gpu"] /
-            accumulation steps x 4/6`` (6/8 with checkpointing).
+        overlap_window_s: seconds of backward the optimizer phase can overlap: the last
+            micro-batch's backward, ``seconds["gpu"] / accumulation steps x 4/6`` (6/8 with
+            checkpointing); with ``max_grad_norm`` 0, or that window for the speculated
+            chunks (Note [speculated chunks]).
         optimizer_tail_s: what the optimizer adds to forward + backward at the floor
-            (seconds): ``max(0, optimizer_overlapped_s - overlap_window_s)``, or more when the
+            (seconds): ``max(0, optimizer_overlapped_s - overlap_window_s)`` (Note [speculated
+            chunks] with a rollback budget), or more when the
             busiest resource's own time exceeds ``fwd_bwd_s`` by more (offloaded activations
             and optimizer traffic on one link or disk).
         gpu_share_of_floor: ``seconds["gpu"] / overlapped_s``, the fraction of the floor step
@@ -125,6 +143,9 @@ class StepTime:
             ``stream_h2d_bytes``, ``stream_d2h_bytes`` and ``stream_nvme_read_bytes``); None:
             no weights streamed.
         stream_tier: the streamed weights' home, ``"cpu"`` or ``"nvme"`` (None: none).
+        speculated_chunks: with ``max_grad_norm``, the offloaded chunks stepped during
+            backward on the rollback budget (Note [speculated chunks]); 0: all wait.
+        speculated_s: their share of ``optimizer_overlapped_s`` (seconds).
     """
 
     tokens: int
@@ -152,6 +173,8 @@ class StepTime:
     breadth_first_blocks: int = 0
     stream_schedule: str | None = None
     stream_tier: str | None = None
+    speculated_chunks: int = 0
+    speculated_s: float = 0.0
 
 
 def _field(dotted: str, who: str, value, name: str | None = None):
@@ -169,7 +192,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               grad_accumulation_steps: int = 1, nvme_state_bytes: int = 0,
               activation_offload_bytes: int = 0, activation_tier: str = "cpu",
               gpu_step_fraction: float = 0.0, max_grad_norm: float | None = None,
-              offloaded_chunks: int = 0, param_sync: str = "step",
+              offloaded_chunks: int = 0, speculated_chunks: int = 0, param_sync: str = "step",
               breadth_first_blocks: int = 0, n_layers: int | None = None,
               streamed_bytes: int = 0, stream_kept_bytes: int = 0,
               stream_schedule: str = "block-major", stream_tier: str = "cpu",
@@ -239,6 +262,10 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         offloaded_chunks: HybridAdam's offloaded chunks (``ceil(offloaded_params /
             chunk_numel)``; :func:`plan` passes them), each costing the worker
             ``rates.worker_s_per_chunk``; 0: not counted.
+        speculated_chunks: with ``max_grad_norm``, the offloaded chunks whose pre-step
+            copies the rollback budget holds (``rollback_slots``; at most
+            ``offloaded_chunks``): they overlap the backward as without clipping (Note
+            [speculated chunks]); 0: every chunk waits for the norm.
         param_sync: HybridAdam's, ``"step"`` or ``"forward"`` (Note [forward sync]).
         breadth_first_blocks: blocks run for every micro-batch before the rest of the first
             (Note [breadth-first blocks]), 0 to ``n_layers``.
@@ -258,7 +285,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             not MachineRates, an unknown ``param_sync``, ``breadth_first_blocks`` above
             ``n_layers`` or given without it, ``streamed_bytes`` not a whole number of
             params or more params than are offloaded, ``stream_kept_bytes`` not whole params
-            or above ``streamed_bytes``, an unknown schedule or stream tier.
+            or above ``streamed_bytes``, an unknown schedule or stream tier,
+            ``speculated_chunks`` above ``offloaded_chunks`` or without ``max_grad_norm``.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -273,6 +301,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                         ("nvme_state_bytes", nvme_state_bytes),
                         ("activation_offload_bytes", activation_offload_bytes),
                         ("offloaded_chunks", offloaded_chunks),
+                        ("speculated_chunks", speculated_chunks),
                         ("streamed_bytes", streamed_bytes),
                         ("stream_kept_bytes", stream_kept_bytes)):
         check_int(who, name, value, low=0)
@@ -291,6 +320,11 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     _field("activations.tier", who, activation_tier, "activation_tier")
     share = _field("optimizer.gpu_step_fraction", who, gpu_step_fraction)
     _field("optimizer.max_grad_norm", who, max_grad_norm)
+    if speculated_chunks > offloaded_chunks or (speculated_chunks and max_grad_norm is None):
+        raise ValueError(f"{who}speculated_chunks={speculated_chunks} needs max_grad_norm and "
+                         f"at most offloaded_chunks={offloaded_chunks} (the chunks the "
+                         f"rollback budget holds; Note [speculated chunks]): give 0 to "
+                         f"{offloaded_chunks} with max_grad_norm, else 0")
     _field("optimizer.param_sync", who, param_sync)
     check_int(who, "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks")
     if breadth_first_blocks:
@@ -358,8 +392,14 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                   + s_read * f_step / r.nvme_read_bytes_per_s)
     opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"],
            nvme_state_bytes * disk + s_write / r.nvme_write_bytes_per_s)
-    window = 0.0 if max_grad_norm is not None else \
+    window = 0.0 if max_grad_norm is not None and not speculated_chunks else \
         seconds["gpu"] / grad_accumulation_steps * ((6 / 8) if checkpoint else (4 / 6))
+    # Note [speculated chunks]: the optimizer work that may overlap the window: every chunk's
+    # without max_grad_norm, with it the speculated chunks' share
+    if max_grad_norm is None:
+        spec = max(opt)
+    else:
+        spec = max(opt) * speculated_chunks / offloaded_chunks if speculated_chunks else 0.0
     # Note [optimizer tail]: the next forward beside the tail (chunks stepped in forward order)
     ahead = 0.0
     if param_sync == "forward" and max_grad_norm is not None:
@@ -368,7 +408,10 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             first + (1 - first) / grad_accumulation_steps)
     # at least the busiest resource's own time: a link or disk carrying both activations
     # and optimizer traffic does not do both at once
-    tail = max(0.0, max(opt) - window - ahead, seconds[bound] - fwd_bwd)
+    # (Note [speculated chunks]: what of the window's work outlasts it, then the rest, which
+    # the next forward may overlap)
+    tail = max(0.0, max(0.0, spec - window) + max(0.0, max(opt) - spec - ahead),
+               seconds[bound] - fwd_bwd)
     overlapped, serial = fwd_bwd + tail, sum(seconds.values())
     need = 0.0  # T*: g·T >= fixed + per·T for every term
     for fixed, per in (t for ts in terms.values() for t in ts):
@@ -408,7 +451,9 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                     max_grad_norm=max_grad_norm, forward_overlap_s=ahead,
                     param_sync=param_sync, breadth_first_blocks=breadth_first_blocks,
                     stream_schedule=stream_schedule if streamed_bytes else None,
-                    stream_tier=stream_tier if streamed_bytes else None)
+                    stream_tier=stream_tier if streamed_bytes else None,
+                    speculated_chunks=speculated_chunks,
+                    speculated_s=spec if max_grad_norm is not None else 0.0)
 
 
 def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
@@ -460,7 +505,14 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
         lines.append(f"  {RESOURCE_NAMES[k].ljust(width)}  "
                      f"{(f'{s:.3f} s' if s else '-').rjust(9)}  {what[k] if s else ''}".rstrip())
     gpu = st.seconds["gpu"]
-    if st.max_grad_norm is not None:
+    if st.max_grad_norm is not None and st.speculated_chunks:  # Note [speculated chunks]
+        c, s = round(m["offloaded_chunks"]), st.speculated_chunks
+        window = (f"overlaps up to {st.overlap_window_s:.3f} s of backward with the {s} of {c} "
+                  f"chunks the rollback budget lets speculate (the first in backward order, "
+                  f"{st.speculated_s:.3f} s of the phase; rolled back if the norm clips), "
+                  + (f"the other {c - s}" if c > s else "none") + " wait for the global norm "
+                  f"(max_grad_norm={st.max_grad_norm:g})")
+    elif st.max_grad_norm is not None:
         window = (f"overlaps no backward (max_grad_norm={st.max_grad_norm:g}: the CPU step waits "
                   f"for the global norm)")
     else:
