@@ -10,6 +10,7 @@ speculates; tests/optim/test_speculate_cuda.py runs the same on a GPU.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -204,6 +205,17 @@ def test_chunks_beyond_the_budget_are_stepped_in_forward_order(tier, regime, tmp
         return ok
 
     monkeypatch.setattr(speculate.Speculation, "claim", claim_and_record)
+    admitted = threading.Semaphore(0)  # one release per chunk admitted before the norm
+    admit = speculate.Speculation.admit
+
+    def admit_and_tell(self, item):
+        first = item not in self._admitted and item not in self._admitted_gpu
+        ok = admit(self, item)
+        if ok and first:
+            admitted.release()
+        return ok
+
+    monkeypatch.setattr(speculate.Speculation, "admit", admit_and_tell)
     slot = chunk_state_bytes(1024, torch.float32)
     max_norm, scale = (1.0, lambda s: 1e-2) if regime == "never" else (1e-3, lambda s: 1.0)
     kw = dict(KW, param_sync="forward")
@@ -217,6 +229,9 @@ def test_chunks_beyond_the_budget_are_stepped_in_forward_order(tier, regime, tmp
         order.clear()
         held_order.append([])
         (model(*make_batch(step))[1] * scale(step)).backward()
+        if regime == "never" or step < 2:  # a speculating step: let the worker admit its 3
+            for _ in range(3):             # before step() decides (else a busy box flakes)
+                admitted.acquire()
         opt.step()
         opt.synchronize()
         opt.zero_grad(set_to_none=True)
