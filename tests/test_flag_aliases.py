@@ -52,3 +52,12 @@ def test_plan_refuses_gpu_and_gpu_bytes_together(capsys):
                       "--json"]) == 2
     err = capsys.readouterr().err
     assert "--gpu" in err and "--gpu-bytes" in err and "not both" in err, err
+
+
+def test_a_caller_namespace_without_weak_references_still_refuses_both():
+    import types
+    parser = _parser("plan", "--gpu-bytes")
+    with pytest.raises(argparse.ArgumentError):
+        parser.parse_args(["--gpu", "1", "--gpu-bytes", "2"], namespace=types.SimpleNamespace())
+    got = parser.parse_args(["--gpu", "1"], namespace=types.SimpleNamespace())
+    assert got.gpu_bytes == "1"

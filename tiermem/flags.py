@@ -248,8 +248,13 @@ def _one_spelling(action: argparse.Action, namespace: Any, spelling: str) -> Non
         def drop(ref: Any, key: int = key) -> None:
             if _GIVEN.get(key, (None,))[0] is ref:
                 del _GIVEN[key]
-        entry = (weakref.ref(namespace, drop), {})
-        _GIVEN[key] = entry
+        try:
+            entry = (weakref.ref(namespace, drop), {})
+        except TypeError:  # a caller's namespace without weak references: kept on it
+            given = vars(namespace).setdefault("_tiermem_spellings", {})
+            entry = (lambda: namespace, given)
+        else:
+            _GIVEN[key] = entry
     other = entry[1].setdefault(action.dest, spelling)
     if other != spelling:
         raise argparse.ArgumentError(action, f"{other} and {spelling} set the same field; "
