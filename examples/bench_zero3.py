@@ -27,6 +27,14 @@ baseline run within 4x the baseline's own run-to-run difference
 over ZeRO-3's. Runs go repeat-major (every row's first run, then every row's second, ...), a
 round started only if it ends within ``--budget-s`` (as long as the last round took).
 
+The cap: ``--gpu-bytes`` caps the two rows it compares (tiermem and ZeRO-3) with
+``torch.cuda.set_per_process_memory_fraction``, set again before each run; the resident baseline
+runs uncapped, because it cannot fit a small card (fp32 masters + Adam state + bf16 weights and
+gradients are 18 bytes a parameter: 24 GiB for the reference GPT's 1.34B before activations).
+It is the parity reference and the ``x`` column's, not a contender under the cap; its ``peak
+GiB`` says what it used. Each run ends with ``torch.cuda.empty_cache()`` so the next run's cap
+is measured against its own reservations.
+
 Exit status: 0 when every row that ran is ``exact`` or ``equal`` to the baseline, 1 if not,
 2 for bad arguments (one line).
 
@@ -99,7 +107,10 @@ def parse_args(argv):
                  "--grad-accumulation-steps", "--steps", "--warmup", "--repeats"):
         p.add_argument(flag, type=int, default=None, help="as tiermem bench stream")
     p.add_argument("--gpu-bytes", default=None, metavar="SIZE",
-                   help="cap CUDA memory at SIZE (set_per_process_memory_fraction)")
+                   help="cap CUDA memory at SIZE (set_per_process_memory_fraction) for the "
+                        "tiermem and ZeRO-3 rows (the docstring: The cap)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="checkpoint every block (all rows; 16k tokens in 24 GiB need it)")
     p.add_argument("--grad-clip", type=float, default=1.0,
                    help="max global gradient norm of every row (0: no clipping)")
     p.add_argument("--budget-s", type=float, default=300.0,
@@ -109,9 +120,9 @@ def parse_args(argv):
         raise ValueError(f"--grad-clip={args.grad_clip} must be >= 0 (0: no clipping)")
     if args.budget_s <= 0:
         raise ValueError(f"--budget-s={args.budget_s} must be > 0 (seconds)")
-    shared = []
+    shared = ["--checkpoint"] if args.checkpoint else []
     for name, value in vars(args).items():
-        if value is not None and name not in ("grad_clip", "budget_s"):
+        if value is not None and name not in ("grad_clip", "budget_s", "checkpoint"):
             shared += [f"--{name.replace('_', '-')}", str(value)]
     sargs = bench_stream._parse_args(shared)
     sargs.grad_clip, sargs.budget_s = args.grad_clip, args.budget_s
@@ -228,10 +239,12 @@ def _store(model: GPT, device: torch.device) -> TierStore:
 def run(args, log=print) -> list[Row]:
     """Every row, repeat-major within ``args.budget_s``."""
     device = bench_device()
+    cap = None  # the fraction of --gpu-bytes; the docstring: The cap
     if args.gpu_bytes is not None and device.type == "cuda":  # as tiermem bench stream caps
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_bytes / total), device)
-        log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu-bytes)")
+        cap = min(1.0, args.gpu_bytes / total)
+        log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu-bytes) for "
+            f"{TIERMEM!r} and {ZERO3!r}; the resident baseline runs uncapped")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
@@ -239,7 +252,7 @@ def run(args, log=print) -> list[Row]:
 
     def build() -> GPT:
         with torch.device(device):
-            return GPT(cfg).to(dtype=dtype)
+            return GPT(cfg, checkpoint=args.checkpoint).to(dtype=dtype)
 
     torch.manual_seed(0)
     model = build()
@@ -286,6 +299,10 @@ def run(args, log=print) -> list[Row]:
                 if row.missing:
                     continue
                 if device.type == "cuda":
+                    if cap is not None:  # the baseline uncapped (the docstring: The cap)
+                        uncapped = row.name in (BASELINE, AGAIN)
+                        torch.cuda.set_per_process_memory_fraction(1.0 if uncapped else cap,
+                                                                   device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
                 if row.name == ZERO3:
@@ -368,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_zero3: layers={args.layers} d_model={args.d_model} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} micro_batches={args.micro_batches} "
           f"vocab={args.vocab} ({tokens:,} tokens per step) gpu={args.gpu or 'uncapped'} "
-          f"grad_clip={args.grad_clip} schedule={args.schedule} steps={args.steps} "
-          f"warmup={args.warmup} repeats={args.repeats} budget_s={args.budget_s:.0f}",
-          flush=True)
+          f"grad_clip={args.grad_clip} checkpoint={args.checkpoint} schedule={args.schedule} "
+          f"steps={args.steps} warmup={args.warmup} repeats={args.repeats} "
+          f"budget_s={args.budget_s:.0f}", flush=True)
     rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
     parity = verdicts(rows)
     print(format_table(rows, tokens, parity), flush=True)

@@ -125,11 +125,12 @@ def _losses(err: str, name: str) -> list[str]:
             if f" {name}: " in ln and "losses" in ln]
 
 
-@pytest.mark.parametrize("extra", [[], ["--grad-accumulation-steps", "2"]])
+@pytest.mark.parametrize("extra", [[], ["--grad-accumulation-steps", "2", "--checkpoint"]])
 def test_cpu_smoke_rows_equal_and_zero3_not_available(bz, capsys, one_thread, extra):
     # --grad-clip 1e-3 clips every step: the rows only agree if each clips as the baseline
     assert bz.main([*TINY, *extra, "--grad-clip", "1e-3"]) == 0
     out, err = capsys.readouterr()
+    assert f"checkpoint={'--checkpoint' in extra}" in out.splitlines()[0]
     assert _parity(out, bz.AGAIN) == "exact", out
     # HybridAdam's global norm is summed in another order: equal within the noise bound
     assert _parity(out, bz.TIERMEM).split(" ")[0] in ("exact", "equal"), out
