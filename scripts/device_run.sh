@@ -63,6 +63,12 @@
 #   bench_hf           nvidia-h200      Trainer + AdamW vs TiermemTrainer (HybridAdam f=1.0, + act.
 #                                       offload) and the plain loop, 1.1B Llama, seq 2048: 3 runs,
 #                                       a round started only if it ends within 270 s (bounded 300 s)
+#   bench_zero3        nvidia-h200      examples/bench_zero3.py: reference GPT, blocks checkpointed,
+#                                       16k tokens per step, 3 runs: tiermem streaming + HybridAdam
+#                                       f=1 vs DeepSpeed ZeRO-3 offload_param + offload_optimizer
+#                                       (cpu), both capped at 24 GiB (the resident baseline
+#                                       uncapped); needs the DeepSpeed wheels in .whl (carry
+#                                       .whl); bounded 420 s, not yet timed
 #   dist_tests         nvidia-h200-x2   tests/distributed under NCCL
 #   bench_optim_world2 nvidia-h200-x2   FSDP2 / data-parallel HybridAdam table
 #   large13, large20   nvidia-h200      examples/train_large.py presets
@@ -169,6 +175,24 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB ;;
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \
       --steps 3 --warmup 2 --repeats 3 ;;
+    bench_zero3)
+      # DeepSpeed comes from .whl (a py3-none-any wheel built with DS_BUILD_OPS=0: no op
+      # prebuilt). DeepSpeedCPUAdam is JIT-built at first use by torch.utils.cpp_extension with
+      # the host C++ compiler and ninja into ~/.cache/torch_extensions (cpu_adam: C++ only, the
+      # script builds it before its timed rounds, ~1 min). Only DeepSpeed's CUDA ops (FusedAdam
+      # and the like, unused here) need nvcc; its CUDA op builders look for CUDA_HOME, so set it
+      # from nvcc on PATH, else /usr/local/cuda, else the cuda-toolkit pip package's nvcc.
+      if [ -z "${CUDA_HOME:-}" ]; then
+        NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || python3 -c \
+          "import glob, nvidia; print(*[n for d in nvidia.__path__
+            for n in glob.glob(d + '/**/bin/nvcc', recursive=True)][:1])" 2>/dev/null)
+        [ -n "$NVCC" ] && export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
+      fi
+      echo "CUDA_HOME=${CUDA_HOME:-unset}"
+      python3 -c "import deepspeed as d, pydantic as p; print('deepspeed', d.__version__,
+        'from', d.__file__, 'pydantic', p.VERSION)"
+      run bench_zero3 420 python3 examples/bench_zero3.py "${GPT[@]}" --batch 8 --steps 3 \
+        --warmup 1 --repeats 3 --checkpoint --gpu-bytes 24GiB --budget-s 240 ;;
     dist_tests) nvidia-smi -L; run dist_tests 420 "${PYTEST[@]}" tests/distributed ;;
     bench_optim_world2) run bench_optim_world2 300 tiermem bench optim --world 2 --steps 3 \
       --grad-accumulation-steps 1,4 --setups gpu,0.5,1.0 --timeout 290 ;;
