@@ -354,9 +354,9 @@ def test_a_refused_step_puts_the_speculated_chunks_back(tier, tmp_path, monkeypa
     assert_same_bits(*runs[0], *runs[1])
 
 
-def test_streamed_weights_wait_for_the_norm(caplog, one_thread):
-    """Weight streaming (Note [streamed write-back]): speculation is not tested there yet, so it
-    is refused, logged, and chunks wait for the norm."""
+def test_streamed_weights_speculate(caplog, one_thread):
+    """Weight streaming (Note [streamed rollback]): the step speculates, nothing logged as
+    refused (exactness: tests/stream/test_stream_speculate.py)."""
     import logging
     from tiermem.stream import stream_weights
     model = make_models()
@@ -366,7 +366,7 @@ def test_streamed_weights_wait_for_the_norm(caplog, one_thread):
     with caplog.at_level(logging.INFO, logger="tiermem"):
         opt = HybridAdam(model.parameters(), **HP, chunk_numel=1024, max_grad_norm=1.0,
                          rollback_bytes=BUDGET)
-    assert not opt._spec.enabled and "streamed weights: not tested yet" in caplog.text
+    assert opt._spec.enabled and "does not speculate" not in caplog.text
     opt.close()
     stream.close()
     store.close()

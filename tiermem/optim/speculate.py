@@ -48,8 +48,23 @@ chunk and step, ``rollback_bytes`` of host RAM (pageable: only the CPU reads it)
 synchronisation on the norm in ``step()``, and on a clipped step the admitted chunks stepped
 twice (the second time after backward, serialised like the non-speculative path). Speculation
 is one process only: with ``data_parallel`` or FSDP2 chunks wait for the all-reduced norm
-(logged); with streamed weights (Note [streamed write-back]) it is refused the same way (not
-tested yet); HybridAdam steps chunks in forward order whenever a step does not speculate.
+(logged); with streamed weights it speculates (Note [streamed rollback]); HybridAdam steps
+chunks in forward order whenever a step does not speculate.
+
+Note [streamed rollback]: with streamed weights (Note [streamed write-back] in streamed.py) a
+speculative step writes the updated weights into the store's host copy that the next pass
+streams (in place: Note [in-place host chunks] in chunk_worker.py), not into a param the next
+step overwrites anyway; the rollback needs nothing more than in one process: the restored
+chunk is stepped again and writes every weight the speculative step wrote (the same pieces:
+those with a gradient), and ``Link.before_pass`` marks it changed once the step is complete
+(``tier="nvme"``: the NVMe copy is rewritten then). A refused step (:meth:`Speculation.undo`)
+writes the restored masters into the host copies, rounded: the weights as before the step,
+bit for bit (a weight is its master rounded), and the step counts have not moved, so nothing is
+marked changed and the NVMe copy, never rewritten, is still the weights'. The clip of the
+streamed weights' host gradients is settle's (:func:`clip_`), after ``step()`` has waited for
+every admitted chunk's reads: the worker reads a single-piece chunk's host gradient in place
+during its kernel, so a clip in ``grads_and_norm`` (where it was before) would scale it under a
+speculative step that is still reading it.
 
 Note [held chunks]: a speculating step ships gradients as they land (backward order: the last
 layers first), and the chunks that find no slot wait for the norm. Queued behind the admitted
@@ -90,6 +105,23 @@ SWITCH_WINDOW = 4
 
 SWITCH_MAX_CLIPPED = 1
 """The most clipped steps among the last ``SWITCH_WINDOW`` with which a step still speculates."""
+
+SPECULATING_MODES = ("local", "local+stream")
+"""The modes whose steps speculate (Note [speculative step], Note [streamed rollback])."""
+
+
+def clip_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the clip coefficient ``coef``, per device: a streamed
+    weight's host gradient by a host copy of it (Note [streamed rollback]).
+
+    Raises:
+        Nothing beyond torch's errors.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in grads:
+        by_device.setdefault(t.device, []).append(t)
+    for device, ts in by_device.items():
+        torch._foreach_mul_(ts, coef if device == coef.device else coef.to(device))
 
 
 class SpeculationSwitch:
@@ -146,11 +178,11 @@ class Speculation:
         self._read_ahead = read_ahead
         self.budget_bytes = rollback_bytes
         self.enabled = (rollback_bytes > 0 and clipping and overlap and one_process
-                        and mode == "local")
+                        and mode in SPECULATING_MODES)
         if rollback_bytes > 0 and clipping and not self.enabled:
             why = ("overlap=False steps every chunk in step()" if not overlap else
                    "data parallel and FSDP2 reduce the norm over the ranks" if not one_process
-                   else f"not with {mode!r} params (streamed weights: not tested yet)")
+                   else f"not with {mode!r} params")
             logger.info("%s: rollback_bytes=%d but the step does not speculate (%s): chunks "
                         "wait for the gradient norm (Note [speculative step])", who,
                         rollback_bytes, why)
@@ -476,8 +508,7 @@ class Speculation:
                 event = torch.cuda.Event()
                 event.record(consumer)  # the coefficient's copy to the host
             self._outcome = (host, event)
-        if grads:
-            torch._foreach_mul_(grads, coef)
+        clip_(grads, coef)  # after the admitted chunks' reads: Note [streamed rollback]
         if copier.cuda:
             clip_event = torch.cuda.Event()
             clip_event.record(consumer)  # D2H copies and the lane read clipped grads

@@ -90,15 +90,14 @@ class StreamedMode(LocalMode):
     def __init__(self, streams: dict[int, Any]) -> None:
         super().__init__()
         self._streams = streams
-        self._max_norm: float | None = None
 
     def bind(self, groups: list[Group], max_grad_norm: float | None) -> None:
-        """Point each streamed local tensor at its host copy (``Group.host_copies``).
+        """Point each streamed local tensor at its host copy (``Group.host_copies``); the clip of
+        their host gradients is settle's (``max_grad_norm`` unused: Note [streamed rollback]).
 
         Raises:
             nothing.
         """
-        self._max_norm = max_grad_norm
         for g in groups:
             for i, p in enumerate(g.params):
                 s = self._streams.get(id(p))
@@ -136,24 +135,6 @@ class StreamedMode(LocalMode):
             return super().grad_of(g, i)
         grad = s.host_grad(g.params[i])
         return None if grad is None else grad.detach().view(-1)
-
-    def grads_and_norm(self, groups: list[Group], device: torch.device
-                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The device gradients to clip and the global norm over all of them, the streamed
-        weights' host gradients included, which are clipped here, on the host, by the
-        coefficient the caller applies to the rest (``clamp(max_norm / (norm + 1e-6), max=1)``,
-        torch's ``clip_grad_norm_``'s; Note [streamed write-back]).
-
-        Raises:
-            nothing beyond torch's errors.
-        """
-        grads, total = super().grads_and_norm(groups, device)
-        host = [t for t in grads if t.device != device]
-        if host and self._max_norm is not None:
-            coef = torch.clamp(self._max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(host, coef.to(host[0].device))
-            grads = [t for t in grads if t.device == device]
-        return grads, total
 
 
 class Link:
