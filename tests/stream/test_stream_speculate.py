@@ -34,9 +34,11 @@ CONFIGS = {
 
 @pytest.fixture
 def stores(make_stream_store):
-    """``stores(nvme)``: a CPU store, no GPU budget, 8 MiB RAM; ``nvme``: a 64 MiB NVMe tier."""
-    return lambda nvme: make_stream_store(gpu_bytes=0, cpu_bytes=8 << 20,
-                                          **({"nvme_bytes": 64 << 20} if nvme else {}))
+    """``stores(nvme, device="cpu")``: a store, 8 MiB RAM, no GPU budget on the CPU (1 MiB on
+    CUDA); ``nvme``: a 64 MiB NVMe tier."""
+    return lambda nvme, device="cpu": make_stream_store(
+        device=device, gpu_bytes=0 if device == "cpu" else 1 << 20, cpu_bytes=8 << 20,
+        **({"nvme_bytes": 64 << 20} if nvme else {}))
 
 
 def _scaled(model, scale):
@@ -58,20 +60,21 @@ def _snapshot(model, opt) -> tuple[dict, dict]:
 
 
 def _train(name: str, regime: str, stores, budget: int, probe: _Probe | None = None,
-           expect: set = frozenset(), refuse: int | None = None) -> tuple[list, list]:
-    """8 steps of config ``name`` in ``regime``; returns each step's snapshot and norm.
-    ``refuse``: the step whose ``step()`` is refused (a nan lr set after backward)."""
+           expect: set = frozenset(), refuse: int | None = None,
+           device: str = "cpu") -> tuple[list, list]:
+    """8 steps of config ``name`` in ``regime`` on ``device``; returns each step's snapshot
+    and norm. ``refuse``: the step whose ``step()`` is refused (a nan lr set after backward)."""
     tier, fraction, n_micro, major, state_tier = CONFIGS[name]
     max_norm, scale_of = REGIMES[regime]
-    model = make_model()
+    model = make_model().to(device)
     scale = [1.0]
     _scaled(model, scale)
-    store = stores(tier == "nvme")
+    store = stores(tier == "nvme", device)
     stream = stream_weights(model.blocks, store=store, tier=tier)
     opt = HybridAdam(model.parameters(), lr=3e-3, weight_decay=0.1, offload_fraction=fraction,
                      chunk_numel=2048, max_grad_norm=max_norm, grad_accumulation_steps=n_micro,
                      state_tier=state_tier,
-                     store=stores(True) if state_tier != "cpu" else None,
+                     store=stores(True, device) if state_tier != "cpu" else None,
                      rollback_bytes=budget)
     assert opt._spec.enabled == bool(budget)  # Note [streamed rollback]: it speculates
     snaps, norms = [], []
@@ -80,7 +83,8 @@ def _train(name: str, regime: str, stores, budget: int, probe: _Probe | None = N
             scale[0] = scale_of(step)
             if probe is not None:
                 probe.admitted.clear()
-            forward_backward(model, batches(step, n_micro), block_major=major)
+            mbs = [(i.to(device), t.to(device)) for i, t in batches(step, n_micro)]
+            forward_backward(model, mbs, block_major=major)
             grads = [p.grad for p in model.parameters() if p.grad is not None]  # host ones too
             norms.append(float(torch.nn.utils.get_total_norm(grads)))
             if probe is not None and step in expect:
