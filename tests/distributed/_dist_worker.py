@@ -49,8 +49,16 @@ def make_model(kind: str, device: torch.device, **kw):
     return model
 
 
-def train(model, opt, rank, world, device, steps=STEPS, accum=1):
-    """Train; return the global losses (mean over ranks, as the single-process run sees them)."""
+SCALES = {  # regime -> loss scale per step (sets the norm: tests/distributed/test_dp_speculate.py)
+    "never": lambda s: 1e-2, "always": lambda s: 1.0,
+    "alternate": lambda s: 10.0 if s % 2 else 1e-2,
+    "nonfinite": lambda s: {2: 1e30, 7: float("nan")}.get(s, 1e-2)}
+
+
+def train(model, opt, rank, world, device, steps=STEPS, accum=1, regime=None, spec=None):
+    """Train; return the global losses (mean over ranks, as the single-process run sees them).
+    ``regime``: a loss scale per step (``SCALES``); ``spec``: a list that gets each step's
+    (speculated, rolled-back) chunk counts."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     per = GLOBAL_BATCH // world
     losses = []
@@ -60,11 +68,16 @@ def train(model, opt, rank, world, device, steps=STEPS, accum=1):
             idx, tgt = make_batch(step * accum + micro, batch=GLOBAL_BATCH)
             mine = slice(rank * per, (rank + 1) * per)
             _, loss = model(idx[mine].to(device), tgt[mine].to(device))
+            if regime is not None:
+                loss = loss * SCALES[regime](step)
             (loss / accum).backward()
             value = loss.detach().clone()
             dist.all_reduce(value)
             total += value.item() / world / accum
         opt.step()
+        if spec is not None:
+            st = opt.step_stats()
+            spec.append((st.get("speculated_chunks", 0), st.get("rolled_back_chunks", 0)))
         opt.zero_grad(set_to_none=True)
         sched.step()
         losses.append(total)
@@ -90,11 +103,18 @@ def run_config(rank, world, outdir, cfg, device):
                      state_tier=cfg["tier"], nvme_dir=spill, chunk_numel=1024,
                      data_parallel=kind == "dp" or None, bucket_numel=2048,
                      max_grad_norm=cfg.get("clip"), grad_accumulation_steps=cfg.get("accum", 1),
-                     overlap=cfg.get("overlap", True), gpu_step_fraction=cfg.get("gpu", 0.0))
+                     overlap=cfg.get("overlap", True), gpu_step_fraction=cfg.get("gpu", 0.0),
+                     rollback_bytes=cfg.get("rollback", 0))
     res = {"numel": opt.state_numel(), "memory": opt.memory_bytes(),
            "total": sum(p.numel() for p in model.parameters())}
-    res["losses"] = train(model, opt, rank, world, device, accum=cfg.get("accum", 1))
+    res["spec"] = []
+    res["losses"] = train(model, opt, rank, world, device, steps=cfg.get("steps", STEPS),
+                          accum=cfg.get("accum", 1), regime=cfg.get("regime"), spec=res["spec"])
     res["params"] = full_params(model)
+    if "rollback" in cfg:  # the whole state, bit for bit (state_dict: collective)
+        res["state"] = {(i, k): t.detach().cpu().clone()
+                        for i, st in opt.state_dict()["state"].items()
+                        for k, t in st.items() if isinstance(t, torch.Tensor)}
     res["spill_dirs"] = sorted(os.listdir(spill))
     if cfg.get("state"):
         res.update(check_state(rank, world, outdir, cfg, model, opt, device))

@@ -372,16 +372,26 @@ def test_streamed_weights_speculate(caplog, one_thread):
     store.close()
 
 
-def test_data_parallel_and_fsdp2_wait_for_the_norm(caplog):
-    """With data parallel or FSDP2 (one_process False: the norm is all-reduced) speculation is
-    refused, logged, and chunks wait for the norm."""
+def test_fsdp2_waits_for_the_norm_and_data_parallel_speculates(caplog):
+    """FSDP2 assigns every gradient in step(): nothing to speculate on, refused and logged; ZeRO
+    data parallel speculates (exactness: tests/distributed/test_dp_speculate.py)."""
     import logging
     from tiermem.optim.step_state import StepState
+
+    class _Layout:  # StateLayout's attribute that Speculation.__init__ sets when enabled
+        backward_order = False
+
     with caplog.at_level(logging.INFO, logger="tiermem"):
         spec = speculate.Speculation(None, StepState(), None, rollback_bytes=BUDGET,
                                      clipping=True, overlap=True, one_process=False,
+                                     who="HybridAdam[rank 0]", mode="fsdp")
+        assert not spec.enabled and "FSDP2 assigns every gradient" in caplog.text
+        caplog.clear()
+        layout = _Layout()
+        spec = speculate.Speculation(layout, StepState(), None, rollback_bytes=BUDGET,
+                                     clipping=True, overlap=True, one_process=False,
                                      who="HybridAdam[rank 0]", mode="zero")
-    assert not spec.enabled and "data parallel and FSDP2" in caplog.text
+    assert spec.enabled and layout.backward_order and "does not speculate" not in caplog.text
 
 
 def test_breadth_first_micro_batches_with_forward_sync(monkeypatch, one_thread):

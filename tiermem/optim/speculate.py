@@ -5,7 +5,7 @@ end of backward, and the switch that turns speculation off while steps keep clip
 
 Note [speculative step]: with ``max_grad_norm`` the offloaded chunks cannot be stepped before
 the global norm is known (Note [hybrid step] in hybrid_adam.py), so without speculation the CPU
-step starts only in ``step()``. With ``rollback_bytes > 0`` (one process, ``overlap=True``) a
+step starts only in ``step()``. With ``rollback_bytes > 0`` (``overlap=True``, not FSDP2) a
 chunk whose gradients are complete before ``step()`` has the norm is *admitted* by the worker
 when a rollback slot is free (one slot holds the largest chunk's state blob: fp32 master and
 both moments): it copies the chunk's state blob into the slot, then steps the chunk exactly as
@@ -47,9 +47,15 @@ The cost: a memcpy of the chunk's state (12 B/param with fp32 moments, 8 with bf
 chunk and step, ``rollback_bytes`` of host RAM (pageable: only the CPU reads it), one host
 synchronisation on the norm in ``step()``, and on a clipped step the admitted chunks stepped
 twice (the second time after backward, serialised like the non-speculative path). Speculation
-is one process only: with ``data_parallel`` or FSDP2 chunks wait for the all-reduced norm
-(logged); with streamed weights it speculates (Note [streamed rollback]); HybridAdam steps
-chunks in forward order whenever a step does not speculate.
+speculates in one process, with streamed weights (Note [streamed rollback]) and with ZeRO
+``data_parallel``: the coefficient comes from the all-reduced norm, the same bits on every
+rank, so every rank decides alike (and its switch follows the same outcomes); each rank admits
+and rolls back only its own chunks (how many it admits before the norm is its own timing), and
+the norm's all-reduce, which every rank runs on every clipping step, is settle's only
+collective. FSDP2 assigns every gradient in ``step()``: nothing to speculate on (refused,
+logged). A refused step's :meth:`Speculation.undo` is tested in one process only. HybridAdam
+steps chunks in forward order whenever a step does not speculate (ZeRO: the order its buckets
+are reduced in, as without speculation).
 
 Note [streamed rollback]: with streamed weights (Note [streamed write-back] in streamed.py) a
 speculative step writes the updated weights into the store's host copy that the next pass
@@ -106,7 +112,7 @@ SWITCH_WINDOW = 4
 SWITCH_MAX_CLIPPED = 1
 """The most clipped steps among the last ``SWITCH_WINDOW`` with which a step still speculates."""
 
-SPECULATING_MODES = ("local", "local+stream")
+SPECULATING_MODES = ("local", "local+stream", "zero")
 """The modes whose steps speculate (Note [speculative step], Note [streamed rollback])."""
 
 
@@ -157,7 +163,8 @@ class Speculation:
     ``_lock``.
 
     Attributes:
-        enabled: speculation can happen (``rollback_bytes > 0``, clipping, overlap, one process).
+        enabled: speculation can happen (``rollback_bytes > 0``, clipping, overlap, a mode of
+            ``SPECULATING_MODES``).
         active: this step speculates (caller writes it in :meth:`begin_step`, worker idle).
         switch: the :class:`SpeculationSwitch`.
     """
@@ -167,7 +174,7 @@ class Speculation:
                  who: str, mode: str = "local") -> None:
         """Args: the optimizer's layout, step state and read-ahead, and its ``rollback_bytes``,
         whether it clips, overlaps and runs in one process, its error prefix and its mode's
-        name (speculation: ``"local"`` only). Logs why speculation is off when
+        name (speculation: ``SPECULATING_MODES``). Logs why speculation is off when
         ``rollback_bytes`` was given in vain.
 
         Raises:
@@ -177,18 +184,19 @@ class Speculation:
         self._step = step
         self._read_ahead = read_ahead
         self.budget_bytes = rollback_bytes
-        self.enabled = (rollback_bytes > 0 and clipping and overlap and one_process
+        self.enabled = (rollback_bytes > 0 and clipping and overlap
                         and mode in SPECULATING_MODES)
         if rollback_bytes > 0 and clipping and not self.enabled:
             why = ("overlap=False steps every chunk in step()" if not overlap else
-                   "data parallel and FSDP2 reduce the norm over the ranks" if not one_process
-                   else f"not with {mode!r} params")
+                   "FSDP2 assigns every gradient in step(): nothing lands before the norm"
+                   if mode == "fsdp" else f"not with {mode!r} params")
             logger.info("%s: rollback_bytes=%d but the step does not speculate (%s): chunks "
                         "wait for the gradient norm (Note [speculative step])", who,
                         rollback_bytes, why)
         if self.enabled:  # the split tier's RAM and the lane's share follow the speculating order
             layout.backward_order = True
         self.active = False
+        self._mode = mode
         self.switch = SpeculationSwitch()
         self._slots: list[torch.Tensor] = []  # host slots
         self._allocated = False  # _alloc ran (at the first step with state)
@@ -312,7 +320,8 @@ class Speculation:
         self._saved.clear()
         self.active = (ready and bool(self._slots or self._gpu_slots())
                        and self.switch.on())
-        order = self.active or not ready  # not ready: the first step plans (trace placement)
+        # not ready: the first step plans (trace placement); ZeRO ships as buckets are reduced
+        order = self.active or not ready or self._mode == "zero"
         if self._layout.backward_order != order:
             self._layout.backward_order = order  # hooks ship as gradients land
             self._read_ahead.plan_changed()
