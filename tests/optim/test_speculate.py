@@ -128,6 +128,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.int32)  # nan == nan, bit for bit
 
 
+def refused_step(opt) -> None:
+    """``opt.step()`` refused: a non-finite lr set after backward (Note [finite
+    hyper-parameters]), checked to raise; the lr put back."""
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    opt.param_groups[0]["lr"] = lr
+
+
 def assert_same_bits(a, sa, b, sb) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(_bits(pa), _bits(pb)), name
@@ -341,11 +351,7 @@ def test_a_refused_step_puts_the_speculated_chunks_back(tier, tmp_path, monkeypa
             if step == 3:  # refused: a non-finite lr set after backward
                 if budget:
                     probe.admitted.wait()  # a chunk was stepped early
-                lr = opt.param_groups[0]["lr"]
-                opt.param_groups[0]["lr"] = float("nan")
-                with pytest.raises(ValueError, match="lr"):
-                    opt.step()
-                opt.param_groups[0]["lr"] = lr
+                refused_step(opt)
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)

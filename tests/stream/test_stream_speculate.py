@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.test_speculate import DECISIONS, REGIMES, _bits, _Probe
+from optim.test_speculate import DECISIONS, REGIMES, _bits, _Probe, refused_step
 from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
@@ -90,11 +90,7 @@ def _train(name: str, regime: str, stores, budget: int, probe: _Probe | None = N
             if probe is not None and step in expect:
                 probe.admitted.wait()  # a chunk was stepped before the norm was known
             if step == refuse:
-                lr = opt.param_groups[0]["lr"]
-                opt.param_groups[0]["lr"] = float("nan")
-                with pytest.raises(ValueError, match="lr"):
-                    opt.step()
-                opt.param_groups[0]["lr"] = lr
+                refused_step(opt)
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
