@@ -62,7 +62,7 @@ from tiermem.apps.bench.common import bench_device, learnable_batches, sync
 from tiermem.apps.bench.optim_base import HP, _GpuMasters
 from tiermem.apps.bench.parity import BaselineParity
 from tiermem.config import StoreConfig
-from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.models.gpt import GPT
 from tiermem.names import gib
 from tiermem.store import TierStore
 
@@ -245,18 +245,7 @@ def run(args, log=print) -> list[Row]:
         cap = min(1.0, args.gpu_bytes / total)
         log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu-bytes) for "
             f"{TIERMEM!r} and {ZERO3!r}; the resident baseline runs uncapped")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
-                    seq_len=args.seq, vocab=args.vocab)
-
-    def build() -> GPT:
-        with torch.device(device):
-            return GPT(cfg, checkpoint=args.checkpoint).to(dtype=dtype)
-
-    torch.manual_seed(0)
-    model = build()
-    init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    cfg, dtype, build, model, init = bench_stream.seeded_model(args, device)
     store = _store(model, device)
     del model
     m = args.micro_batches

@@ -294,13 +294,18 @@ def _diagnosis(opt, stream) -> str:
     return ", ".join(parts)
 
 
-def run(args, log=print) -> list[Row]:
-    """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
-    device = bench_device()
-    if args.gpu_bytes is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_bytes / total), device)
-        log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu)")
+def seeded_model(args, device: torch.device):
+    """The reference GPT of ``args`` on ``device`` (``args.dtype``, else bf16 on CUDA and fp32
+    on the CPU), built after ``torch.manual_seed(0)``.
+
+    Returns:
+        ``(config, dtype, build, model, init)``: ``build()`` makes another model of that
+        structure (untrained weights: load ``init``), ``init`` is ``model``'s state dict on
+        the CPU.
+
+    Raises:
+        KeyError: ``args.dtype`` not "bf16" or "fp32" (the flag's choices prevent it).
+    """
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
@@ -313,6 +318,17 @@ def run(args, log=print) -> list[Row]:
     torch.manual_seed(0)
     model = build()
     init = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return cfg, dtype, build, model, init
+
+
+def run(args, log=print) -> list[Row]:
+    """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
+    device = bench_device()
+    if args.gpu_bytes is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_bytes / total), device)
+        log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu)")
+    cfg, dtype, build, model, init = seeded_model(args, device)
     m = args.micro_batches
     flat = learnable_batches(cfg.vocab, args.batch, args.seq,
                              (args.warmup + args.steps + 1) * m, device)
