@@ -36,22 +36,25 @@ def test_smoke_every_row_with_its_parity(capsys, one_thread):
         assert float(cols[cols.index("exact") - 1]) >= 0.0  # the PCIe floor, a number
 
 
-def test_stale_streamed_weights_are_reported_wrong(capsys, monkeypatch, one_thread):
-    made = bench.make_stream
-
+def stale_stream_maker(made):
+    """``made`` (a bench's ``make_stream``) wrapped so that block 1 gets the weights of its
+    previous fill: a stale buffer the parity column must report."""
     def stale_stream(model, store, args):
         stream = made(model, store, args)
         last: dict = {}
 
-        def fault(block, p, src):  # block 1 gets the weights of its previous fill
+        def fault(block, p, src):
             old = last.get(p.key)
             last[p.key] = src.clone()
             return old if old is not None and block.index == 1 else src
 
         stream._fetcher.fault = fault
         return stream
+    return stale_stream
 
-    monkeypatch.setattr(bench, "make_stream", stale_stream)
+
+def test_stale_streamed_weights_are_reported_wrong(capsys, monkeypatch, one_thread):
+    monkeypatch.setattr(bench, "make_stream", stale_stream_maker(bench.make_stream))
     code = cli.main(["bench", "stream", *TINY, "--optimizers", "adamw", "--repeats", "1"])
     out, err = capsys.readouterr()
     assert code == 1

@@ -14,6 +14,7 @@ import torch
 
 from tiermem.apps.bench import stream as bench_stream
 from tiermem.apps.bench.optim_base import HP
+from test_bench_stream import stale_stream_maker
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
@@ -158,20 +159,6 @@ def test_tiermem_row_without_the_clip_is_wrong(bz, capsys, monkeypatch, one_thre
 
 
 def test_stale_streamed_weights_are_wrong(bz, capsys, monkeypatch, one_thread):
-    made = bench_stream.make_stream
-
-    def stale_stream(model, store, args):
-        stream = made(model, store, args)
-        last: dict = {}
-
-        def fault(block, p, src):  # block 1 gets the weights of its previous fill
-            old = last.get(p.key)
-            last[p.key] = src.clone()
-            return old if old is not None and block.index == 1 else src
-
-        stream._fetcher.fault = fault
-        return stream
-
-    monkeypatch.setattr(bench_stream, "make_stream", stale_stream)
+    monkeypatch.setattr(bench_stream, "make_stream", stale_stream_maker(bench_stream.make_stream))
     assert bz.main([*TINY, "--repeats", "1"]) == 1
     assert _parity(capsys.readouterr().out, bz.TIERMEM).startswith("WRONG (d=")
