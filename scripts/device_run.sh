@@ -49,6 +49,7 @@
 #                                       16k tokens per step, GPU capped at 64 GiB, 3 runs, each row
 #                                       with its parity and the PCIe floor (bounded 420 s; not yet
 #                                       timed: ~3-4 min estimated)
+#                                       (STREAM_OPTIMIZERS=hybrid: its HybridAdam rows only, as for 64k)
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
 #   bench_stream_diag  nvidia-h200      issue 29's stream timing questions: the CUDA test that a fill
@@ -163,7 +164,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_hf) run bench_hf 300 python3 examples/bench_hf_trainer.py ;;
     bench_graphs) run bench_graphs 240 tiermem bench graphs --steps 10 --warmup 3 --repeats 3 ;;
     bench_stream) run bench_stream 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
-      --warmup 1 --repeats 3 --gpu-bytes 64GiB ;;
+      --warmup 1 --repeats 3 --gpu-bytes 64GiB --optimizers "${STREAM_OPTIMIZERS:-adamw,hybrid}" ;;
     bench_stream_diag)
       run stream_kept_cuda 120 "${PYTEST[@]}" tests/stream/test_kept.py
       run bench_stream_diag 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
@@ -172,7 +173,8 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --steps 3 --warmup 1 --repeats 1 --gpu-bytes 64GiB --stream-schedule block-major \
       --optimizers hybrid ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
-      --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB ;;
+      --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
+      --optimizers "${STREAM_OPTIMIZERS:-adamw,hybrid}" ;;
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \
       --steps 3 --warmup 2 --repeats 3 ;;
     bench_zero3)
