@@ -106,6 +106,8 @@ def test_streaming_refusals_are_one_line_exit_2(capsys, override, message):
 @pytest.mark.parametrize("preset,quoted", [
     ("h200_8b_stream_24gib", ["27 of 32 blocks streamed", "23.6 of 24.0 GiB of GPU",
                               "step 5.18 s", "to 5.63 s", "6,324 to 5,816 tokens/s"]),
+    ("h200_13b_stream_24gib", ["28 of 40 blocks streamed", "22.9 of 24.0 GiB of GPU",
+                               "step 29.71 s", "to 33.48 s", "69 to 61 tokens/s"]),
     ("h200_20b_stream_80gib", ["16 of 48 blocks streamed", "79.5 of 80.0 GiB of GPU",
                                "step 77.74 s", "to 83.42 s", "422 to 393 tokens/s"]),
     ("h200_70b_stream_nvme", ["60 of 80 blocks streamed from NVMe", "128.5 of 131.3 GiB of GPU",
@@ -131,6 +133,90 @@ def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
     assert f"step {floor}" in comment
     assert f"{st.tokens_per_s_overlapped:,.0f} to {st.tokens_per_s_serial:,.0f} tokens/s" \
         in comment
+
+
+def test_13b_stream_preset_is_the_plans_configuration():
+    """h200_13b_stream_24gib.yaml is what `tiermem plan --model-size 13b --gpu-bytes 24GiB
+    --moments-dtype bf16 --checkpoint` says to configure (its `note: configure:` and `note:
+    stream:` lines), at the host figure the preset names, and its store holds the plan's state
+    in RAM (weights, rings and NVMe staging first: the store replayed by ``HostPool``)."""
+    from tiermem.apps.plan.cli import main as plan_main
+    example = _example()
+    path = ROOT / "examples" / "configs" / "large" / "h200_13b_stream_24gib.yaml"
+    cfg = example.load(str(path))
+    pl = example.make_plan(cfg)
+    notes = [n for n in pl.notes if n.startswith(("configure:", "stream:"))]
+    o, st, s = cfg["optimizer"], cfg["streaming"], cfg["store"]
+    assert len(notes) == 2, pl.notes
+    for text in notes[0].split()[1:]:  # configure: section.field=value ...
+        key, value = text.split("=")
+        section, name = key.split(".")
+        if section == "activations":
+            assert value == "false"  # train_large offloads no activations
+            continue
+        want = {"1": 1.0, "bfloat16": "bfloat16"}.get(value, value)
+        assert getattr(cfg[section], name) == want, text
+    assert (f"tier='{st.tier}', prefetch_blocks={st.prefetch_blocks}, "
+            f"gpu_bytes={pl.stream.stream_gpu_bytes})") in notes[1]
+    assert st.enabled and st.schedule == "block-major" and st.gpu_bytes is None
+    assert o.max_grad_norm is None and cfg["train"].checkpoint  # the plan command's
+    # the same plan from the CLI at the preset's host figure
+    host = f"{cfg['budgets'].host_bytes // 2**30}GiB"
+    assert cfg["budgets"].host_bytes == 112 * 2**30 and host in path.read_text()
+    assert plan_main(["--model-size", "13b", "--gpu-bytes", "24GiB", "--host-bytes", host,
+                      "--nvme-bytes", "60GiB", "--moments-dtype", "bf16", "--checkpoint"]) == 0
+    assert example.make_plan(example.load(str(path))).used == pl.used
+    # the store: RAM state chunks as the plan's (within one), replayed without touching memory
+    from tiermem.optim.layout import GRAD_SLOTS, NVME_EXTRA_CHUNKS, OUT_SLOTS, chunk_state_bytes
+    from tiermem.store.pool import HostPool
+    with torch.device("meta"):
+        model = GPT(cfg["model"])
+    pool = HostPool(s.cpu_bytes, s.pool_slab_bytes, pin=False)
+    for i in pl.stream.streamed:
+        for p in model.blocks[i].parameters():
+            assert pool.alloc(p.numel() * 2) is not None
+    for slots in (GRAD_SLOTS, OUT_SLOTS):
+        assert pool.alloc(slots * o.chunk_numel * 2) is not None
+    chunk = chunk_state_bytes(o.chunk_numel, torch.bfloat16)
+    for _ in range(o.nvme_lookahead_chunks + NVME_EXTRA_CHUNKS):
+        assert pool.alloc(chunk) is not None
+    ram = 0
+    while pool.alloc(chunk) is not None:
+        ram += 1
+    chunks = -(-cfg["model"].num_params() // o.chunk_numel)
+    planned_nvme = pl.used["nvme"] / chunk  # the plan counts bytes, the store whole GiB slabs
+    assert 0 <= planned_nvme - (chunks - ram) <= 2, (ram, chunks, planned_nvme)
+
+
+def test_13b_stream_preset_trains_scaled_down(tmp_path, capsys, one_thread):
+    """h200_13b_stream_24gib.yaml's code path on the CPU, scaled down (--tiny: 6 blocks of width
+    64, the preset's optimizer and streaming sections as they are): 4 blocks streamed from the
+    store's RAM, the last 2 resident (as 28 + 12), one micro-batch a step, block-major, every
+    block checkpointed, HybridAdam with all state offloaded, split between RAM and NVMe chunks,
+    bf16 moments, no clipping; 8 steps, finite losses that change every step, bit-equal to the
+    same run without streaming."""
+    example = _example()
+    path = str(ROOT / "examples" / "configs" / "large" / "h200_13b_stream_24gib.yaml")
+    block = _every_block_streamed_bytes() // 3  # (prefetch 1 + 2) buffers of one fp32 block
+    common = ["--config", path, "--tiny", "--nvme-dir", str(tmp_path), "--steps", "8",
+              "model.n_layers=6", "train.grad_accumulation_steps=1"]
+    outs, losses = [], []
+    # 5 blocks' bytes: 3 buffers + the last 2 blocks (all 6 do not fit, so 4 stream)
+    for extra in (["streaming.enabled=false"], [f"streaming.gpu_bytes={5 * block}"]):
+        record: list = []
+        assert example.main(common + extra, record=record) == 0, capsys.readouterr().err[-2000:]
+        outs.append(capsys.readouterr().out)
+        losses.append(record)
+    ref, got = losses
+    out = outs[1]
+    assert "weights of 4 of 6 blocks streamed from cpu (2 resident" in out, out[-3000:]
+    assert "block-major" in out and "stream h2d" in out and " 0 fills" not in out
+    tiers = out.split("offloaded chunks per tier ")[1].splitlines()[0]
+    assert "'nvme': 0" not in tiers and "'cpu': 0" not in tiers, tiers  # split RAM + NVMe
+    flat = [x for step in got for x in step]
+    assert len(got) == 8 and all(len(step) == 1 for step in got)
+    assert all(torch.isfinite(torch.tensor(flat))) and len(set(flat)) == 8
+    assert got == ref
 
 
 @pytest.mark.cuda
