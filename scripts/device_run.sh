@@ -79,6 +79,14 @@
 #   large20_ram_chunks nvidia-h200      h200_20b_ram.yaml with 4M then 16M chunks (one call)
 #   large20_ram_bf     nvidia-h200      h200_20b_ram.yaml, then depth-first with param_sync step
 #   large13_bf         nvidia-h200      h200_13b_nvme.yaml breadth-first + forward sync, then as it is
+#   large13_stream     nvidia-h200      h200_13b_stream_24gib.yaml (issue 29's 13B plan, GPU capped at
+#                                       24 GiB, --host-bytes 112GiB: its comment says why), 4 steps;
+#                                       free -g and df first; bounded 540 s (~300 s estimated)
+#   large8_stream      nvidia-h200      h200_8b_stream_24gib.yaml (GPU capped at 24 GiB), 5 steps,
+#                                       bounded 540 s (~150 s estimated)
+#   large20_stream     nvidia-h200-x2   h200_20b_stream_80gib.yaml (GPU capped at 80 GiB), 3 steps,
+#                                       bounded 540 s (~420 s estimated); not on nvidia-h200: it
+#                                       pins ~128 GiB of RAM and spills 60.3 GiB (a 64 GiB disk)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -227,6 +235,14 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
         --param-sync forward --breadth-first-blocks auto
       run large_13b_df 290 python3 examples/train_large.py \
         --config examples/configs/large/h200_13b_nvme.yaml --nvme-dir "$SPILL" ;;
+    large13_stream) free -g; df -h "$SPILL"; run large_13b_stream 540 python3 \
+      examples/train_large.py --config examples/configs/large/h200_13b_stream_24gib.yaml \
+      --gpu-bytes 24GiB --nvme-dir "$SPILL" ;;
+    large8_stream) run large_8b_stream 540 python3 examples/train_large.py \
+      --config examples/configs/large/h200_8b_stream_24gib.yaml --gpu-bytes 24GiB ;;
+    large20_stream) free -g; df -h "$SPILL"; run large_20b_stream 540 python3 \
+      examples/train_large.py --config examples/configs/large/h200_20b_stream_80gib.yaml \
+      --gpu-bytes 80GiB --nvme-dir "$SPILL" ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done
