@@ -298,7 +298,7 @@ def run(args, log=print) -> list[Row]:
                     step_s, losses = train_zero3(deepspeed, args, build, init, batches,
                                                  device, dtype, log)
                 else:
-                    _, step_s, losses, _, _ = bench_stream._train(
+                    _, step_s, losses, _, _, _ = bench_stream._train(
                         setups[row.name], build, init, batches, store, args, device)
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                 row.runs.append(Run(step_s, losses, peak))

@@ -95,6 +95,8 @@ FLAGS: dict[str, dict[str, str]] = {
         "--stream-tier": "streaming.tier", "--prefetch-blocks": "streaming.prefetch_blocks",
         "--stream-schedule": "streaming.schedule", "--checkpoint": "train.checkpoint",
         "--nvme-dir": "store.nvme_dir", "--gpu-bytes": "budgets.gpu_bytes",
+        "--max-grad-norm": "optimizer.max_grad_norm",  # a grid, "off" for None
+        "--rollback-bytes": "optimizer.rollback_bytes",
     },
     "bench adam": {},
     "bench transfer": {},

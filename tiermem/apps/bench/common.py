@@ -36,6 +36,34 @@ def learnable_batches(vocab: int, batch: int, seq: int, count: int,
     return out
 
 
+def parse_clips(text: str, example: str = "off,1e6,1e-3") -> list[tuple[str, float | None]]:
+    """Parse a bench's ``--max-grad-norm`` grid (``tiermem bench optim``, ``tiermem bench
+    stream``): comma-separated ``off`` or positive finite ``max_grad_norm`` values; returns
+    ``(as written, value or None)`` pairs in order, duplicates dropped. ``example``: the grid
+    the error message offers as the fix.
+
+    Raises:
+        ValueError: an entry that is neither, naming it and the fix.
+    """
+    out: list[tuple[str, float | None]] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = None if item == "off" else float(item)
+        except ValueError:
+            value = float("nan")
+        if value is not None and not 0.0 < value < float("inf"):
+            raise ValueError(f"--max-grad-norm: {item!r} is not off or a positive finite "
+                             f"max_grad_norm (e.g. --max-grad-norm {example})")
+        if all(value != v for _, v in out):
+            out.append((item, value))
+    if not out:
+        raise ValueError(f"--max-grad-norm: {text!r} names no threshold "
+                         f"(e.g. --max-grad-norm {example})")
+    return out
+
+
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a no-op on the CPU)."""
     if device.type == "cuda":

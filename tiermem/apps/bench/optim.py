@@ -40,7 +40,7 @@ import torch
 from tiermem import flags
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.names import parse_bytes
-from tiermem.apps.bench.common import bench_device, learnable_batches
+from tiermem.apps.bench.common import bench_device, learnable_batches, parse_clips
 from tiermem.apps.bench.optim_base import HP, _GpuMasters
 from tiermem.apps.bench.parity import noise_of, report_wrong, verdict, worst_verdict
 from tiermem.optim import HybridAdam
@@ -113,32 +113,6 @@ def parse_setup(name: str) -> dict:
         raise ValueError(f"--setups: {name!r} is not gpu, naive or F[:tier][+fwd][+bf16]"
                          f"[+chunk=N][+gpu=G] with F and G in [0, 1], tier cpu or nvme, N "
                          f"elements (e.g. 16M)")
-    return out
-
-
-def parse_clips(text: str) -> list[tuple[str, float | None]]:
-    """Parse ``--max-grad-norm``: comma-separated ``off`` or positive finite ``max_grad_norm``
-    values; returns ``(as written, value or None)`` pairs in order, duplicates dropped.
-
-    Raises:
-        ValueError: an entry that is neither, naming it and the fix.
-    """
-    out: list[tuple[str, float | None]] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        try:
-            value = None if item == "off" else float(item)
-        except ValueError:
-            value = float("nan")
-        if value is not None and not 0.0 < value < float("inf"):
-            raise ValueError(f"--max-grad-norm: {item!r} is not off or a positive finite "
-                             f"max_grad_norm (e.g. --max-grad-norm off,1e6,1e-3)")
-        if all(value != v for _, v in out):
-            out.append((item, value))
-    if not out:
-        raise ValueError(f"--max-grad-norm: {text!r} names no threshold "
-                         f"(e.g. --max-grad-norm off,1e6,1e-3)")
     return out
 
 

@@ -17,17 +17,32 @@ steps every step, so a stale or wrong streamed weight changes the losses):
   (``offload_fraction=1``), without and with the stream (Note [streamed write-back] in
   tiermem/optim/streamed.py); the streamed row's reference is the resident one.
 
-Every row uses :data:`tiermem.apps.bench.optim_base.HP`. ``step ms`` is the median over
-``--repeats`` runs of each run's median timed step (forward + backward + optimizer step, the
-device synchronised), with the spread (min-max of the run medians); ``fwd+bwd ms`` the same for
-forward + backward alone; ``x`` the step time over the baseline's; ``streamed GiB`` the weight
-bytes the stream copied to the device per step; ``PCIe floor ms`` those bytes at the H2D rate
-measured here (a pinned ``--probe-bytes`` copy, median of 5): the least time the stream can
-take; ``parity`` the verdict of the row's losses (every step, and one more batch after the last)
-against its reference (named), within 4x the baseline's noise, and for a streamed row also
-against the baseline itself (its reference's precision trade named when outside the noise). A
-streamed row whose losses are not its reference's is ``WRONG`` and the command exits 1: a fast
-wrong row cannot pass.
+Every row uses :data:`tiermem.apps.bench.optim_base.HP`. Clipping (``--max-grad-norm``, default
+``off,1.0``: what users run, clipping on, and off beside it): every row runs once per threshold
+(``clip`` column), each threshold a block of its own with its own baseline and noise run, and a
+clipped row's parity is judged against its reference clipped alike, never against an unclipped
+run (Note [bench clip rows] in tiermem/apps/bench/optim.py). The torch AdamW rows clip as users
+do, ``torch.nn.utils.clip_grad_norm_(model.parameters(), v)`` between backward and the step
+(streamed: the blocks' host copies and gradients, docs/streaming.md); the HybridAdam rows with
+``HybridAdam(max_grad_norm=v, rollback_bytes=--rollback-bytes)``: its own clip, speculating
+within that budget (``--rollback-bytes``, bench optim's flag and default; 0: the step waits for
+the norm; Note [speculative step], over streamed weights Note [streamed rollback]).
+
+``step ms`` is the median over ``--repeats`` runs of each run's median timed step (forward +
+backward + optimizer step, the device synchronised), with the spread (min-max of the run
+medians); ``fwd+bwd ms`` the same for forward + backward alone; ``x`` the step time over the
+baseline's at the same clip; ``vs off`` over the same setup's unclipped row; ``spec/rb`` (a
+clipping HybridAdam row) its speculated / rolled-back chunks over the last run's timed steps,
+as ``tiermem bench optim`` counts them; ``streamed GiB`` the weight bytes the stream copied to
+the device per step; ``PCIe floor ms`` those bytes at the H2D rate measured here (a pinned
+``--probe-bytes`` copy, median of 5): the least time the stream can take; ``parity`` the
+verdict of the row's losses (every step, and one more batch after the last) against its
+reference (named; at the row's clip), within 4x the noise of the baseline at that clip, and for
+a streamed row also against the baseline itself (its reference's precision trade named when
+outside the noise). A streamed row whose losses are not its reference's is ``WRONG`` and the
+command exits 1: a fast wrong row cannot pass. Below the table, one line per optimizer and
+clip: the streamed row's step and fwd+bwd times over the resident row's with the same
+optimizer at the same clip (issue 29's 1.15x / 1.05x targets).
 
 ``--gpu SIZE`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``,
 the name and meaning of ``tiermem plan --gpu``). ``--micro-batches M`` runs M micro-batches per
@@ -47,6 +62,7 @@ Usage::
 
     tiermem bench stream --gpu 64GiB                  # reference GPT, 16k tokens per step
     tiermem bench stream --micro-batches 4 --gpu 64GiB  # 64k tokens per step, block-major
+    tiermem bench stream --max-grad-norm off --gpu 64GiB  # unclipped rows only (half the time)
     tiermem bench stream --layers 2 --d-model 32 --heads 2 --seq 16 --batch 2 --vocab 64
 """
 
@@ -65,7 +81,8 @@ import torch
 
 from tiermem import flags
 from tiermem.apps import table
-from tiermem.apps.bench.common import bench_device, bench_main, learnable_batches, sync
+from tiermem.apps.bench.common import (bench_device, bench_main, learnable_batches, parse_clips,
+                                        sync)
 from tiermem.apps.bench.optim_base import HP
 from tiermem.apps.bench.parity import noise_of, verdict, worst_verdict
 from tiermem.config import StoreConfig, parse_bytes
@@ -86,18 +103,24 @@ HYBRID_STREAMED = "streamed, HybridAdam"
 @dataclass
 class Setup:
     """One row to run: its name, whether the blocks are streamed, the optimizer factory
-    ``make_opt(model)`` and the row its losses are checked against (None: the baseline)."""
+    ``make_opt(model)``, the row its losses are checked against (None: the baseline), the
+    ``max_grad_norm`` it trains with (``clip``, None: none) and whether its optimizer clips
+    (HybridAdam's ``max_grad_norm``) or the loop does (``clip_grad_norm_``, torch AdamW)."""
 
     name: str
     streamed: bool
     make_opt: Callable
     reference: str | None
     trade: str | None = None
+    clip: float | None = None
+    clips_itself: bool = False
 
 
 @dataclass
 class Row:
-    """One setup's result (times in ms, bytes per step)."""
+    """One setup's result at one ``clip`` (the ``--max-grad-norm`` entry as written: ``off`` or
+    a threshold) (times in ms, bytes per step; ``vs_off``: ``step_ms`` over the same setup's
+    unclipped row; ``spec``: speculated, rolled-back chunks of a clipping HybridAdam row)."""
 
     setup: str
     step_ms: float
@@ -108,6 +131,9 @@ class Row:
     pcie_floor_ms: float | None = None
     parity: str = ""
     losses: list[float] = field(default_factory=list)
+    clip: str = "off"
+    vs_off: float | None = None
+    spec: tuple[int, int] | None = None
 
 
 class HostAdamW:
@@ -170,6 +196,12 @@ def _parse_args(argv):
                    help="comma-separated: adamw (torch AdamW rows), hybrid (HybridAdam rows)")
     p.add_argument("--probe-bytes", default="256MiB" if big else "4MiB",
                    help="bytes of the pinned H2D copy that measures the PCIe rate")
+    add("--max-grad-norm", default="off,1.0",
+        help="max_grad_norm thresholds, comma-separated, 'off' for none: every row runs at "
+             "each (Note [bench clip rows])")
+    add("--rollback-bytes", default="4GiB",
+        help="HybridAdam rollback_bytes of the clipping HybridAdam rows, which speculate "
+             "within it (bytes or '4GiB'; 0: they wait for the norm)")
     args = p.parse_args(argv)
     for name in ("layers", "d_model", "heads", "seq", "batch", "micro_batches", "vocab",
                  "steps", "repeats"):
@@ -189,6 +221,8 @@ def _parse_args(argv):
         args.schedule = "block-major" if args.micro_batches > 1 else "depth-first"
     args.gpu_bytes = None if args.gpu is None else parse_bytes(args.gpu, "--gpu")
     args.probe = parse_bytes(args.probe_bytes, "--probe-bytes")
+    args.clips = parse_clips(args.max_grad_norm, example="off,1.0")
+    args.rollback = parse_bytes(args.rollback_bytes, "--rollback-bytes")
     return args
 
 
@@ -209,23 +243,28 @@ def h2d_bytes_per_s(nbytes: int, device: torch.device) -> float:
     return nbytes / statistics.median(times)
 
 
-def _setups(args, store: TierStore) -> list[Setup]:
-    """The rows to run, in order (each reference before the rows checked against it)."""
+def _setups(args, store: TierStore, clip: float | None = None) -> list[Setup]:
+    """The rows to run at ``max_grad_norm`` ``clip`` (None: no clipping), in order (each
+    reference before the rows checked against it)."""
     def adamw(model):
         return torch.optim.AdamW(model.parameters(), **HP)
 
     def hybrid(model):
         from tiermem.optim import HybridAdam  # noqa: PLC0415
         return HybridAdam(model.parameters(), **HP, offload_fraction=1.0, store=store,
-                          grad_accumulation_steps=args.micro_batches)
+                          grad_accumulation_steps=args.micro_batches, max_grad_norm=clip,
+                          rollback_bytes=args.rollback if clip is not None else 0)
 
-    rows = [Setup(BASELINE, False, adamw, None), Setup(AGAIN, False, adamw, BASELINE)]
+    at = dict(clip=clip)
+    rows = [Setup(BASELINE, False, adamw, None, **at), Setup(AGAIN, False, adamw, BASELINE, **at)]
     if "adamw" in args.optimizer_set:
-        rows += [Setup(HOST_REF, False, HostAdamW, BASELINE, trade="host AdamW"),
-                 Setup(STREAMED, True, adamw, HOST_REF)]
+        rows += [Setup(HOST_REF, False, HostAdamW, BASELINE, trade="host AdamW", **at),
+                 Setup(STREAMED, True, adamw, HOST_REF, **at)]
     if "hybrid" in args.optimizer_set:
-        rows += [Setup(HYBRID_REF, False, hybrid, BASELINE, trade="HybridAdam's fp32 masters"),
-                 Setup(HYBRID_STREAMED, True, hybrid, HYBRID_REF)]
+        at["clips_itself"] = True
+        rows += [Setup(HYBRID_REF, False, hybrid, BASELINE, trade="HybridAdam's fp32 masters",
+                       **at),
+                 Setup(HYBRID_STREAMED, True, hybrid, HYBRID_REF, **at)]
     return rows
 
 
@@ -237,8 +276,11 @@ def make_stream(model: GPT, store: TierStore, args):
 
 def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, args, device):
     """One run of ``setup`` on a fresh ``build()`` model loaded from ``init`` (no hook of an
-    earlier run stays): (timed fwd+bwd seconds, timed step seconds, losses, streamed bytes per
-    timed step or None)."""
+    earlier run stays), clipping at ``setup.clip`` as its optimizer's users do (torch AdamW:
+    ``clip_grad_norm_`` in the timed step; HybridAdam: its ``max_grad_norm``): (timed fwd+bwd
+    seconds, timed step seconds, losses, streamed bytes per timed step or None, the last step's
+    diagnosis, (speculated, rolled-back) chunks over the timed steps of a clipping HybridAdam
+    or None)."""
     model = build()
     with torch.no_grad():
         model.load_state_dict(init)
@@ -246,6 +288,7 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
     opt = setup.make_opt(model)
     block_major = stream is not None and args.schedule == "block-major"
     fb_s, step_s, losses, streamed = [], [], [], 0
+    spec = [0, 0] if setup.clip is not None and setup.clips_itself else None
     try:
         for step, micro in enumerate(batches[:-1]):
             before = stream.stats()["h2d_bytes"] if stream is not None else 0
@@ -254,6 +297,8 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
             out = forward_backward(model, micro, block_major=block_major)
             sync(device)
             t1 = time.perf_counter()
+            if setup.clip is not None and not setup.clips_itself:  # as users clip
+                torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if hasattr(opt, "synchronize"):
@@ -266,6 +311,10 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
                 step_s.append(t2 - t0)
                 if stream is not None:
                     streamed += stream.stats()["h2d_bytes"] - before
+                if spec is not None:  # as tiermem bench optim counts them
+                    st = opt.step_stats()
+                    spec[0] += st.get("speculated_chunks", 0)
+                    spec[1] += st.get("rolled_back_chunks", 0)
         diag = _diagnosis(opt, stream)  # the last step's (Note [hand-off lag])
         with torch.no_grad():  # the final weights, seen through one more batch
             losses.append(float(model(*batches[-1][0])[1]))
@@ -275,7 +324,7 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
         if stream is not None:
             stream.close(force=True)
     per_step = streamed // max(1, len(step_s)) if stream is not None else None
-    return fb_s, step_s, losses, per_step, diag
+    return fb_s, step_s, losses, per_step, diag, None if spec is None else tuple(spec)
 
 
 def _diagnosis(opt, stream) -> str:
@@ -346,61 +395,113 @@ def run(args, log=print) -> list[Row]:
         else "1MiB", cpu_bytes=(weights + 16 * n_params + (1 << 20)) // 4096 * 4096 + (2 << 20),
         nvme_bytes=2 * weights + (64 << 20) if args.tier == "nvme" else 0,
         nvme_dir=args.nvme_dir if args.tier == "nvme" else None))
+    train = functools.partial(_train, build=build, init=init, batches=batches, store=store,
+                              args=args, device=device)
     rows: list[Row] = []
-    runs_of: dict[str, list[list[float]]] = {}
-    noise = 0.0
     try:
-        setups = _setups(args, store)
-        trades = {s.name: s.trade for s in setups}
-        for setup in setups:
-            fb, steps, runs, per_step = [], [], [], None
-            for rep in range(1, args.repeats + 1):
-                fb_s, step_s, losses, per_step, diag = _train(setup, build, init, batches,
-                                                              store, args, device)
-                gc.collect()
-                fb.append(1e3 * statistics.median(fb_s))
-                steps.append(1e3 * statistics.median(step_s))
-                runs.append(losses)
-                log(f"  {setup.name}: run {rep}/{args.repeats}: {steps[-1]:.1f} ms/step"
-                    + (f" (last step: {diag})" if diag else ""))
-            runs_of[setup.name] = runs
-            if setup.reference is None:
-                parity = "baseline"
-            else:
-                if setup.name == AGAIN:  # the baseline's noise: every run against the first
-                    base = runs_of[BASELINE]
-                    noise = max(noise_of(base[0], r) for r in base[1:] + runs)
-                ref = runs_of[setup.reference][0]
-                parity = worst_verdict([verdict(r, ref, noise, setup.trade) for r in runs])
-                parity += f" vs {setup.reference}"
-                if setup.reference != BASELINE:  # and beside it, against the baseline itself
-                    trade = trades[setup.reference]
-                    base = worst_verdict([verdict(r, runs_of[BASELINE][0], noise, trade)
-                                          for r in runs])
-                    parity += f"; {base} vs {BASELINE}"
-            step_ms = statistics.median(steps)
-            pcie = None if per_step is None else 1e3 * per_step / rate
-            rows.append(Row(setup.name, step_ms, (min(steps), max(steps)),
-                            statistics.median(fb), tokens / (step_ms / 1e3), per_step, pcie,
-                            parity, runs[0]))
-            log(f"  {setup.name}: {step_ms:.1f} ms/step, {parity}")
-            gc.collect()
+        for clip_text, clip in args.clips:  # a block per threshold: Note [bench clip rows]
+            rows += _clip_block(_setups(args, store, clip), clip_text, train, args.repeats,
+                                tokens, rate, log)
     finally:
+        gc.unfreeze()  # what _collect froze goes back to the collector
         store.close()
+    unclipped = {r.setup: r.step_ms for r in rows if r.clip == "off"}
+    for r in rows:
+        r.vs_off = r.step_ms / unclipped[r.setup] if r.setup in unclipped else None
     return rows
 
 
+def _collect() -> None:
+    """Free what the last run left (its model, optimizer and stream: their cycles) and freeze
+    what survives (imports, the store, the batches), so that the next collection scans only
+    what later runs allocate: a full collection of the heap torch's imports leave took 0.3-0.5 s
+    on a 2-core CPU, twice a run (:func:`run` unfreezes at its end).
+
+    Raises:
+        Nothing.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def _clip_block(setups: list[Setup], clip_text: str, train: Callable, repeats: int,
+                tokens: int, rate: float, log) -> list[Row]:
+    """The rows of ``setups`` (all at the ``--max-grad-norm`` entry ``clip_text``), each run
+    ``repeats`` times by ``train(setup)``, with their parity: references, baseline and noise
+    are this block's own, so a clipped row is judged against its reference clipped alike
+    (Note [bench clip rows] in tiermem/apps/bench/optim.py)."""
+    rows: list[Row] = []
+    runs_of: dict[str, list[list[float]]] = {}
+    trades = {s.name: s.trade for s in setups}
+    noise = 0.0
+    for setup in setups:
+        fb, steps, runs, per_step, spec = [], [], [], None, None
+        for rep in range(1, repeats + 1):
+            fb_s, step_s, losses, per_step, diag, spec = train(setup)
+            _collect()
+            fb.append(1e3 * statistics.median(fb_s))
+            steps.append(1e3 * statistics.median(step_s))
+            runs.append(losses)
+            if spec is not None:  # the table's spec/rb: over the timed steps
+                diag += f"; timed steps: spec/rb {spec[0]}/{spec[1]}"
+            log(f"  {setup.name}, clip {clip_text}: run {rep}/{repeats}: {steps[-1]:.1f} "
+                f"ms/step" + (f" (last step: {diag})" if diag else ""))
+        runs_of[setup.name] = runs
+        if setup.reference is None:
+            parity = "baseline"
+        else:
+            if setup.name == AGAIN:  # the baseline's noise: every run against the first
+                base = runs_of[BASELINE]
+                noise = max(noise_of(base[0], r) for r in base[1:] + runs)
+            ref = runs_of[setup.reference][0]
+            parity = worst_verdict([verdict(r, ref, noise, setup.trade) for r in runs])
+            parity += f" vs {setup.reference}"
+            if setup.reference != BASELINE:  # and beside it, against the baseline itself
+                trade = trades[setup.reference]
+                base = worst_verdict([verdict(r, runs_of[BASELINE][0], noise, trade)
+                                      for r in runs])
+                parity += f"; {base} vs {BASELINE}"
+        step_ms = statistics.median(steps)
+        pcie = None if per_step is None else 1e3 * per_step / rate
+        rows.append(Row(setup.name, step_ms, (min(steps), max(steps)), statistics.median(fb),
+                        tokens / (step_ms / 1e3), per_step, pcie, parity, runs[0],
+                        clip=clip_text, spec=spec))
+        log(f"  {setup.name}, clip {clip_text}: {step_ms:.1f} ms/step, {parity}")
+        _collect()
+    return rows
+
+
+PAIRS = ((STREAMED, BASELINE, "AdamW"), (HYBRID_STREAMED, HYBRID_REF, "HybridAdam"))
+"""(streamed row, the resident row with the same optimizer, the optimizer) of the ratio lines."""
+
+
 def format_table(rows: list[Row]) -> str:
-    """The rows as a fixed-width table (x = step ms over the baseline's)."""
-    ref = next((r.step_ms for r in rows if r.setup == BASELINE), None)
-    return table.render(
-        [table.Column("setup", align="<"), table.Column("step ms", 9), table.Column("spread", 15),
-         table.Column("fwd+bwd ms", 10), table.Column("x", 6), table.Column("tokens/s", 9),
-         table.Column("streamed GiB", 12), table.Column("PCIe floor ms", 13), table.PARITY],
-        [(r.setup, f"{r.step_ms:.1f}", table.spread(r.spread_ms), f"{r.fwd_bwd_ms:.1f}",
-          table.ratio(r.step_ms, ref), f"{r.tokens_per_s:,.0f}", gib(r.streamed_bytes, 3),
-          "-" if r.pcie_floor_ms is None else f"{r.pcie_floor_ms:.1f}", r.parity)
+    """The rows as a fixed-width table (x = step ms over the baseline's at the same clip, vs
+    off = over the same setup's unclipped row), then one line per optimizer and clip with
+    both its streamed and resident rows: streamed over resident, step and fwd+bwd times."""
+    ref = {r.clip: r.step_ms for r in rows if r.setup == BASELINE}
+    text = table.render(
+        [table.Column("setup", align="<"), table.Column("clip"), table.Column("step ms", 9),
+         table.Column("spread", 15), table.Column("fwd+bwd ms", 10), table.Column("x", 6),
+         table.Column("vs off", 6), table.Column("tokens/s", 9),
+         table.Column("streamed GiB", 12), table.Column("PCIe floor ms", 13),
+         table.Column("spec/rb", 7), table.PARITY],
+        [(r.setup, r.clip, f"{r.step_ms:.1f}", table.spread(r.spread_ms), f"{r.fwd_bwd_ms:.1f}",
+          table.ratio(r.step_ms, ref.get(r.clip)),
+          "-" if r.vs_off is None else f"{r.vs_off:.2f}x", f"{r.tokens_per_s:,.0f}",
+          gib(r.streamed_bytes, 3), "-" if r.pcie_floor_ms is None else f"{r.pcie_floor_ms:.1f}",
+          "-" if r.spec is None else f"{r.spec[0]}/{r.spec[1]}", r.parity)
          for r in rows])
+    at = {(r.setup, r.clip): r for r in rows}
+    lines = [text]
+    for streamed, resident, opt in PAIRS:
+        for clip in dict.fromkeys(r.clip for r in rows):  # the grid's order
+            s, res = at.get((streamed, clip)), at.get((resident, clip))
+            if s is not None and res is not None:
+                lines.append(f"streamed vs resident, {opt}, clip {clip}: "
+                             f"{table.ratio(s.step_ms, res.step_ms)} step, "
+                             f"{table.ratio(s.fwd_bwd_ms, res.fwd_bwd_ms)} fwd+bwd")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,9 +513,12 @@ def main(argv: list[str] | None = None) -> int:
                    f"seq={a.seq} batch={a.batch} micro_batches={a.micro_batches} vocab={a.vocab} "
                    f"tier={a.tier} prefetch_blocks={a.prefetch_blocks} schedule={a.schedule} "
                    f"checkpoint={a.checkpoint} gpu={a.gpu or 'uncapped'} steps={a.steps} "
-                   f"repeats={a.repeats} (median ms/step after {a.warmup} warm-up)"),
-        run, format_table, lambda rows: [r.setup for r in rows if r.parity.startswith("WRONG")],
-        baseline="their references")
+                   f"repeats={a.repeats} (median ms/step after {a.warmup} warm-up) "
+                   f"max_grad_norm={','.join(t for t, _ in a.clips)} "
+                   f"rollback_bytes={a.rollback}"),
+        run, format_table,
+        lambda rows: [f"{r.setup} (clip {r.clip})" for r in rows if r.parity.startswith("WRONG")],
+        baseline="their references (clipped alike)")
 
 
 if __name__ == "__main__":
