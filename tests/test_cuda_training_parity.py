@@ -25,6 +25,14 @@ Note [training parity]: what a user would trust, on the device users run it on.
   ``grad_noise`` samples that step alone ``GRAD_NOISE_RUNS`` times (it is cheap: one
   forward and backward, no optimizer). A stale or wrong tensor moves gradients by O(1)
   (the bugs of Note [reaped reload]: up to 30 in one element).
+  Twelve samples can still draw one result: in session 14 the ``block_major_clip`` row failed
+  at 4.96e-4 against twelve block-major first steps (and three reference runs) that all agreed
+  within 3.0e-8, while the same configuration's sample had been 7.6e-4 in session 13 (when the
+  row matched its reference within 4.2e-8). So the bf16 noise is floored at
+  ``FIRST_STEP_NOISE_FLOOR``: the largest distance between no-offload first steps of this model
+  seen on the H200 (8.64e-4, the 49 samples of sessions 13 and 14's logs, which fall at
+  <= 2.3e-7 or between 2.87e-4 and 8.64e-4), 4x of which (3.5e-3) is still far below a stale
+  tensor's O(1) (tests/test_parity_harness.py shows the check going red there).
 - Host memory: a reference keeps only its first run's tensors and the noise figures (each
   run's flat params and gradients are ~3.5 GB; caching every run of every configuration
   exhausted the 128 GiB host), and rows run grouped by reference, which is dropped when the
@@ -130,6 +138,8 @@ ROWS = ([(act, opt, "bf16") for act in ACT if act not in ("checkpoint_nvme", "re
         + [("noncontiguous", name, "bf16") for name in SPEC])
 ROWS.sort(key=lambda r: (r[1], r[2], ACT[r[0]][1]))  # grouped by reference (host memory)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Note [training parity]: the largest first-step distance seen between no-offload runs (H200)
+FIRST_STEP_NOISE_FLOOR = {"bf16": 8.64e-4, "fp32": 0.0}
 
 
 class StreamRow(NamedTuple):
@@ -311,7 +321,7 @@ def grad_noise(dtype: str, ckpt: bool, compile_: str, bf: int | None = None,
             model.zero_grad(set_to_none=True)
             return g
 
-        _GRAD_NOISE[key] = first_step_noise(step_grads)
+        _GRAD_NOISE[key] = max(first_step_noise(step_grads), FIRST_STEP_NOISE_FLOOR[dtype])
         del model, run_model
         torch.cuda.empty_cache()
     return _GRAD_NOISE[key]
