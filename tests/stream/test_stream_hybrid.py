@@ -178,12 +178,17 @@ def test_stale_host_copy_is_caught(stores, one_thread, monkeypatch):
 
 
 def test_stale_nvme_copy_is_caught(stores, one_thread, monkeypatch):
-    """With tier='nvme', skip HybridAdam's mark_changed: the NVMe copy stays one step stale."""
+    """With tier='nvme', skip HybridAdam's mark_changed: the host copies' checksums still show
+    the change and the NVMe copies are rewritten (Note [streamed weight checksums]); with the
+    checksums blinded too, the NVMe copy stays one step stale and the comparison fails."""
+    from tiermem.stream import weights
     from tiermem.stream.weights import WeightStream
 
     cfg = CASES["nvme-f1-nvmestate"]
     want = _train(cfg, stores, streamed=False)
     monkeypatch.setattr(WeightStream, "mark_changed", lambda self, param: None)
+    _same(_train(cfg, stores, streamed=True), want, "checksummed")
+    monkeypatch.setattr(weights, "host_checksum", lambda t: 0)
     got = _train(cfg, stores, streamed=True)
     with pytest.raises(AssertionError, match="step 1"):
         _same(got, want, "slip")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tiermem.stream.checks import placeholder
+from tiermem.stream.checksums import BufferChecks
 from tiermem.stream.copies import StreamCopies
 
 
@@ -36,6 +37,8 @@ class Param:
     staging: torch.Tensor | None = None  # pinned staging of a later micro-batch's gradient
     pass_version: int = 0          # param._version when the pass began
     written_version: int | None = None   # nvme: param._version when the store copy was written
+    # nvme: the host copy's checksum then (Note [streamed weight checksums])
+    written_sum: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +62,7 @@ class Block:
     event: Any = None              # the fill's event (CUDA) or None
     held: list[Hashable] = field(default_factory=list)  # nvme keys held while the copy reads
     accumulated: int = 0           # trainable parameters accumulated in this backward
+    sums: Any = None               # the weights' checksums at the fill (BufferChecks)
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +94,7 @@ class Fetcher:
         self.stats = {"fills": 0, "h2d_bytes": 0, "peak_blocks": 0, "nvme_writes": 0}
         self.fault: Any = None  # tests: a callable(block, param, src) -> the tensor to copy
         self._holding: list[Block] = []  # blocks whose fill still reads staging blocks
+        self.checks = BufferChecks(copies.cuda)  # Note [streamed weight checksums]
 
     def fill(self, block: Block) -> None:
         """Start copying ``block``'s weights to the device (nothing if filling or ready).
@@ -115,7 +120,8 @@ class Fetcher:
                     src = self.fault(block, p, src)
                 p.storage.resize_(p.nbytes)
                 pairs.append((self._view(p), src))
-            block.event = self.copies.fill(pairs)
+            block.event = self.copies.fill(
+                pairs, then=lambda: self.checks.filled(block, [dst for dst, _ in pairs]))
         except BaseException:
             self._free(block)
             raise
@@ -159,20 +165,32 @@ class Fetcher:
                     f"{p.param._version}): the forward used the old values, so the backward "
                     f"would be wrong; change weights only between passes (after backward)")
 
-    def release(self, block: Block) -> None:
-        """Free ``block``'s device weights (its parameters become empty placeholders).
+    def release(self, block: Block, check: bool = True) -> None:
+        """Free ``block``'s device weights (its parameters become empty placeholders); a block
+        made ready has its weights' checksums compared with the fill's
+        (Note [streamed weight checksums] in tiermem/stream/checksums.py).
+
+        Args:
+            check: raise (after freeing) for a weight changed on the device that is known by
+                now; False: leave it to a later :meth:`BufferChecks.raise_changed`.
 
         Raises:
-            nothing beyond torch's errors.
+            RuntimeError: with ``check``, a streamed weight was changed in place on the device
+                during the pass (the block is freed first).
         """
         if block.state == "released":
             return
         self.copies.use(block.event)  # later kernels may reuse this memory only after the fill
+        if block.state == "ready":  # else its parameters never pointed at the buffer
+            self.checks.released(block, [self._view(p) for p in block.params])
+        block.sums = None
         for p in block.params:
             p.param.data = placeholder(p.host.dtype, self.device)
         self._free(block)
         self.materialized -= 1
         block.state = "released"
+        if check:
+            self.checks.raise_changed()
 
     def sweep(self) -> None:
         """Give the store back the staging blocks (nvme) of every fill that has landed.

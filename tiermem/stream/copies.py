@@ -10,6 +10,8 @@ whose kernels are still queued.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -30,9 +32,12 @@ class StreamCopies:
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.sleep_cycles = 0  # tests: torch.cuda._sleep on the copy stream before each fill
 
-    def fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
-        """Copy each host tensor into its (freshly allocated) device tensor; return the event
-        that marks all of them landed (None on the CPU, where they have landed already).
+    def fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+             then: Callable[[], None] | None = None) -> torch.cuda.Event | None:
+        """Copy each host tensor into its (freshly allocated) device tensor, then run ``then()``
+        (on the copy stream: its kernels are ordered after the copies and before the event);
+        return the event that marks all of them landed (None on the CPU, where they have landed
+        already).
 
         Raises:
             RuntimeError: torch's copy errors (a dtype or shape that does not match).
@@ -40,6 +45,8 @@ class StreamCopies:
         if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src)
+            if then is not None:
+                then()
             return None
         allocated = torch.cuda.current_stream(self.device).record_event()
         self.h2d_stream.wait_event(allocated)  # dst memory may still be read by queued kernels
@@ -48,7 +55,9 @@ class StreamCopies:
                 torch.cuda._sleep(self.sleep_cycles)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            return self.h2d_stream.record_event()
+            if then is not None:
+                then()  # e.g. checksums of the copied weights: before the event, so compute
+            return self.h2d_stream.record_event()  # that waits for it waits for them too
 
     def use(self, event: torch.cuda.Event | None) -> None:
         """Make the caller's stream wait for a fill before its kernels read the weights.

@@ -71,6 +71,7 @@ from tiermem.stream.blocks import Block, Fetcher, Param
 from tiermem.stream.checks import (STREAMED_BLOCKS, block_params, check_composition,
                                    check_grad_flags, check_options, placeholder,
                                    select_frozen, unpinned_warning)
+from tiermem.stream.checksums import host_checksum
 from tiermem.stream.compose import eager as _eager
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
@@ -328,12 +329,13 @@ class WeightStream:
         ``h2d_bytes``, ``peak_blocks`` (streamed blocks on the device at once, at most
         ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy),
         ``handed_in_pass`` / ``handed_at_end`` (gradients handed to a connected optimizer
-        during a pass / when it ended: Note [hand-off lag]).
+        during a pass / when it ended: Note [hand-off lag]), ``checked_blocks`` (block releases
+        whose weights were checksummed: Note [streamed weight checksums]).
 
         Raises:
             nothing.
         """
-        return dict(self._fetcher.stats, **self._grads.handed)
+        return dict(self._fetcher.stats, **self._grads.handed, **self._fetcher.checks.stats)
 
     def close(self, *, force: bool = False) -> None:
         """Stop streaming: every streamed parameter becomes an ordinary parameter on the device
@@ -378,6 +380,7 @@ class WeightStream:
         for p in self._entries.values():
             STREAMED_PARAMS.pop(p.param, None)
         self._closed = True
+        self._fetcher.checks.raise_changed(wait=True)  # closed: Note [streamed weight checksums]
 
     def __enter__(self) -> "WeightStream":
         return self
@@ -397,15 +400,18 @@ class WeightStream:
                 for name, param in per_block[i]:
                     key = ("tiermem.stream", self._uid, i, name)
                     src = param.detach()
+                    written_sum = None
                     if self.tier == "cpu":
                         self.store.put(key, src, "cpu")
                         host = self.store.get(key, "cpu", hold=True)
                     else:
                         host = src.to("cpu", copy=True).contiguous()
                         self.store.put(key, host, "nvme")
+                        written_sum = host_checksum(host)
                     storage = torch.empty(0, dtype=param.dtype, device=self.device)
                     p = Param(block, name, param, key, host, storage.untyped_storage(),
-                              param.device, written_version=param._version)
+                              param.device, written_version=param._version,
+                              written_sum=written_sum)
                     placed.append(p)
                     block.params.append(p)
         except BaseException:
@@ -448,6 +454,8 @@ class WeightStream:
             if me is None or me._closed or not streams(opt):
                 return
             me._settle_idle_pass()
+            if me._pass is None:  # before the step uses the gradients: wait for the sums
+                me._fetcher.checks.raise_changed(wait=True)  # (Note [streamed weight checksums])
             if me._pass is not None:
                 raise RuntimeError(f"{type(opt).__name__}.step() during a weight-streaming "
                                    f"pass: the streamed parameters hold no data or gradient "
@@ -468,6 +476,8 @@ class WeightStream:
     def _begin_pass(self) -> None:
         """Host copies -> streaming state: check and take what changed between passes, write
         changed weights to the NVMe copy, move gradients aside (Note [weight streaming])."""
+        # the last pass's releases whose sums landed (Note [streamed weight checksums])
+        self._fetcher.checks.raise_changed()
         if self._link is not None:
             self._link.before_pass()  # the optimizer's writes of the host copies are complete
         entries = [p for b in self._blocks for p in b.params]
@@ -487,10 +497,19 @@ class WeightStream:
             self._take_replaced(p)
         if self.tier == "nvme":
             for p in entries:
-                if self._stepped or p.written_version != p.param._version:
-                    self.store.put(p.key, p.host, "nvme")
-                    p.written_version = p.param._version
-                    self._fetcher.stats["nvme_writes"] += 1
+                now = None
+                if not self._stepped and p.written_version == p.param._version:
+                    # a .data write moves no version: Note [streamed weight checksums]
+                    now = host_checksum(p.host)
+                    if now == p.written_sum:
+                        continue
+                    logger.info("weight streaming: blocks[%d].%s's host copy changed without "
+                                "its version moving (a param.data write); the new values are "
+                                "streamed", p.block.index, p.name)
+                self.store.put(p.key, p.host, "nvme")
+                p.written_version = p.param._version
+                p.written_sum = host_checksum(p.host) if now is None else now
+                self._fetcher.stats["nvme_writes"] += 1
         self._stepped = False
         for p in entries:
             p.acc = p.param.grad
@@ -532,7 +551,7 @@ class WeightStream:
         """Streaming state -> host copies: every block released, gradients landed."""
         for b in self._blocks:
             if b.streamed:
-                self._fetcher.release(b)
+                self._fetcher.release(b, check=False)  # checked below, with the pass ended
         self._grads.flush()
         for b in self._blocks:
             for p in b.params:
@@ -541,6 +560,7 @@ class WeightStream:
                 p.acc = None
         self._pass = None
         self._major = None
+        self._fetcher.checks.raise_changed()  # Note [streamed weight checksums]
 
     def _settle_idle_pass(self) -> None:
         """End an open pass that nothing can continue: no block running and no graph of it
@@ -628,7 +648,11 @@ class WeightStream:
                 ps.grad_blocks.append(i)
         keep = i in self.plan.kept and ps.grad_blocks[-1:] == [i]  # Note [kept into backward]
         if self._blocks[i].streamed and not keep:
-            self._fetcher.release(self._blocks[i])
+            try:
+                self._fetcher.release(self._blocks[i])
+            except BaseException:  # Note [streamed weight checksums]: a weight changed on
+                self._end_pass()   # the device; the pass ends, the stream stays usable
+                raise
         if ps.next == len(self._blocks) and not ps.grad_blocks:
             self._end_pass()  # no backward will come
 

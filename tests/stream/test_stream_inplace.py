@@ -1,0 +1,202 @@
+"""A streamed weight changed in place behind autograd's back (``param.data.mul_(...)``: ``.data``
+is a tensor with a version counter of its own, so ``param._version`` does not move) is never
+silently lost or half applied (issue 29 item 7, Note [streamed weight checksums] in
+tiermem/stream/checksums.py).
+
+- Between passes ``param.data`` is the host copy: the next forward streams the change, with
+  ``tier="nvme"`` too (its store copy is rewritten when the host copy's checksum moved).
+- During a pass the change lands in the block's device buffer, which the stream refills from the
+  host copy or drops: refused with one line naming the weight when the block is released, the
+  pass ended, the change discarded and the stream usable.
+
+Every run trains 8 AdamW steps of different batches and is compared bit for bit, at every step
+and in the final weights, with an independent unstreamed run from the same seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _stream_train import batches, make_model, train
+
+from tiermem.schedule.micro_batches import forward_backward
+from tiermem.stream import stream_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+STEPS = 8
+CHANGED = r"blocks\[{}\]\.{} was changed in place on the device during a pass"
+
+
+@pytest.fixture
+def stores(make_stream_store):
+    """``stores()``: a CPU store, 16 MiB RAM, a 64 MiB NVMe tier."""
+    return lambda: make_stream_store(nvme_bytes=64 << 20)
+
+
+def _same(got, want, what):
+    assert len(got[0]) == len(want[0])
+    for step, (a, b) in enumerate(zip(got[0], want[0])):
+        assert torch.equal(a, b), f"{what}: step {step} losses {a.tolist()} != {b.tolist()}"
+    for k in want[1]:
+        assert torch.equal(got[1][k], want[1][k]), f"{what}: final weight {k} differs"
+
+
+# ---------------------------------------------------------------- between passes
+
+
+def _eval_then_scale(model, step):
+    """An evaluation under no_grad (a pass that ends with no optimizer step after it), then a
+    ``.data`` write to two streamed weights: their ``_version`` does not move."""
+    with torch.no_grad():
+        model(*batches(100 + step, 1)[0])
+        model.blocks[1].fc.weight.data.mul_(0.9)
+        model.blocks[2].ln1.weight.data.add_(0.01 * (step + 1))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("n_micro", [1, 2])
+def test_a_data_write_between_passes_is_streamed(stores, tier, n_micro):
+    """Before, with ``tier="nvme"`` the store's copy was rewritten only when ``_version`` moved
+    or an optimizer had stepped since the last pass start; the evaluation pass had taken that
+    step, so every later fill read the NVMe copy from before the ``.data`` write: the losses
+    differed from the first step on."""
+    want = train(make_model(), n_micro=n_micro, between_steps=_eval_then_scale)
+    got = train(make_model(), n_micro=n_micro, between_steps=_eval_then_scale,
+                stream=lambda m: stream_weights(m.blocks, store=stores(), tier=tier))
+    try:
+        _same(got[:2], want[:2], f"{tier} .data write between passes")
+        if tier == "nvme":  # the written weights once per step and the write's own passes
+            assert got[2].stats()["nvme_writes"] > 0
+    finally:
+        got[2].close()
+
+
+def _between_micro_batches(model, mbs):
+    """Depth-first micro-batches with a ``.data`` write between them (no step between)."""
+    out = []
+    for k, (idx, tgt) in enumerate(mbs):
+        if k:
+            with torch.no_grad():
+                model.blocks[0].qkv.weight.data.mul_(0.99)
+        _, loss = model(idx, tgt)
+        (loss / len(mbs)).backward()
+        out.append(loss.detach())
+    return out
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_data_write_between_micro_batches_is_streamed(stores, tier):
+    """Before, with ``tier="nvme"`` the second micro-batch's fills read the NVMe copy written at
+    the first pass start (no optimizer step in between): the losses differed from step 0."""
+    want = train(make_model(), n_micro=2, fb=_between_micro_batches)
+    got = train(make_model(), n_micro=2, fb=_between_micro_batches,
+                stream=lambda m: stream_weights(m.blocks, store=stores(), tier=tier))
+    try:
+        _same(got[:2], want[:2], f"{tier} .data write between micro-batches")
+    finally:
+        got[2].close()
+
+
+# ---------------------------------------------------------------- during a pass
+
+
+def _run(stores, streamed, *, edit=None, fail_step=None, skip=(), major=False, tier="cpu",
+         prefetch=1, match=None):
+    """8 AdamW steps; at ``fail_step`` ``edit(model, batches)`` must raise ``match`` (then the
+    gradients are zeroed and the step skipped); steps in ``skip`` are not run at all (the
+    reference of a refused step)."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    h = stream_weights(model.blocks, store=stores(), tier=tier, prefetch_blocks=prefetch) \
+        if streamed else None
+    n_micro = 2 if major else 1
+    losses = []
+    try:
+        for step in range(STEPS):
+            mb = batches(step, n_micro)
+            if step in skip:
+                continue
+            if step == fail_step:
+                with pytest.raises(RuntimeError, match=match) as err:
+                    edit(model, mb)
+                assert "\n" not in str(err.value)
+                assert not h.in_pass and not h.closed  # the pass ended, the stream usable
+                opt.zero_grad(set_to_none=True)
+                continue
+            losses.append(torch.stack(forward_backward(model, mb, block_major=major)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return losses, weights, h
+    finally:
+        if h is not None:
+            h.close()
+
+
+def _scale_kept_block_before_backward(model, mb):
+    idx, tgt = mb[0]
+    _, loss = model(idx, tgt)
+    model.blocks[3].fc.weight.data.mul_(0.5)  # blocks[3] is kept on the device for backward
+    loss.backward()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_data_write_between_forward_and_backward_is_refused(stores, tier):
+    """``.data.mul_`` of a weight whose block the forward kept on the device for the backward:
+    the backward read the scaled weight, the forward had used the old one, and the pass end put
+    the host copy back, so the step stepped the old weight with a gradient of the new one.
+    Now refused when the backward releases the block; the host copy keeps its value from
+    before the pass (the change is discarded), and training goes on exactly as if the step had
+    not been run. Before: no error, and from step 4 on the losses differed from the same loop
+    unstreamed (the same edit, no error)."""
+    want = _run(stores, False, skip={3}, tier=tier)
+    got = _run(stores, True, edit=_scale_kept_block_before_backward, fail_step=3, tier=tier,
+               match=CHANGED.format(3, "fc.weight") + r".*param\.mul_")
+    _same(got, want, "refused step")
+
+
+def _scale_in_forward(model, mb, major=False):
+    fired = []
+
+    def scale(m, args):
+        if not fired:
+            fired.append(1)
+            m.weight.data.mul_(0.5)  # block 0 is on the device: its buffer changes
+
+    handle = model.blocks[0].fc.register_forward_pre_hook(scale)
+    try:
+        forward_backward(model, mb, block_major=major)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("major", [False, True], ids=["depth-first", "block-major"])
+def test_a_data_write_inside_a_blocks_forward_is_refused(stores, major):
+    """A ``.data`` write to a block's weight while the block computes (a hook inside it): the
+    rest of the forward read the new weight, the backward the refilled old one. Refused when
+    the forward releases the block (prefetch 0: blocks[0] is not kept for the backward).
+    Before: no error, and from step 4 on the losses differed from the same loop unstreamed."""
+    want = _run(stores, False, skip={3}, major=major, prefetch=0)
+    got = _run(stores, True, edit=lambda m, mb: _scale_in_forward(m, mb, major), fail_step=3,
+               major=major, prefetch=0, match=CHANGED.format(0, "fc.weight"))
+    _same(got, want, "refused step")
+
+
+def test_a_data_write_that_changes_nothing_is_not_refused(stores):
+    """Only a change is refused: ``.data.copy_`` of the same values (a reload of the weights
+    the block holds) during a pass passes, and training is bit-identical."""
+    def same_values(model, mb):
+        idx, tgt = mb[0]
+        _, loss = model(idx, tgt)
+        w = model.blocks[3].fc.weight
+        w.data.copy_(w.data.clone())
+        loss.backward()
+        return [loss.detach()]
+
+    want = train(make_model())
+    got = train(make_model(), fb=same_values,
+                stream=lambda m: stream_weights(m.blocks, store=stores()))
+    try:
+        _same(got[:2], want[:2], "same values")
+    finally:
+        got[2].close()

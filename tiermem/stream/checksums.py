@@ -1,0 +1,177 @@
+"""Checksums of streamed weights: a change behind autograd's back (``param.data.mul_(...)``) is
+streamed between passes and refused during one (Note [streamed weight checksums]).
+
+Note [streamed weight checksums]: ``param.data`` is a new tensor on the parameter's storage with
+a version counter of its own, so an in-place write through it (``p.data.mul_(0.5)``,
+``with torch.no_grad(): p.data.copy_(w)``, peft's adapter merge ``base.weight.data += delta``)
+leaves ``param._version`` where it was, and neither data_ptr nor storage identity moves. The
+version checks of Note [weight streaming] cannot see it; only the bytes can. Where it lands:
+
+- **Between passes** ``param.data`` is the host copy. With ``tier="cpu"`` every fill reads the
+  host copy, so the next forward streams the change, as it would compute with it unstreamed.
+  With ``tier="nvme"`` a fill reads the store's copy, rewritten at a pass start only when the
+  weight moved by the signs we had (``_version``, a replaced ``.data``, an optimizer step):
+  a ``.data`` write after that (after an evaluation pass, between micro-batches, a merge into a
+  frozen base) was silently not streamed. Now the checksum of each host copy is taken when its
+  store copy is written, and at every pass start a host copy not rewritten is summed again and
+  its store copy rewritten when the sums differ (logged). Cost: one read of those host copies
+  in RAM per pass, beside the store reads of every fill that the nvme tier makes anyway.
+- **During a pass** ``param.data`` is the device buffer while the block is ready (else an empty
+  placeholder). A write into the buffer is used by the ops after it, and then lost: a released
+  block is refilled from the host copy, and the pass end makes the host copy the data again, so
+  a forward and its backward (or a kept block's backward and the step) see different weights.
+  Each fill takes the checksum of every weight it copied in (on CUDA on the copy stream, after
+  the copy and before the fill's event, so it is ordered before any compute reads the block);
+  the release of a block that was made ready takes it again on the compute stream (after the
+  block's last reader, before its memory is freed) and compares. On the CPU the comparison is
+  made at once and a difference raises at that release. On CUDA the two sums go to pinned host
+  memory with a non-blocking copy and an event; no host sync is added per block: every later
+  release and the pass end look at the finished ones (``event.query()``), and the optimizer's
+  pre-step hook and ``close()`` wait for the rest (the backward has finished on the GPU by
+  then, in a loop that reads its gradients). The error is one line naming the weight, raised
+  with the pass ended (blocks released, host copies restored: the change is discarded, never
+  written anywhere; the gradients of the pass are incomplete, zero them) and the stream usable.
+  With HybridAdam's overlap, chunks handed over before the error (CUDA) may have been stepped
+  with gradients of the changed weight.
+
+The checksum is the sum of the weight's bytes read as 64-bit words, modulo 2**64 (a tail of fewer
+than 8 bytes is summed byte by byte): integer adds, so no rounding and no dependence on the
+reduction order, and no copy (a float sum of bf16 would round, and an int16 view summed into
+int64 is cast to a full-size temporary first). It catches every change of a single word and any
+change whose word differences do not cancel modulo 2**64 (a scale, a shift, a fill, a copy of
+other values, a clamp, noise, a sign flip unless the flipped words balance exactly). It cannot
+catch a permutation of whole 8-byte words (swapped rows or heads whose size is a multiple of
+8 bytes), other rewrites whose differences cancel exactly, a write into a released block's
+empty placeholder (``p.data.mul_`` of 0 elements changes nothing; ``p.data.copy_(w)`` raises a
+shape error), or a change of a resident block (an ordinary parameter, not streamed). Cost per
+fill and per release: one read of the block's weights on the device (about 1/80 of the copy's
+time over PCIe on an H200) and a kernel per weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+_MASK = (1 << 64) - 1
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of the contiguous tensor ``t``'s bytes as int64 words, modulo 2**64 (a tail of
+    under 8 bytes added byte by byte), a 0-dim int64 tensor on ``t``'s device
+    (Note [streamed weight checksums]).
+
+    Raises:
+        RuntimeError: ``t`` is not contiguous.
+    """
+    if not t.is_contiguous():
+        raise RuntimeError("checksum: the tensor must be contiguous")
+    raw = t.reshape(-1).view(torch.uint8)
+    words = raw.numel() // 8 * 8
+    out = raw[:words].view(torch.int64).sum()
+    if words != raw.numel():
+        out = out + raw[words:].sum(dtype=torch.int64)
+    return out
+
+
+def host_checksum(t: torch.Tensor) -> int:
+    """:func:`checksum` of a host tensor, as a Python int.
+
+    Raises:
+        RuntimeError: ``t`` is not contiguous.
+    """
+    return int(checksum(t))
+
+
+@dataclass(eq=False)
+class _Release:
+    block: int
+    names: list[str]
+    sums: torch.Tensor   # (2, n) int64: row 0 at the fill, row 1 at the release
+    event: Any           # CUDA event of the copy into pinned ``sums``; None: known now
+
+
+class BufferChecks:
+    """The checksums of streamed blocks' device buffers, taken at each fill and compared at
+    each release (Note [streamed weight checksums]).
+
+    Args:
+        cuda: the compute device is a CUDA device (comparisons resolve asynchronously).
+
+    Raises:
+        nothing at construction.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._pending: list[_Release] = []
+        self.stats = {"checked_blocks": 0}
+
+    def filled(self, block: Any, views: Sequence[torch.Tensor]) -> None:
+        """Take the checksums of ``block``'s weights just copied into ``views`` (on CUDA: call
+        on the copy stream, after the copies, before the fill's event).
+
+        Raises:
+            nothing beyond torch's errors.
+        """
+        block.sums = torch.stack([checksum(v) for v in views]) if views else None
+
+    def released(self, block: Any, views: Sequence[torch.Tensor]) -> None:
+        """Compare ``block``'s weights in ``views`` (about to be freed; on CUDA: call on the
+        compute stream after the block's last reader, which waited for the fill's event) with
+        their checksums at the fill; :meth:`raise_changed` reports a difference.
+
+        Raises:
+            nothing beyond torch's errors.
+        """
+        sums, block.sums = block.sums, None
+        if sums is None:
+            return
+        both = torch.stack([sums, torch.stack([checksum(v) for v in views])])
+        event = None
+        if self.cuda:
+            stream = torch.cuda.current_stream(both.device)
+            sums.record_stream(stream)  # made on the copy stream, read here
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            event = stream.record_event()  # the sums have landed in ``host`` after it
+            both = host
+        self._pending.append(_Release(block.index, [p.name for p in block.params], both,
+                                      event))
+        self.stats["checked_blocks"] += 1
+
+    def raise_changed(self, wait: bool = False) -> None:
+        """Look at the releases whose sums have landed (``wait``: all of them, blocking the
+        host until they have) and raise for the first weight changed on the device.
+
+        Raises:
+            RuntimeError: one line naming the block and weight, the two checksums and the fix.
+        """
+        keep, found = [], None
+        for r in self._pending:
+            if r.event is not None:
+                if wait:
+                    r.event.synchronize()  # the host compares the sums next
+                elif not r.event.query():
+                    keep.append(r)
+                    continue
+            if found is None:
+                fill, now = r.sums.tolist()
+                bad = [k for k, (a, b) in enumerate(zip(fill, now)) if a != b]
+                if bad:
+                    k = bad[0]
+                    found = (r.block, r.names[k], fill[k], now[k])
+        self._pending = keep
+        if found is None:
+            return
+        i, name, a, b = found
+        raise RuntimeError(
+            f"weight streaming: blocks[{i}].{name} was changed in place on the device during a "
+            f"pass (checksum {a & _MASK:016x} at its fill, {b & _MASK:016x} at its release), "
+            f"through a tensor autograd does not track such as param.data: a streamed block is "
+            f"refilled from its host copy, so the change would be lost or half applied; the "
+            f"pass was ended and the change discarded (zero the gradients of this pass): change "
+            f"streamed weights between passes (after backward: with torch.no_grad(): "
+            f"param.mul_(...) or param.copy_(...), or through the optimizer)")
