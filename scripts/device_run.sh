@@ -50,8 +50,10 @@
 #                                       with its parity and the PCIe floor (bounded 420 s; not yet
 #                                       timed: ~3-4 min estimated)
 #                                       (STREAM_OPTIMIZERS=hybrid: its HybridAdam rows only, as for 64k)
+#                                       (default --max-grad-norm off,1.0: each row twice, 2x time)
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
+#                                       (the same clip grid off,1.0: each row twice, 2x time)
 #   bench_stream_diag  nvidia-h200      issue 29's stream timing questions: the CUDA test that a fill
 #                                       lands while the block before it computes (test_kept.py),
 #                                       then bench stream at 16k tokens, 1 run (depth-first at one
