@@ -10,7 +10,17 @@ Rows (every run trains the same seeded model on the same batches, in the same or
 - ``plain loop + ...``: the same three setups in a hand-written loop (autocast, backward,
   Trainer's clip (``clip_grad_norm_`` for AdamW, ``max_grad_norm`` inside HybridAdam), step, the
   same LR schedule), to show what Trainer itself costs; the line under the table gives each
-  Trainer row's step time over its plain-loop row's.
+  Trainer row's step time over its plain-loop row's;
+- ``Trainer + DeepSpeed ZeRO-2 (offload_optimizer cpu)``: the stock Trainer with
+  ``TrainingArguments(deepspeed=...)``: ZeRO stage 2, ``offload_optimizer`` on pinned cpu, its
+  ``"auto"`` values filled from the same arguments (batch, clip 1.0, ...), Trainer's own AdamW
+  and weight decay groups, which Accelerate turns into ``DeepSpeedCPUAdam`` in AdamW mode
+  (Note [bench hf ZeRO-2 optimizer]), bf16 as DeepSpeed's ``torch_autocast`` over fp32 weights
+  (Note [bench hf ZeRO-2 precision]); a world of one process (``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` set for the run, the environment put back after it).
+  Run only when ``import deepspeed`` works and its ``cpu_adam`` op builds (before the timed
+  rounds: the build does not count); else the row says ``(not run: ...)`` and why, and the
+  exit status does not count it. On the CPU it runs through DeepSpeed's CPU accelerator.
 
 Model: a Llama from a config, TinyLlama-1.1B's shape by default (22 layers, width 2048, MLP 5632,
 32 heads, 4 KV heads, vocabulary 32000), fp32 weights with bf16 autocast (Trainer's
@@ -31,9 +41,12 @@ the first ``Trainer + AdamW`` run's; ``equal loss`` says ``yes`` when that is wi
 chunks with the CPU kernel, an ulp from the CUDA one, so the losses are equal to that, not bit
 for bit; the exactness is shown on the CPU by tests/integrations).
 
-    python examples/bench_hf_trainer.py                       # H200: about 3 minutes
+    python examples/bench_hf_trainer.py                       # H200: about 5 minutes
     python examples/bench_hf_trainer.py --layers 2 --hidden 64 --intermediate 128 --heads 4 \\
         --kv-heads 2 --vocab 128 --seq 32 --batch 2 --steps 2 --repeats 1   # CPU smoke run
+
+Exit status: 0 when every row that ran has equal loss (a row not run for want of DeepSpeed does
+not count), 1 if not, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -49,9 +62,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiermem.apps.bench.deepspeed_env import build_cpu_adam, import_deepspeed, single_process_env
+
+ZERO2 = "Trainer + DeepSpeed ZeRO-2 (offload_optimizer cpu)"
 ROWS = ("Trainer + AdamW", "Trainer + HybridAdam f=1.0",
         "Trainer + HybridAdam f=1.0 + act. offload", "plain loop + HybridAdam f=1.0",
-        "plain loop + AdamW", "plain loop + HybridAdam f=1.0 + act. offload")
+        "plain loop + AdamW", "plain loop + HybridAdam f=1.0 + act. offload", ZERO2)
+NAME_W = 52  # the setup column's width
 
 
 @dataclass
@@ -64,9 +81,10 @@ class Run:
 
 @dataclass
 class Row:
-    """A row's runs."""
+    """A row's runs, or why it is not run (``missing``: the ZeRO-2 row without DeepSpeed)."""
     name: str
     runs: list[Run] = field(default_factory=list)
+    missing: str = ""
 
 
 def device() -> torch.device:
@@ -104,20 +122,40 @@ def batches(args: argparse.Namespace) -> list[dict]:
     return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
 
 
-def training_args(args: argparse.Namespace, out: str, dev: torch.device):
+def zero2_config(dev: torch.device) -> dict:
+    """The ZeRO-2 row's DeepSpeed config: stage 2, the optimizer state on pinned cpu, Trainer's
+    values where DeepSpeed takes ``"auto"`` (micro-batch, accumulation, clip), bf16 autocast over
+    fp32 weights on CUDA (Note [bench hf ZeRO-2 precision]); no ``optimizer`` or ``scheduler``
+    section: Trainer's own (Note [bench hf ZeRO-2 optimizer])."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 1 << 30,
+        "zero_optimization": {"stage": 2,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "torch_autocast": {"enabled": dev.type == "cuda", "dtype": "bfloat16",
+                           "lower_precision_safe_modules": []},
+    }
+
+
+def training_args(args: argparse.Namespace, out: str, dev: torch.device, zero2: bool = False):
     """Trainer's arguments: linear schedule, clip 1.0, a log every step, the samples in order
-    where this transformers has ``train_sampling_strategy`` (else see :func:`in_order`)."""
+    where this transformers has ``train_sampling_strategy`` (else see :func:`in_order`);
+    ``zero2``: the same through DeepSpeed (:func:`zero2_config`: bf16 from its config, the
+    device from its accelerator)."""
     from transformers import TrainingArguments
     order = ({"train_sampling_strategy": "sequential"}
              if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__ else {})
+    if zero2:
+        where = dict(bf16=False, use_cpu=False, deepspeed=zero2_config(dev))
+    else:
+        where = dict(bf16=dev.type == "cuda", use_cpu=dev.type != "cuda")
     return TrainingArguments(
-        **order, output_dir=out, per_device_train_batch_size=args.batch,
+        **order, **where, output_dir=out, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1,
         max_steps=args.warmup + args.steps, learning_rate=args.lr, weight_decay=0.1,
         warmup_steps=1, lr_scheduler_type="linear", max_grad_norm=1.0, adam_beta1=0.9,
         adam_beta2=0.95, adam_epsilon=1e-8, logging_steps=1, save_strategy="no", report_to=[],
-        bf16=dev.type == "cuda", use_cpu=dev.type != "cuda", optim="adamw_torch_fused",
-        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        optim="adamw_torch_fused", disable_tqdm=True, seed=0, dataloader_num_workers=0)
 
 
 def in_order(trainer) -> None:
@@ -161,10 +199,14 @@ def run_trainer(args: argparse.Namespace, row: str, dev: torch.device) -> Run:
             clock.stamp(state.global_step)
 
     model = build_model(args, dev)
-    with tempfile.TemporaryDirectory() as out:
-        kw = dict(model=model, args=training_args(args, out, dev), train_dataset=batches(args),
-                  callbacks=[Clock()])
-        if row == "Trainer + AdamW":
+    # ZeRO-2: a world of one for the run. The process group DeepSpeed initialises stays (its
+    # cached groups outlive a destroyed one and fail the next engine); the environment is put
+    # back, so the other rows' Trainer is neither DeepSpeed nor DDP (checked below).
+    with tempfile.TemporaryDirectory() as out, \
+            single_process_env() if row == ZERO2 else contextlib.nullcontext():
+        kw = dict(model=model, args=training_args(args, out, dev, zero2=row == ZERO2),
+                  train_dataset=batches(args), callbacks=[Clock()])
+        if row in ("Trainer + AdamW", ZERO2):
             trainer = Trainer(**kw)
         else:
             trainer = TiermemTrainer(**kw, hybrid_adam={"offload_fraction": 1.0},
@@ -172,6 +214,11 @@ def run_trainer(args: argparse.Namespace, row: str, dev: torch.device) -> Run:
         in_order(trainer)
         trainer.remove_callback(PrinterCallback)  # the table says it all
         trainer.train()
+        kind = str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1]
+        if kind != ("DEEPSPEED" if row == ZERO2 else "NO"):
+            raise RuntimeError(f"{row}: Trainer ran as {kind}, not as the row means")
+        if row == ZERO2:  # its pinned buffers and hooks go now, not at some later collection
+            trainer.model_wrapped.destroy()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = clock.result(losses)
     if getattr(trainer, "hybrid_adam", None) is not None:
@@ -240,11 +287,11 @@ def table(rows: list[Row], tokens: int) -> list[str]:
     ref = base.runs[0].losses
     noise = max((abs(a - b) for r in base.runs[1:] for a, b in zip(r.losses, ref)), default=0.0)
     base_ms = statistics.median(statistics.median(r.step_s) for r in base.runs) * 1e3
-    lines = [f"{'setup':<44}{'tok/step':>9}{'ms/step':>9}{'spread':>15}{'tok/s':>9}"
+    lines = [f"{'setup':<{NAME_W}}{'tok/step':>9}{'ms/step':>9}{'spread':>15}{'tok/s':>9}"
              f"{'peak GiB':>9}{'x':>7}{'max |dloss|':>13}  equal loss"]
     for row in rows:
         if not row.runs:
-            lines.append(f"{row.name:<44}  (no run: time budget)")
+            lines.append(f"{row.name:<{NAME_W}}  ({row.missing or 'no run: time budget'})")
             continue
         meds = [statistics.median(r.step_s) * 1e3 for r in row.runs]
         ms = statistics.median(meds)
@@ -253,8 +300,8 @@ def table(rows: list[Row], tokens: int) -> list[str]:
         dloss = max(abs(a - b) for r in row.runs for a, b in zip(r.losses, ref))
         tol = max(4 * noise, 1e-4 * max(abs(x) for x in ref))
         same = all(len(r.losses) == len(ref) for r in row.runs) and dloss <= tol
-        lines.append(f"{row.name:<44}{tokens:>9}{ms:>9.1f}{f'{min(meds):.1f}-{max(meds):.1f}':>15}"
-                     f"{tokens / ms * 1e3:>9.0f}{peak:>9}{ms / base_ms:>6.2f}x{dloss:>13.2e}  "
+        lines.append(f"{row.name:<{NAME_W}}{tokens:>9}{ms:>9.1f}"
+                     f"{f'{min(meds):.1f}-{max(meds):.1f}':>15}{tokens / ms * 1e3:>9.0f}{peak:>9}{ms / base_ms:>6.2f}x{dloss:>13.2e}  "
                      f"{'yes' if same else 'NO'} (tol {tol:.1e})")
     plain = {r.name.removeprefix("plain loop + "): r for r in rows
              if r.runs and r.name.startswith("plain loop + ")}
@@ -270,8 +317,7 @@ def table(rows: list[Row], tokens: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the rows and print the table; 0 when every row ran and has equal loss, 1 if not,
-    2 for bad arguments."""
+    """Run the rows and print the table; the exit status as the module docstring says."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=22)
     p.add_argument("--hidden", type=int, default=2048)
@@ -311,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'fp32 weights + bf16 autocast' if dev.type == 'cuda' else 'fp32'}, on {name}; "
           f"{args.warmup} warmup + {args.steps} timed steps, {args.repeats} runs a row",
           flush=True)
+    for row in rows:
+        if row.name == ZERO2:  # before the budget's clock starts
+            row.missing = zero2_missing()
     start = last = time.perf_counter()
     for rep in range(args.repeats):
         now = time.perf_counter()
@@ -320,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         last = now
         for row in rows:
+            if row.missing:
+                continue
             t0 = time.perf_counter()
             run = run_loop(args, row.name, dev) if row.name.startswith("plain") else \
                 run_trainer(args, row.name, dev)
@@ -332,7 +383,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     lines = table(rows, args.batch * args.seq)
     print("\n".join(lines), flush=True)
-    return 0 if all(" yes " in line for line in lines[1:len(rows) + 1]) else 1
+    return 0 if all(" yes " in line for row, line in zip(rows, lines[1:]) if not row.missing) \
+        else 1
+
+
+def zero2_missing() -> str:
+    """Why the ZeRO-2 row cannot run (``"not run: ..."``), or ``""`` with DeepSpeed imported
+    and its ``cpu_adam`` op built (printed: the seconds the build took, outside every run)."""
+    deepspeed, why = import_deepspeed()
+    if deepspeed is None:
+        return f"not run: deepspeed not importable: {why}"
+    try:
+        seconds = build_cpu_adam()
+    except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, no CUDA_HOME: the row says)
+        first = (str(exc).splitlines() or [""])[0]  # a build log can be long
+        return f"not run: DeepSpeed's cpu_adam op did not build: {type(exc).__name__}: {first}"
+    print(f"deepspeed {deepspeed.__version__}: DeepSpeedCPUAdam's op ready in {seconds:.0f} s "
+          f"(before the timed rounds)", flush=True)
+    return ""
 
 
 if __name__ == "__main__":

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import socket
 import statistics
 import sys
 import time
@@ -59,6 +57,8 @@ import torch
 from tiermem.apps import table
 from tiermem.apps.bench import stream as bench_stream
 from tiermem.apps.bench.common import bench_device, learnable_batches, sync
+from tiermem.apps.bench.deepspeed_env import build_cpu_adam, set_single_process_env
+from tiermem.apps.bench.deepspeed_env import import_deepspeed as _import_deepspeed
 from tiermem.apps.bench.optim_base import HP, _GpuMasters
 from tiermem.apps.bench.parity import BaselineParity
 from tiermem.config import StoreConfig
@@ -156,11 +156,8 @@ def import_deepspeed():
     """``(deepspeed, "")`` or ``(None, why the ZeRO-3 row cannot run)``."""
     if not torch.cuda.is_available():
         return None, "needs CUDA (ZeRO-3 offload with nccl)"
-    try:
-        import deepspeed  # noqa: PLC0415
-    except Exception as exc:  # noqa: BLE001  (any import failure: the row says why)
-        return None, f"deepspeed not importable ({type(exc).__name__}: {exc})"
-    return deepspeed, ""
+    deepspeed, why = _import_deepspeed()
+    return deepspeed, (f"deepspeed not importable ({why})" if deepspeed is None else "")
 
 
 def zero3_config(args, dtype: torch.dtype) -> dict:
@@ -183,13 +180,7 @@ def _init_distributed(deepspeed) -> None:
     """A one-process group (world size 1, nccl) for DeepSpeed."""
     if torch.distributed.is_initialized():
         return
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                 ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
+    set_single_process_env()
     deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
 
 
@@ -271,10 +262,8 @@ def run(args, log=print) -> list[Row]:
         log(f"{ZERO3}: not available: {why}; the other rows run")
     else:
         _init_distributed(deepspeed)
-        t0 = time.perf_counter()  # the JIT build of DeepSpeedCPUAdam, outside the budget
-        from deepspeed.ops.op_builder import CPUAdamBuilder  # noqa: PLC0415
-        CPUAdamBuilder().load()
-        log(f"DeepSpeedCPUAdam op ready in {time.perf_counter() - t0:.0f} s")
+        # the JIT build of DeepSpeedCPUAdam, outside the budget
+        log(f"DeepSpeedCPUAdam op ready in {build_cpu_adam():.0f} s")
     try:
         start = last = time.perf_counter()
         for rep in range(args.repeats):
