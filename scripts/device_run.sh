@@ -64,8 +64,11 @@
 #                                       HybridAdam rows only (the recomputation's cost, Note
 #                                       [bench stream schedule]), bounded 300 s
 #   bench_hf           nvidia-h200      Trainer + AdamW vs TiermemTrainer (HybridAdam f=1.0, + act.
-#                                       offload) and the plain loop, 1.1B Llama, seq 2048: 3 runs,
-#                                       a round started only if it ends within 270 s (bounded 300 s)
+#                                       offload) and the plain loop, and Trainer + DeepSpeed ZeRO-2
+#                                       offload_optimizer cpu (needs the DeepSpeed wheels in .whl:
+#                                       carry .whl; else that row says "not run"), 1.1B Llama, seq
+#                                       2048: 3 runs, a round started only if it ends within 300 s
+#                                       (cpu_adam's ~1 min build before it; bounded 420 s)
 #   bench_zero3        nvidia-h200      examples/bench_zero3.py: reference GPT, blocks checkpointed,
 #                                       16k tokens per step, 3 runs: tiermem streaming + HybridAdam
 #                                       f=1 vs DeepSpeed ZeRO-3 offload_param + offload_optimizer
@@ -110,6 +113,24 @@ run() {  # run NAME SECONDS CMD...: one stage, its own log, bounded in time
   echo "=== $name: $*"
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 30 "$OUT/$name.log"; echo "=== $name rc=$rc"
+}
+
+deepspeed_env() {  # the DeepSpeed stages: CUDA_HOME set, what DeepSpeed imports from, printed
+  # DeepSpeed comes from .whl (a py3-none-any wheel built with DS_BUILD_OPS=0: no op
+  # prebuilt). DeepSpeedCPUAdam is JIT-built at first use by torch.utils.cpp_extension with
+  # the host C++ compiler and ninja into ~/.cache/torch_extensions (cpu_adam: C++ only, the
+  # scripts build it before their timed rounds, ~1 min). Only DeepSpeed's CUDA ops (FusedAdam
+  # and the like, unused here) need nvcc; its CUDA op builders look for CUDA_HOME, so set it
+  # from nvcc on PATH, else /usr/local/cuda, else the cuda-toolkit pip package's nvcc.
+  if [ -z "${CUDA_HOME:-}" ]; then
+    NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || python3 -c \
+      "import glob, nvidia; print(*[n for d in nvidia.__path__
+        for n in glob.glob(d + '/**/bin/nvcc', recursive=True)][:1])" 2>/dev/null)
+    [ -n "$NVCC" ] && export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
+  fi
+  echo "CUDA_HOME=${CUDA_HOME:-unset}"
+  python3 -c "import deepspeed as d, pydantic as p; print('deepspeed', d.__version__,
+    'from', d.__file__, 'pydantic', p.VERSION)"
 }
 
 for stage in "$@"; do
@@ -171,7 +192,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
       run bench_adam 90 tiermem bench adam --numel 200000000
       run bench_io 90 tiermem bench io --dir "$SPILL" --nbytes 1GiB ;;
-    bench_hf) run bench_hf 300 python3 examples/bench_hf_trainer.py ;;
+    bench_hf) deepspeed_env; run bench_hf 420 python3 examples/bench_hf_trainer.py --budget-s 300 ;;
     bench_graphs) run bench_graphs 240 tiermem bench graphs --steps 10 --warmup 3 --repeats 3 ;;
     bench_stream) run bench_stream 420 tiermem bench stream "${GPT[@]}" --batch 8 --steps 3 \
       --warmup 1 --repeats 3 --gpu-bytes 64GiB --optimizers "${STREAM_OPTIMIZERS:-adamw,hybrid}" ;;
@@ -188,21 +209,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_lora) run bench_lora 540 tiermem bench lora --preset 7b --seqs 2048,8192 --batch 1 \
       --steps 3 --warmup 2 --repeats 3 ;;
     bench_zero3)
-      # DeepSpeed comes from .whl (a py3-none-any wheel built with DS_BUILD_OPS=0: no op
-      # prebuilt). DeepSpeedCPUAdam is JIT-built at first use by torch.utils.cpp_extension with
-      # the host C++ compiler and ninja into ~/.cache/torch_extensions (cpu_adam: C++ only, the
-      # script builds it before its timed rounds, ~1 min). Only DeepSpeed's CUDA ops (FusedAdam
-      # and the like, unused here) need nvcc; its CUDA op builders look for CUDA_HOME, so set it
-      # from nvcc on PATH, else /usr/local/cuda, else the cuda-toolkit pip package's nvcc.
-      if [ -z "${CUDA_HOME:-}" ]; then
-        NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || python3 -c \
-          "import glob, nvidia; print(*[n for d in nvidia.__path__
-            for n in glob.glob(d + '/**/bin/nvcc', recursive=True)][:1])" 2>/dev/null)
-        [ -n "$NVCC" ] && export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
-      fi
-      echo "CUDA_HOME=${CUDA_HOME:-unset}"
-      python3 -c "import deepspeed as d, pydantic as p; print('deepspeed', d.__version__,
-        'from', d.__file__, 'pydantic', p.VERSION)"
+      deepspeed_env
       run bench_zero3 420 python3 examples/bench_zero3.py "${GPT[@]}" --batch 8 --steps 3 \
         --warmup 1 --repeats 3 --checkpoint --gpu-bytes 24GiB --budget-s 240 ;;
     dist_tests) nvidia-smi -L; run dist_tests 420 "${PYTEST[@]}" tests/distributed ;;
