@@ -21,6 +21,7 @@ from _stream_train import batches, make_model, train
 
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
+from tiermem.stream.checksums import checksum
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 STEPS = 8
@@ -180,6 +181,34 @@ def test_a_data_write_inside_a_blocks_forward_is_refused(stores, major):
     got = _run(stores, True, edit=lambda m, mb: _scale_in_forward(m, mb, major), fail_step=3,
                major=major, prefetch=0, match=CHANGED.format(0, "fc.weight"))
     _same(got, want, "refused step")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel", [1, 3, 7, 64, 257])
+def test_the_checksum_sees_every_single_element_change(dtype, numel):
+    """Note [streamed weight checksums]: integer sums of the bytes, so any one element changed
+    (in the 8-byte words or the byte-summed tail) moves the sum, even by one unit in the last
+    place, which an fp32 sum of a large tensor rounds away."""
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    base = checksum(t)
+    for k in range(numel):
+        u = t.clone()
+        u[k] = u[k] * 2 + 1
+        assert not torch.equal(u, t)
+        assert checksum(u) != base, f"{dtype} numel {numel}: element {k} changed unseen"
+    big = torch.ones(1 << 20)
+    nudged = big.clone()
+    nudged[0] = torch.nextafter(nudged[0], torch.tensor(2.0))
+    assert big.sum() == nudged.sum()  # a float sum misses it
+    assert checksum(big) != checksum(nudged)
+
+
+def test_what_the_checksum_cannot_see():
+    """The documented blind spot (Note [streamed weight checksums]): a permutation of whole
+    8-byte words (here two swapped rows of fp32 pairs) keeps the sum."""
+    t = torch.randn(4, 2)
+    swapped = t[[1, 0, 2, 3]].contiguous()
+    assert not torch.equal(t, swapped) and checksum(t) == checksum(swapped)
 
 
 def test_a_data_write_that_changes_nothing_is_not_refused(stores):

@@ -120,8 +120,8 @@ class Fetcher:
                     src = self.fault(block, p, src)
                 p.storage.resize_(p.nbytes)
                 pairs.append((self._view(p), src))
-            block.event = self.copies.fill(
-                pairs, then=lambda: self.checks.filled(block, [dst for dst, _ in pairs]))
+            block.event = self.copies.fill(pairs, then=lambda: self.checks.filled(
+                block, [self._bytes(q) for q in block.params]))
         except BaseException:
             self._free(block)
             raise
@@ -182,7 +182,7 @@ class Fetcher:
             return
         self.copies.use(block.event)  # later kernels may reuse this memory only after the fill
         if block.state == "ready":  # else its parameters never pointed at the buffer
-            self.checks.released(block, [self._view(p) for p in block.params])
+            self.checks.released(block, [self._bytes(p) for p in block.params])
         block.sums = None
         for p in block.params:
             p.param.data = placeholder(p.host.dtype, self.device)
@@ -226,3 +226,9 @@ class Fetcher:
         """The parameter's full tensor on its device storage."""
         out = torch.empty(0, dtype=p.host.dtype, device=self.device)
         return out.set_(p.storage, 0, p.host.shape, p.host.stride())
+
+    def _bytes(self, p: Param) -> torch.Tensor:
+        """The parameter's device storage as bytes (what its checksum sums, whatever the
+        weight's strides: Note [streamed weight checksums])."""
+        out = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return out.set_(p.storage, 0, (p.nbytes,))

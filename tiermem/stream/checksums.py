@@ -31,8 +31,10 @@ version checks of Note [weight streaming] cannot see it; only the bytes can. Whe
   then, in a loop that reads its gradients). The error is one line naming the weight, raised
   with the pass ended (blocks released, host copies restored: the change is discarded, never
   written anywhere; the gradients of the pass are incomplete, zero them) and the stream usable.
-  With HybridAdam's overlap, chunks handed over before the error (CUDA) may have been stepped
-  with gradients of the changed weight.
+  With HybridAdam connected, the gradients handed to it before the error count as a backward
+  pass (its next ``step()`` refuses more passes than ``grad_accumulation_steps``) and chunks
+  may have been stepped with gradients of the changed weight: restore from a checkpoint, as
+  after any backward that fails midway.
 
 The checksum is the sum of the weight's bytes read as 64-bit words, modulo 2**64 (a tail of fewer
 than 8 bytes is summed byte by byte): integer adds, so no rounding and no dependence on the
