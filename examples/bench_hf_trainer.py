@@ -301,7 +301,8 @@ def table(rows: list[Row], tokens: int) -> list[str]:
         tol = max(4 * noise, 1e-4 * max(abs(x) for x in ref))
         same = all(len(r.losses) == len(ref) for r in row.runs) and dloss <= tol
         lines.append(f"{row.name:<{NAME_W}}{tokens:>9}{ms:>9.1f}"
-                     f"{f'{min(meds):.1f}-{max(meds):.1f}':>15}{tokens / ms * 1e3:>9.0f}{peak:>9}{ms / base_ms:>6.2f}x{dloss:>13.2e}  "
+                     f"{f'{min(meds):.1f}-{max(meds):.1f}':>15}{tokens / ms * 1e3:>9.0f}"
+                     f"{peak:>9}{ms / base_ms:>6.2f}x{dloss:>13.2e}  "
                      f"{'yes' if same else 'NO'} (tol {tol:.1e})")
     plain = {r.name.removeprefix("plain loop + "): r for r in rows
              if r.runs and r.name.startswith("plain loop + ")}

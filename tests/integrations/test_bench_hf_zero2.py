@@ -108,6 +108,39 @@ def test_zero2_row_equals_adamw_on_the_cpu(capsys):
     assert len(losses) == 2 and len(losses[0].split(", ")) == 8
 
 
+def _first_losses(out: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"run 1 (.*): .* losses ([\d.]+),", out)}
+
+
+def test_zero2_row_autocast_is_trainer_bf16_on_the_cpu(monkeypatch, capsys):
+    """Note [bench hf ZeRO-2 precision], on the CPU (CPU autocast has bf16 too): DeepSpeed's
+    ``torch_autocast`` (the CUDA config) gives the first step's loss of Trainer's
+    ``bf16=True``, to the printed digit, where fp32 differs in the fourth decimal."""
+    _deepspeed()
+    from transformers import TrainingArguments
+
+    bench = _bench()
+    real_config, real_init = bench.zero2_config, TrainingArguments.__init__
+
+    def cuda_config(dev):
+        return real_config(torch.device("cuda"))
+
+    def bf16_init(self, *args, **kwargs):  # the other rows as on CUDA: bf16=True
+        real_init(self, *args, **{**kwargs, "bf16": not kwargs.get("deepspeed")})
+
+    monkeypatch.setattr(bench, "zero2_config", cuda_config)
+    monkeypatch.setattr(TrainingArguments, "__init__", bf16_init)
+    assert bench.main(STEPS8 + ["--rows", "0,6", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\d\.\d\de-\d\d  yes \(tol", _row(out, bench.ZERO2)), out
+    first = _first_losses(out)
+    assert first[bench.ZERO2] == first["Trainer + AdamW"] == "4.8724", first
+    monkeypatch.undo()  # fp32 (the CPU rows as they are): another first loss
+    assert bench.main(STEPS8 + ["--rows", "0,6", "--repeats", "1"]) == 0
+    first = _first_losses(capsys.readouterr().out)
+    assert first[bench.ZERO2] == first["Trainer + AdamW"] == "4.8727", first
+
+
 def test_zero2_training_arguments_fill_the_autos():
     _deepspeed()
     bench = _bench()
