@@ -72,6 +72,23 @@ def test_a_data_write_between_passes_is_streamed(stores, tier, n_micro):
         got[2].close()
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_data_write_between_steps_with_hybrid_adam_is_as_unstreamed(stores, tier):
+    """HybridAdam connected (it writes the host copies from its masters and marks them
+    changed): a ``.data`` write after an evaluation pass is streamed to the next forward, as
+    the unstreamed run computes with it (and HybridAdam, streamed or not, steps its master
+    from before the write: Note [param changes] sees versions, not bytes). Before, with
+    ``tier="nvme"`` the next forward streamed the NVMe copy from before the write."""
+    from test_stream_combined import _train as hybrid_train
+
+    def between(run, step):
+        _eval_then_scale(run.model, step)
+
+    want = hybrid_train(stores, False, between=between, tier=tier, state_tier="cpu")
+    got = hybrid_train(stores, True, between=between, tier=tier, state_tier="cpu")
+    _same(got, want, f"{tier} .data write with HybridAdam")
+
+
 def _between_micro_batches(model, mbs):
     """Depth-first micro-batches with a ``.data`` write between them (no step between)."""
     out = []
