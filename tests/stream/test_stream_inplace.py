@@ -119,10 +119,10 @@ def test_a_data_write_between_micro_batches_is_streamed(stores, tier):
 
 
 def _run(stores, streamed, *, edit=None, fail_step=None, skip=(), major=False, tier="cpu",
-         prefetch=1, match=None):
+         prefetch=1, match=None, skipped=None):
     """8 AdamW steps; at ``fail_step`` ``edit(model, batches)`` must raise ``match`` (then the
     gradients are zeroed and the step skipped); steps in ``skip`` are not run at all (the
-    reference of a refused step)."""
+    reference of a refused step), but for ``skipped(model)`` if given."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     h = stream_weights(model.blocks, store=stores(), tier=tier, prefetch_blocks=prefetch) \
@@ -133,6 +133,8 @@ def _run(stores, streamed, *, edit=None, fail_step=None, skip=(), major=False, t
         for step in range(STEPS):
             mb = batches(step, n_micro)
             if step in skip:
+                if skipped is not None:
+                    skipped(model)
                 continue
             if step == fail_step:
                 with pytest.raises(RuntimeError, match=match) as err:
@@ -198,6 +200,34 @@ def test_a_data_write_inside_a_blocks_forward_is_refused(stores, major):
     got = _run(stores, True, edit=lambda m, mb: _scale_in_forward(m, mb, major), fail_step=3,
                major=major, prefetch=0, match=CHANGED.format(0, "fc.weight"))
     _same(got, want, "refused step")
+
+
+def _scale_host_copy(model):
+    with torch.no_grad():
+        model.blocks[0].fc.weight.data.mul_(0.5)
+
+
+def _scale_a_kept_reference(model, mb):
+    host = model.blocks[0].fc.weight.data  # between passes: the host copy itself
+    idx, tgt = mb[0]
+    _, loss = model(idx, tgt)
+    host.mul_(0.5)  # during the pass: blocks[0] was released, its backward refills it
+    loss.backward()
+
+
+def test_a_host_copy_written_during_a_pass_is_refused(stores):
+    """A reference to ``param.data`` taken between passes is the host copy: writing it during
+    the pass made the backward refill blocks[0] with other weights than its forward used (a
+    gradient of neither; unstreamed computes the same mix, but a kept block's backward would
+    not see the write at all: a weight changed during a pass is refused, Note [streamed
+    weight checksums]). Now the refill's checksums differ from the first fill's and the
+    backward is refused; the host copy keeps the write, and training goes on exactly as the
+    same write with the step skipped. Before: no error."""
+    want = _run(stores, False, skip={3}, skipped=_scale_host_copy)
+    got = _run(stores, True, edit=_scale_a_kept_reference, fail_step=3,
+               match=r"blocks\[0\]\.fc\.weight was filled with other values than earlier in the "
+                     r"same pass.*host copy keeps the new values")
+    _same(got, want, "refused refill")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

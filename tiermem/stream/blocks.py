@@ -63,6 +63,7 @@ class Block:
     held: list[Hashable] = field(default_factory=list)  # nvme keys held while the copy reads
     accumulated: int = 0           # trainable parameters accumulated in this backward
     sums: Any = None               # the weights' checksums at the fill (BufferChecks)
+    first_sums: Any = None         # those of its first fill in this pass (BufferChecks)
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +101,10 @@ class Fetcher:
         """Start copying ``block``'s weights to the device (nothing if filling or ready).
 
         Raises:
-            RuntimeError: a weight changed in place during the pass (Note [weight streaming]).
+            RuntimeError: a weight changed in place during the pass (Note [weight streaming]),
+                or filled with other values than at its first fill in this pass, or a weight
+                found changed on the device (Note [streamed weight checksums]); the fill was
+                issued all the same.
             SpillCorruption, SpillError, TierFullError: the store could not read a weight (the
                 block stays released, nothing is held).
         """
@@ -133,6 +137,7 @@ class Fetcher:
         self.stats["fills"] += 1
         self.stats["h2d_bytes"] += block.nbytes
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.materialized)
+        self.checks.raise_changed()  # a refill unlike the first (Note [streamed weight checksums])
 
     def ready(self, block: Block) -> None:
         """Make ``block``'s weights usable by the caller's stream and point its parameters at

@@ -35,6 +35,14 @@ version checks of Note [weight streaming] cannot see it; only the bytes can. Whe
   pass (its next ``step()`` refuses more passes than ``grad_accumulation_steps``) and chunks
   may have been stepped with gradients of the changed weight: restore from a checkpoint, as
   after any backward that fails midway.
+- **The host copy during a pass**, written through a reference to ``param.data`` kept from
+  between passes: a block refilled later in the pass (its backward) would get other weights
+  than its first fill. Every fill after a block's first in a pass is compared with that first
+  one (the sums are taken anyway; on CUDA on the copy stream, landed like a release's) and a
+  difference is refused like a change on the device (the host copy keeps the write). Not seen:
+  such a write to a block that is not refilled in the pass (kept into the backward, or a
+  forward-only pass), whose next pass simply streams it, and with ``tier="nvme"`` (the fills
+  read the store copy, which the next pass start rewrites).
 
 The checksum is the sum of the weight's bytes read as 64-bit words, modulo 2**64 (a tail of fewer
 than 8 bytes is summed byte by byte): integer adds, so no rounding and no dependence on the
@@ -88,11 +96,27 @@ def host_checksum(t: torch.Tensor) -> int:
 
 
 @dataclass(eq=False)
-class _Release:
+class _Compare:
     block: int
     names: list[str]
-    sums: torch.Tensor   # (2, n) int64: row 0 at the fill, row 1 at the release
+    sums: torch.Tensor   # (2, n) int64: row 0 at the (first) fill, row 1 at the release/refill
     event: Any           # CUDA event of the copy into pinned ``sums``; None: known now
+    refill: bool         # row 1 is a later fill of the same pass, not a release
+
+
+def _compare(block: Any, before: torch.Tensor, now: torch.Tensor, cuda: bool,
+             refill: bool) -> _Compare:
+    """Both rows of sums, on CUDA copied to pinned memory behind an event on the current
+    stream."""
+    both = torch.stack([before, now])
+    event = None
+    if cuda:
+        stream = torch.cuda.current_stream(both.device)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = stream.record_event()  # the sums have landed in ``host`` after it
+        both = host
+    return _Compare(block.index, [p.name for p in block.params], both, event, refill)
 
 
 class BufferChecks:
@@ -108,17 +132,34 @@ class BufferChecks:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self._pending: list[_Release] = []
+        self._pending: list[_Compare] = []
         self.stats = {"checked_blocks": 0}
+
+    def new_pass(self, blocks: Sequence[Any]) -> None:
+        """A pass begins: forget the sums of the last pass's first fills.
+
+        Raises:
+            nothing.
+        """
+        for block in blocks:
+            block.first_sums = None
 
     def filled(self, block: Any, views: Sequence[torch.Tensor]) -> None:
         """Take the checksums of ``block``'s weights just copied into ``views`` (on CUDA: call
-        on the copy stream, after the copies, before the fill's event).
+        on the copy stream, after the copies, before the fill's event); a later fill of the
+        block in the same pass is compared with its first (the source must not have changed).
 
         Raises:
             nothing beyond torch's errors.
         """
         block.sums = torch.stack([checksum(v) for v in views]) if views else None
+        if block.sums is None:
+            return
+        if block.first_sums is None:
+            block.first_sums = block.sums
+        else:  # both made on the copy stream, compared there
+            self._pending.append(_compare(block, block.first_sums, block.sums, self.cuda,
+                                          refill=True))
 
     def released(self, block: Any, views: Sequence[torch.Tensor]) -> None:
         """Compare ``block``'s weights in ``views`` (about to be freed; on CUDA: call on the
@@ -131,22 +172,16 @@ class BufferChecks:
         sums, block.sums = block.sums, None
         if sums is None:
             return
-        both = torch.stack([sums, torch.stack([checksum(v) for v in views])])
-        event = None
         if self.cuda:
-            stream = torch.cuda.current_stream(both.device)
-            sums.record_stream(stream)  # made on the copy stream, read here
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            event = stream.record_event()  # the sums have landed in ``host`` after it
-            both = host
-        self._pending.append(_Release(block.index, [p.name for p in block.params], both,
-                                      event))
+            sums.record_stream(torch.cuda.current_stream(sums.device))  # made on the copy
+            #                                                             stream, read here
+        now = torch.stack([checksum(v) for v in views])
+        self._pending.append(_compare(block, sums, now, self.cuda, refill=False))
         self.stats["checked_blocks"] += 1
 
     def raise_changed(self, wait: bool = False) -> None:
-        """Look at the releases whose sums have landed (``wait``: all of them, blocking the
-        host until they have) and raise for the first weight changed on the device.
+        """Look at the comparisons whose sums have landed (``wait``: all of them, blocking the
+        host until they have) and raise for the first weight changed during a pass.
 
         Raises:
             RuntimeError: one line naming the block and weight, the two checksums and the fix.
@@ -163,17 +198,23 @@ class BufferChecks:
                 fill, now = r.sums.tolist()
                 bad = [k for k, (a, b) in enumerate(zip(fill, now)) if a != b]
                 if bad:
-                    k = bad[0]
-                    found = (r.block, r.names[k], fill[k], now[k])
+                    found = (r, bad[0], fill[bad[0]] & _MASK, now[bad[0]] & _MASK)
         self._pending = keep
         if found is None:
             return
-        i, name, a, b = found
+        r, k, a, b = found
+        what = (f"was filled with other values than earlier in the same pass (checksum {a:016x} "
+                f"at its first fill, {b:016x} now): its host copy was written during the pass "
+                f"through a tensor autograd does not track, such as a reference to param.data "
+                f"kept from between passes, so the forward and the backward would use different "
+                f"weights") if r.refill else (
+                f"was changed in place on the device during a pass (checksum {a:016x} at its "
+                f"fill, {b:016x} at its release), through a tensor autograd does not track such "
+                f"as param.data: a streamed block is refilled from its host copy, so the change "
+                f"would be lost or half applied")
+        kept = "the host copy keeps the new values" if r.refill else "the change discarded"
         raise RuntimeError(
-            f"weight streaming: blocks[{i}].{name} was changed in place on the device during a "
-            f"pass (checksum {a & _MASK:016x} at its fill, {b & _MASK:016x} at its release), "
-            f"through a tensor autograd does not track such as param.data: a streamed block is "
-            f"refilled from its host copy, so the change would be lost or half applied; the "
-            f"pass was ended and the change discarded (zero the gradients of this pass): change "
-            f"streamed weights between passes (after backward: with torch.no_grad(): "
-            f"param.mul_(...) or param.copy_(...), or through the optimizer)")
+            f"weight streaming: blocks[{r.block}].{r.names[k]} {what}; the pass was ended and "
+            f"{kept} (zero the gradients of this pass): change streamed weights between passes "
+            f"(after backward: with torch.no_grad(): param.mul_(...) or param.copy_(...), or "
+            f"through the optimizer)")

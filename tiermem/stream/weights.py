@@ -519,6 +519,7 @@ class WeightStream:
             p.param.data = placeholder(p.host.dtype, self.device)
         for b in self._blocks:
             b.accumulated = 0
+        self._fetcher.checks.new_pass(self._blocks)  # Note [streamed weight checksums]
         self._pass = _Pass()
 
     def _replaced(self, p: Param) -> bool:
