@@ -12,9 +12,7 @@ memory (its rings, the NVMe staging, then 48 MiB chunks until full), held 1,673 
 run at c0c5ed4: 1,674) where whole slabs hold 1,699, as tiermem.apps.plan counts: 1.2 GiB more read
 and written on NVMe every step than planned. So a new slab is cut to the largest multiple of the
 request that opens it (``slab_bytes`` rounded down; a larger request still gets a slab of its
-own size), and only the last slab, cut to what the capacity has left, may keep a tail. A pinned
-slab pins exactly its bytes (Note [exact pinning] in tiermem/store/pinned.py): through torch's
-pinned allocator a cut slab (900 MiB for 150 MiB blocks) pinned the next power of two.
+own size), and only the last slab, cut to what the capacity has left, may keep a tail.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.store.extents import ExtentAllocator, round_up
-from tiermem.store.pinned import PinnedBuffer, Pinner, default_pinner
 
 ALIGN_BYTES = 4096
 
@@ -38,22 +35,15 @@ def block_bytes(nbytes: int) -> int:
 class _Slab:
     """One contiguous host allocation and the allocator of its free runs."""
 
-    def __init__(self, nbytes: int, pinner: Pinner | None) -> None:
-        self.pinned: PinnedBuffer | None = None
-        if pinner is not None:  # Note [exact pinning]: nbytes pinned, not the next power of 2
-            self.pinned = pinner.alloc(nbytes)
-            self.tensor = self.pinned.tensor  # page aligned
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        if pin:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # page aligned
         else:
             raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % ALIGN_BYTES
             self.tensor = raw[skip:skip + nbytes]
         self.nbytes = nbytes
         self.allocator = ExtentAllocator(nbytes, align=ALIGN_BYTES)
-
-    def release(self) -> None:
-        """Unpin the slab (its memory goes with the last view of it)."""
-        if self.pinned is not None:
-            self.pinned.release()
 
 
 @dataclass(eq=False)
@@ -73,18 +63,13 @@ class HostPool:
     Args:
         capacity_bytes: hard limit on the slabs the pool holds, in bytes.
         slab_bytes: size of one slab in bytes (a larger request gets a slab of its own size).
-        pin: page-lock the slabs (needs CUDA), each for exactly its bytes (Note [exact
-            pinning] in tiermem/store/pinned.py: pinned bytes == ``reserved_bytes``).
-        pinner: what pins them (None: the process's cudaHostRegister one; tests give a
-            counting fake).
+        pin: page-lock the slabs (needs CUDA).
     """
 
-    def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool,
-                 pinner: Pinner | None = None) -> None:
+    def __init__(self, capacity_bytes: int, slab_bytes: int, pin: bool) -> None:
         self.capacity_bytes = capacity_bytes
         self.slab_bytes = block_bytes(slab_bytes)
         self.pin = pin
-        self._pinner = (pinner or default_pinner()) if pin else None
         self._slabs: list[_Slab] = []
         self.used_bytes = 0
         """Bytes in live blocks (rounded sizes)."""
@@ -116,7 +101,7 @@ class HostPool:
         # Note [slab tail]: a slab is a whole number of blocks of the size that opens it
         slab = (self.slab_bytes // alloc_bytes * alloc_bytes if alloc_bytes <= self.slab_bytes
                 else alloc_bytes)
-        self._slabs.append(_Slab(min(room, slab), self._pinner))
+        self._slabs.append(_Slab(min(room, slab), self.pin))
         return self._alloc_in_slabs(nbytes, alloc_bytes)
 
     def _alloc_in_slabs(self, nbytes: int, alloc_bytes: int) -> HostBlock | None:
@@ -137,17 +122,9 @@ class HostPool:
         """Release slabs with no live block; return the bytes released."""
         empty = [s for s in self._slabs if s.allocator.used_bytes == 0]
         self._slabs = [s for s in self._slabs if s.allocator.used_bytes != 0]
-        for slab in empty:
-            slab.release()
         return sum(s.nbytes for s in empty)
 
     def close(self) -> None:
-        """Drop every slab (blocks handed out become invalid), unpinned.
-
-        Raises:
-            RuntimeError: unpinning failed.
-        """
-        slabs, self._slabs = self._slabs, []
+        """Drop every slab (blocks handed out become invalid)."""
+        self._slabs.clear()
         self.used_bytes = 0
-        for slab in slabs:
-            slab.release()

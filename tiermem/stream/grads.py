@@ -9,10 +9,9 @@ first backward since the gradient was cleared copies it, each later one adds it 
 the parameter's dtype, in backward order. That is exactly what autograd does to ``param.grad``
 without streaming (``grad = new`` then ``grad += new``: the same elementwise IEEE adds in the
 same dtype and order), so accumulation over micro-batches is bit-identical. On CUDA the copy
-runs on the D2H stream into pinned memory (regions of one exactly pinned slab per block:
-Note [host gradient slabs] in tiermem/stream/grad_slabs.py; the first one straight into the
-host gradient, later ones into a per-parameter pinned staging tensor), and the adds run on the
-host when the pass ends (with HybridAdam connected, as soon as the copies have landed:
+runs on the D2H stream into pinned memory (the first one straight into the host gradient,
+later ones into a per-parameter pinned staging tensor), and the adds run on the host when the
+pass ends (with HybridAdam connected, as soon as the copies have landed:
 Note [streamed gradient hand-off]), in the order the copies were issued (or, when a pass takes
 one parameter's gradient again before it ends, before its staging tensor is reused). On the CPU
 the gradient autograd made is kept as the host gradient (no copy) and later ones are added at
@@ -56,9 +55,7 @@ from typing import Any
 
 import torch
 
-from tiermem.store.pinned import Pinner
 from tiermem.stream.copies import StreamCopies
-from tiermem.stream.grad_slabs import GradSlabs
 
 
 @dataclass(eq=False)
@@ -73,15 +70,12 @@ class HostGrads:
 
     Args:
         copies: the stream's copies.
-        pin: allocate host gradients and staging tensors in pinned memory (CUDA): views of
-            one exactly pinned slab per block (Note [host gradient slabs]).
-        pinner: pins the slabs (None: the process's cudaHostRegister one; tests: a fake).
+        pin: allocate host gradients and staging tensors in pinned memory (CUDA).
     """
 
-    def __init__(self, copies: StreamCopies, pin: bool, pinner: Pinner | None = None) -> None:
+    def __init__(self, copies: StreamCopies, pin: bool) -> None:
         self.copies = copies
         self.pin = pin
-        self.slabs = GradSlabs(pinner) if pin else None
         self._pending: list[_Pending] = []
         self._staged: set[int] = set()  # id(entry) whose staging tensor a pending copy fills
         # Note [streamed gradient hand-off]: callable(entry, passes, event)
@@ -112,12 +106,12 @@ class HostGrads:
             return
         straight = None  # the event of a copy straight into entry.acc
         if entry.acc is None:
-            entry.acc = self._empty(entry, grad, "acc")
+            entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
             straight = self.copies.grad_out(entry.acc, grad)
             self._pending.append(_Pending(entry, None, straight))
         else:
             if entry.staging is None:
-                entry.staging = self._empty(entry, grad, "staging")
+                entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
             elif id(entry) in self._staged:
                 self._land(entry)  # the staging tensor is reused: add what it holds first
             self._pending.append(_Pending(entry, entry.staging,
@@ -126,24 +120,6 @@ class HostGrads:
         if self.sink is not None:
             self._told.append((entry, passes, straight))
             self._land_finished()
-
-    def _empty(self, entry: Any, grad: torch.Tensor, kind: str) -> torch.Tensor:
-        """A host tensor for ``entry``'s gradient (``kind`` "acc") or staging: in its block's
-        pinned slab (Note [host gradient slabs]), else plain host memory."""
-        if self.slabs is None:
-            return torch.empty(grad.shape, dtype=grad.dtype)
-        make = self.slabs.acc if kind == "acc" else self.slabs.staging
-        return make(entry, grad.shape, grad.dtype)
-
-    def close(self) -> None:
-        """Unpin the host gradients' slabs (the stream's close; gradients still held stay
-        valid, unpinned).
-
-        Raises:
-            RuntimeError: unpinning failed.
-        """
-        if self.slabs is not None:
-            self.slabs.close()
 
     def _land_finished(self) -> None:
         """Land the copies that have finished, in issue order, without waiting, and hand the

@@ -379,7 +379,6 @@ class WeightStream:
             STREAMED_BLOCKS.pop(module, None)
         for p in self._entries.values():
             STREAMED_PARAMS.pop(p.param, None)
-        self._grads.close()  # Note [host gradient slabs]: the gradients were copied home
         self._closed = True
         self._fetcher.checks.raise_changed(wait=True)  # closed: Note [streamed weight checksums]
 

@@ -64,7 +64,6 @@ from tiermem import options
 from tiermem.names import check_choice
 from tiermem.apps.plan.result import Item
 from tiermem.shapes import GiB
-from tiermem.stream.grad_slabs import block_grad_bytes
 from tiermem.stream.residency import plan_residency
 
 STREAM_CHOICES = (False, True, "auto")
@@ -246,10 +245,7 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
     setattr(params, "host" if tier == "cpu" else "nvme", s_bytes)
     grads.gpu -= s_bytes
     copies = 2 if schedule == "depth-first" and micro_batches > 1 else 1
-    # Note [host gradient slabs]: one exactly pinned slab per streamed block (and one more of
-    # staging tensors depth-first): whole pages, exact when every weight is a multiple of
-    # 64 bytes (GRAD_ALIGN_BYTES; a GPT block with d_model a multiple of 32 in 2-byte dtypes)
-    grads.host = copies * n_streamed * block_grad_bytes([w])
+    grads.host = copies * s_bytes
     if n_streamed:
         params.note += (f"; {n_streamed} of {n_layers} blocks streamed from {home}, "
                         f"{len(res.resident)} resident")
