@@ -70,14 +70,31 @@ def _in_forward(model, mb):
         handle.remove()
 
 
+def _host_reference(model, mb):
+    host = model.blocks[0].fc.weight.data  # between passes: the host copy itself
+    idx, tgt = mb[0]
+    _, loss = model(idx, tgt)
+    if idx.is_cuda:  # the forward's fill has read the host copy (a write racing that
+        torch.cuda.synchronize()  # in-flight copy may reach either fill)
+    host.mul_(0.5)  # blocks[0] was released in the forward; its backward refills it
+    loss.backward()
+
+
+ON_DEVICE = "was changed in place on the device during a pass"
+REFILLED = "was filled with other values than earlier in the same pass"
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("edit,block", [(_kept_block, 3), (_in_forward, 0)],
-                         ids=["before-backward", "in-forward"])
-def test_a_data_write_during_a_pass_is_refused_before_the_step(device, edit, block,
+@pytest.mark.parametrize("edit,block,what", [(_kept_block, 3, ON_DEVICE),
+                                             (_in_forward, 0, ON_DEVICE),
+                                             (_host_reference, 0, REFILLED)],
+                         ids=["before-backward", "in-forward", "host-copy"])
+def test_a_data_write_during_a_pass_is_refused_before_the_step(device, edit, block, what,
                                                                 one_thread):
-    """At step 3 a ``.data.mul_`` changes a block's device buffer during the pass: refused by
-    the step at the latest, which then changes nothing (the host copies keep the values they
-    had before the pass); training goes on without an error."""
+    """At step 3 a ``.data.mul_`` changes a block's device buffer (or its host copy) during
+    the pass: refused by the step at the latest, which then changes nothing (the host copies
+    keep the values they had before the pass, but for a host copy written: it keeps the
+    write); training goes on without an error."""
     model, opt, store, h = _setup(device, prefetch=0 if edit is _in_forward else 1)
     with store, h:
         for step in range(STEPS):
@@ -88,8 +105,9 @@ def test_a_data_write_during_a_pass_is_refused_before_the_step(device, edit, blo
                 opt.zero_grad(set_to_none=True)
                 continue
             before = {k: v.detach().clone() for k, v in model.blocks.state_dict().items()}
-            with pytest.raises(RuntimeError, match=rf"blocks\[{block}\]\.fc\.weight was changed "
-                                                   rf"in place on the device during a pass"):
+            if what == REFILLED:
+                before["0.fc.weight"] *= 0.5
+            with pytest.raises(RuntimeError, match=rf"blocks\[{block}\]\.fc\.weight {what}"):
                 edit(model, mb)
                 opt.step()
             assert not h.in_pass and not h.closed

@@ -42,7 +42,8 @@ version checks of Note [weight streaming] cannot see it; only the bytes can. Whe
   difference is refused like a change on the device (the host copy keeps the write). Not seen:
   such a write to a block that is not refilled in the pass (kept into the backward, or a
   forward-only pass), whose next pass simply streams it, and with ``tier="nvme"`` (the fills
-  read the store copy, which the next pass start rewrites).
+  read the store copy, which the next pass start rewrites). On CUDA such a write races the
+  fills' asynchronous copies out of the same pinned memory: it may reach the first fill too.
 
 The checksum is the sum of the weight's bytes read as 64-bit words, modulo 2**64 (a tail of fewer
 than 8 bytes is summed byte by byte): integer adds, so no rounding and no dependence on the
