@@ -215,3 +215,29 @@ def test_one_micro_batch_streams_depth_first(capsys, monkeypatch, one_thread, ex
     assert f"schedule={'block-major' if block_major else 'depth-first'}" in out
     assert count[0] == calls
     assert seen and set(seen[-3:]) == {block_major}  # the streamed row's 3 steps
+
+
+def test_hybrid_rows_print_the_workers_phases(capsys, one_thread):
+    """Each HybridAdam row's run line names where its last step's worker time went (Note
+    [worker phases] in tiermem/optim/chunk_worker.py: every name of ``WORKER_STATS``), the
+    streamed gradients stepped in place or copied through the ring (Note [in-place host
+    chunks]: none copied with the native kernel) and the step's speculation (Note [speculative
+    step]): whether it speculated, its speculated and rolled-back chunks."""
+    from tiermem.optim.cpu_adam import native_available
+
+    assert cli.main(["bench", "stream", *TINY, "--optimizers", "hybrid", "--repeats", "1",
+                     "--max-grad-norm", f"off,{ALWAYS}"]) == 0
+    out = "\n".join(capsys.readouterr())  # the run lines go to stderr
+    hybrid = (bench.HYBRID_REF, bench.HYBRID_STREAMED)
+    lines = {(name, clip): ln for ln in out.splitlines() for name in hybrid
+             for clip in ("off", ALWAYS) if ln.startswith(f"  {name}, clip {clip}: run 1/1")}
+    assert set(lines) == {(n, c) for n in hybrid for c in ("off", ALWAYS)}, out
+    for (name, clip), ln in lines.items():
+        got = dict(re.findall(r"(\w+) (-?[\d.]+)", ln.split("last step: ")[1]))
+        assert set(bench.WORKER_STATS) | {"in_place_mib", "ring_copy_mib", "speculating",
+                                          "speculated_chunks", "rolled_back_chunks"} <= got.keys()
+        if name == bench.HYBRID_STREAMED:
+            assert float(got["in_place_mib"]) > 0, ln
+            assert float(got["ring_copy_mib"]) == 0 or not native_available(), ln
+        else:
+            assert float(got["in_place_mib"]) == float(got["ring_copy_mib"]) == 0, ln

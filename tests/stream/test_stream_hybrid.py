@@ -388,12 +388,21 @@ def test_the_worker_waits_for_each_streamed_gradients_own_copy(stores, one_threa
     assert by_worker == [0] + [n_streamed] * (STEPS - 1)
 
 
-def test_single_piece_streamed_chunks_are_stepped_in_place(stores, one_thread, monkeypatch):
-    """Note [in-place host chunks]: the CPU kernel of a chunk that is all one piece of a
-    streamed weight writes the host copy itself and reads no gradient ring slot; every other
-    chunk goes through the rings. Counted over 8 steps against the plan's chunks (the values
-    are test_streamed_hybrid_adam_is_bit_identical's)."""
-    from tiermem.optim import chunk_worker
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_streamed_pieces_are_stepped_in_place(stores, one_thread, monkeypatch, native):
+    """Note [in-place host chunks]: with the native kernel the CPU kernel steps every piece of a
+    streamed weight in place, whatever chunk it is in: it reads no gradient ring slot and
+    writes the host copy itself, and the rings carry only the other weights' pieces (with
+    torch's fallback kernel, whose split changes bits, only a chunk that is all one streamed
+    piece). Counted over 8 steps against the plan's pieces, with ``step_stats``'
+    ``in_place_bytes`` / ``ring_copy_bytes``; the run stays bit-identical to the unstreamed
+    one (the fallback's too)."""
+    from tiermem.optim import chunk_worker, cpu_adam
+
+    if not native:
+        monkeypatch.setattr(cpu_adam, "_native_lib", lambda: None)
+        monkeypatch.setattr(cpu_adam, "_fallback_warned", True)  # no warning: it is meant
+    assert cpu_adam.native_available() == native
 
     def within(ptr, t):
         return t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size()
@@ -406,23 +415,39 @@ def test_single_piece_streamed_chunks_are_stepped_in_place(stores, one_thread, m
                       * kw["param_out"].element_size()))
         return real(param, grad, exp_avg, exp_avg_sq, **kw)
 
+    cfg = CASES["cpu-f1"]
+    want = _train(cfg, stores, streamed=False)
     monkeypatch.setattr(chunk_worker, "adam_step_unchecked", spy)
-    run = Run(CASES["cpu-f1"], stores, streamed=True)
+    run = Run(cfg, stores, streamed=True)
+    got, stats = [], []
     try:
         for step in range(STEPS):
-            run.step(step)
+            got.append(run.step(step))
+            stats.append(run.opt.step_stats())
         groups = run.opt._layout.groups
         hosts = [t for g in groups for t in g.host_copies.values()]
         grad_rings = [t for g in groups for t in g.grad_ring]
         out_rings = [t for g in groups for t in g.out_ring]
-        whole = sum(1 for g in groups for c in g.plan.chunks if len(c.pieces) == 1
-                    and c.pieces[0].param in g.host_copies)
-        mixed = sum(len(g.plan.chunks) for g in groups) - whole
+        chunks = [(g, c) for g in groups for c in g.plan.chunks]
+        whole = {(g.index, c.index) for g, c in chunks
+                 if len(c.pieces) == 1 and c.pieces[0].param in g.host_copies}
+        pieces = [pc for g, c in chunks for pc in c.pieces if pc.param in g.host_copies
+                  and (native or (g.index, c.index) in whole)]
+        ringed_pieces = [pc for g, c in chunks for pc in c.pieces
+                         if pc.param in g.host_copies and (g.index, c.index) not in whole]
     finally:
         run.close()
+    _same(got, want, "in place")
+    assert whole and ringed_pieces  # both kinds of chunk
     in_place = [(gp, op) for gp, op in calls if any(within(op, h) for h in hosts)]
-    assert whole > 0 and mixed > 0
-    assert len(in_place) == STEPS * whole  # one run each: every step, every such chunk
+    assert len(in_place) == STEPS * len(pieces)  # one call each: every step, every such piece
     assert not any(any(within(gp, r) for r in grad_rings) for gp, _ in in_place)
     ringed = [op for _, op in calls if any(within(op, r) for r in out_rings)]
-    assert len(ringed) + len(in_place) == len(calls) >= STEPS * (whole + mixed)
+    assert len(ringed) + len(in_place) == len(calls)
+    nbytes = sum(pc.numel for pc in pieces) * 4  # fp32 gradients
+    ring_bytes = 0 if native else sum(pc.numel for pc in ringed_pieces) * 4
+    assert [(s["in_place_bytes"], s["ring_copy_bytes"]) for s in stats] == \
+        [(nbytes, ring_bytes)] * STEPS
+    phases = {"cpu_adam_s", "copy_wait_s", "clip_wait_s", "grad_copy_s", "state_s",
+              "write_back_s"}  # Note [worker phases]
+    assert all(phases <= s.keys() and min(s[k] for k in phases) >= 0 for s in stats)

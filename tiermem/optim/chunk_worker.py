@@ -6,22 +6,38 @@ back; chunks of the GPU lane are handed to it instead. A streamed weight's gradi
 on the host, perhaps still being written by the stream's D2H copy: the worker waits for that
 copy's event first (:func:`host_grads_landed`, Note [streamed gradient hand-off]).
 
-Note [in-place host chunks]: a chunk that is all one piece of a streamed weight (its gradient
-and its host copy are host tensors: Note [streamed write-back] in streamed.py) is stepped in
-place: the CPU kernel reads the host gradient itself and writes the updated weights straight
-into the host copy, instead of a memcpy of the gradient into the gradient ring and one from
-the param-out ring into the host copy (2 + 2 bytes per bf16 weight and step on this thread).
-Exact: the same kernel call (the same offset and numel, so the same split into threads and
-vector body) on the same bytes at other addresses. Safe: after its hand-off a host gradient is
+Note [in-place host chunks]: a piece of a streamed weight (its gradient and its host copy are
+host tensors: Note [streamed write-back] in streamed.py) is stepped in place: the CPU kernel
+reads the host gradient itself and writes the updated weights straight into the host copy,
+instead of a memcpy of the gradient into the gradient ring and one from the param-out ring
+into the host copy (2 + 2 bytes per bf16 weight and step on this thread: with 2^24-element
+chunks 64 MiB per chunk, ~2.7 ms of the H200 host's 7.8 ms per streamed chunk in session 14,
+when only single-piece chunks were stepped in place and nearly every chunk of the reference
+GPT spans two weights). With the native kernel every such piece of any chunk is (the other
+pieces of a mixed chunk keep the rings): exact, because the native kernel's result per
+element depends on neither the thread count nor how the range is split into calls
+(native/adam.c), so one call per piece gives the bits of one call per run. Without it (torch's
+fallback kernel rounds its scalar remainder unlike its vector body, so a split changes bits)
+only a chunk that is all one piece is: the same kernel call (the same offset and numel) on the
+same bytes at other addresses. Safe: after its hand-off a host gradient is
 written only by the clip, which ``step()`` applies before the worker may read it (a chunk
 stepped speculatively before the clip is stepped again unless the clip multiplied by exactly
 1: Note [speculative step]), or after the step is complete (the next pass: ``Link.before_pass``
 synchronizes; ``zero_grad(set_to_none=False)`` too); the host copy is written when the ring's
 memcpy would have written it, and no fill of that pass reads it. The kernel's write bumps no
 version: none is needed (HybridAdam marks every weight it stepped changed before the next
-pass, and the watch of Note [param changes] only excuses HybridAdam's own bumps). A chunk of
-several pieces keeps the rings: a kernel call per piece would change the runs, and torch's
-fallback kernel rounds its scalar remainder unlike its vector body.
+pass, and the watch of Note [param changes] only excuses HybridAdam's own bumps).
+``step_stats()["in_place_bytes"]`` counts the gradient bytes read in place,
+``ring_copy_bytes`` the ones the worker copied host to host into the ring.
+
+Note [worker phases]: where the worker's seconds go, per step, in ``step_stats()``
+(``new_stats`` in step_state.py): ``cpu_adam_s`` the kernel; ``copy_wait_s`` the waits for
+gradient D2H copies (a streamed gradient's D2H event included) and param-out ring slots;
+``grad_copy_s`` putting gradients into the ring (issuing D2H copies; host-to-host memcpys of
+streamed gradients); ``state_s`` getting a chunk's state blob from the store (an NVMe read
+not yet read ahead), the speculation's copy or restore and the read-ahead; ``write_back_s``
+issuing the param-out copies (H2D; host-to-host memcpys into a streamed weight's host copy)
+and an NVMe chunk's write-back; what ``worker_s`` has beyond them is Python bookkeeping.
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tiermem.optim.cpu_adam import adam_step_unchecked
+from tiermem.optim.cpu_adam import adam_step_unchecked, native_available
 from tiermem.optim.gpu_lane import GpuLane
 from tiermem.optim.layout import (GRAD_SLOTS, OUT_SLOTS, Group, StateLayout, local_view, runs,
                                   state_views)
@@ -66,20 +82,41 @@ def host_grads_landed(refs: dict[int, tuple | None], block: bool = True) -> bool
     return True
 
 
-def host_piece(group: Group, chunk: Chunk, has_grad: dict[int, bool]) -> Piece | None:
-    """Chunk ``chunk``'s one piece when the worker steps it in place (Note [in-place host
-    chunks]): all of the chunk, of a streamed weight (``group.host_copies``) with a gradient
-    this step; else None.
+def in_place_grads(group: Group, chunk: Chunk, refs: dict[int, tuple | None],
+                   split_ok: bool) -> dict[int, torch.Tensor]:
+    """The pieces of chunk ``chunk`` the worker steps in place (Note [in-place host chunks]):
+    local tensor -> its flat host gradient, for each piece of a streamed weight
+    (``group.host_copies``) whose gradient this step (``refs``: local tensor -> ``(flat
+    gradient, event)`` or None) is a host tensor of the gradient ring's dtype; with
+    ``split_ok`` False (not the native kernel) only a chunk that is all one such piece.
 
     Raises:
         Nothing.
     """
-    if len(chunk.pieces) != 1:
-        return None
-    pc = chunk.pieces[0]
-    if pc.param not in group.host_copies or not has_grad[pc.param] or pc.numel != chunk.numel:
-        return None
-    return pc
+    if not split_ok and len(chunk.pieces) != 1:
+        return {}
+    dtype = group.grad_ring[0].dtype
+    return {pc.param: refs[pc.param][0] for pc in chunk.pieces
+            if pc.param in group.host_copies and refs[pc.param] is not None
+            and refs[pc.param][0].device.type == "cpu" and refs[pc.param][0].dtype == dtype}
+
+
+def kernel_calls(group: Group, chunk: Chunk, has_grad: dict[int, bool],
+                 direct: dict[int, torch.Tensor]) -> list[tuple[int, int, int, Piece | None]]:
+    """The CPU kernel's calls for chunk ``chunk``, in chunk order: ``(start in the chunk,
+    elements, step, piece)``; ``piece`` is a piece stepped in place (a key of ``direct``:
+    Note [in-place host chunks]), one call each, or None for a run of the gradient ring's
+    elements (``runs``: consecutive pieces with gradients and one step count; exactly
+    ``runs`` when nothing is in place).
+
+    Raises:
+        Nothing.
+    """
+    ring = {p: has and p not in direct for p, has in has_grad.items()}
+    calls = [(start, numel, step, None) for start, numel, step in runs(group, chunk, ring)]
+    calls += [(pc.flat_offset - chunk.flat_start, pc.numel, group.steps[pc.param] + 1, pc)
+              for pc in chunk.pieces if pc.param in direct]
+    return sorted(calls, key=lambda call: call[0])
 
 
 def stop_thread(work: queue.Queue, thread: threading.Thread) -> None:
@@ -213,8 +250,10 @@ class ChunkWorker:
         (once per chunk and step, and again for a step after a rollback: Note [speculative
         step] in speculate.py; worker thread only).
 
-        Returns ``(host gradient of the chunk, {local tensor: has a gradient}, the last copy's
-        event or None)``, or None when ``block`` is False and the gradients may not be read yet.
+        Returns ``(the chunk's gradient ring slot or None, {local tensor: has a gradient}, the
+        last copy's event or None, {local tensor: flat host gradient} of the pieces stepped in
+        place: Note [in-place host chunks])``, or None when ``block`` is False and the
+        gradients may not be read yet. Timed: Note [worker phases].
         """
         key = (g, c, self._step.is_restep((g, c)))
         done = self._copies.get(key)
@@ -222,92 +261,109 @@ class ChunkWorker:
             return done
         group = self._layout.groups[g]
         chunk: Chunk = group.plan.chunks[c]
+        t_wait = time.perf_counter()
         got = self._step.chunk_grads(g, chunk, block=block)
+        clip_wait_s = time.perf_counter() - t_wait
         if got is None:
             return None
         refs, waits = got
         t_wait = time.perf_counter()
         if not host_grads_landed(refs, block):
             return None  # a streamed gradient's D2H is in flight: copied when this chunk steps
-        self._step.add_stats(copy_wait_s=time.perf_counter() - t_wait)
+        t_copy = time.perf_counter()
         has_grad = {p: ref is not None for p, ref in refs.items()}
-        pc = host_piece(group, chunk, has_grad)
-        if pc is not None and refs[pc.param][0].dtype == group.grad_ring[0].dtype:
-            done = (refs[pc.param][0][pc.start:pc.start + pc.numel], has_grad, None)
-            self._copies[key] = done  # Note [in-place host chunks]: the host gradient itself
-            return done
-        slot = group.grad_next
-        group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
-        buf = group.grad_ring[slot][:chunk.numel]
-        pairs, nbytes = [], 0
-        for pc in chunk.pieces:
-            if refs[pc.param] is None:
-                continue
-            rel = pc.flat_offset - chunk.flat_start
-            grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
-            if self._copier.cuda and grad.device.type == "cpu":  # a streamed one's, landed above
-                buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back] (streamed.py)
-                continue
-            pairs.append((buf[rel:rel + pc.numel], grad))
-            nbytes += pc.numel * buf.element_size()
-        last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
-        self._step.add_stats(d2h_bytes=nbytes)
-        done = (buf, has_grad, last)
+        direct = in_place_grads(group, chunk, refs, native_available())
+        buf, last, nbytes, ring_bytes = None, None, 0, 0
+        if len(direct) < sum(has_grad.values()):  # some pieces go through the ring
+            slot = group.grad_next
+            group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
+            buf = group.grad_ring[slot][:chunk.numel]
+            pairs = []
+            for pc in chunk.pieces:
+                if refs[pc.param] is None or pc.param in direct:
+                    continue
+                rel = pc.flat_offset - chunk.flat_start
+                grad = refs[pc.param][0][pc.start:pc.start + pc.numel]
+                if pc.param in group.host_copies:
+                    ring_bytes += pc.numel * buf.element_size()
+                if self._copier.cuda and grad.device.type == "cpu":  # a streamed one's, landed
+                    buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back]
+                    continue
+                pairs.append((buf[rel:rel + pc.numel], grad))
+                nbytes += pc.numel * buf.element_size()
+            last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
+        in_place = sum(grad[0].element_size() * pc.numel for pc in chunk.pieces
+                       if (grad := refs[pc.param]) is not None and pc.param in direct)
+        self._step.add_stats(d2h_bytes=nbytes, copy_wait_s=t_copy - t_wait,
+                             clip_wait_s=clip_wait_s, grad_copy_s=time.perf_counter() - t_copy,
+                             ring_copy_bytes=ring_bytes, in_place_bytes=in_place)
+        done = (buf, has_grad, last, direct)
         self._copies[key] = done
         return done
 
     def _step_chunk(self, g: int, c: int, copies: tuple) -> None:
+        """Step chunk ``c`` of group ``g`` from ``copies`` (``_copy_grads``'s); timed: Note
+        [worker phases] (worker thread)."""
         layout = self._layout
         group = layout.groups[g]
         chunk: Chunk = group.plan.chunks[c]
-        grad, has_grad, copied = copies
+        grad, has_grad, copied, direct = copies
         t_wait = time.perf_counter()
         if copied is not None:
             copied.synchronize()  # the CPU reads the gradient bytes of this chunk's D2H
         wait_s = time.perf_counter() - t_wait
         key = group.chunk_keys[c]
+        t_state = time.perf_counter()
         blob = layout.store.get(key, "cpu", hold=True)
         try:
             self._step.prepare_state((g, c), blob)  # Note [speculative step]: copy or restore
             master, exp_avg, exp_avg_sq = state_views(blob, chunk.numel, layout.moments_dtype)
             self._read_ahead.after(g, c)
-            lo = chunk.flat_start
-            t_wait = time.perf_counter()
-            whole = host_piece(group, chunk, has_grad)
-            if whole is None:
+            state_s = time.perf_counter() - t_state
+            calls = kernel_calls(group, chunk, has_grad, direct)
+            out, slot = None, None
+            if any(pc is None for *_, pc in calls):  # some pieces go through the rings
+                t_wait = time.perf_counter()
                 out, slot = self._out_slot(group, chunk.numel)
-            else:  # Note [in-place host chunks]: the kernel writes the host copy itself
-                out, slot = local_view(group, whole.param)[whole.start:][:chunk.numel], None
-            wait_s += time.perf_counter() - t_wait
+                wait_s += time.perf_counter() - t_wait
             hp = self._step.hyperparams(g, self._param_groups)
             beta1, beta2 = hp["betas"]
-            chunk_runs = runs(group, chunk, has_grad)
             t0 = time.perf_counter()
-            for start, numel, step in chunk_runs:
-                adam_step_unchecked(master, grad, exp_avg, exp_avg_sq, step=step,
+            for start, numel, step, pc in calls:
+                end = start + numel
+                if pc is None:
+                    g_in, p_out = grad[start:end], out[start:end]
+                else:  # Note [in-place host chunks]: the host gradient and host copy themselves
+                    g_in = direct[pc.param][pc.start:pc.start + numel]
+                    p_out = local_view(group, pc.param)[pc.start:pc.start + numel]
+                adam_step_unchecked(master[start:end], g_in, exp_avg[start:end],
+                                    exp_avg_sq[start:end], step=step,
                                     lr=float(hp["lr"]), beta1=beta1, beta2=beta2, eps=hp["eps"],
                                     weight_decay=hp["weight_decay"], adamw=hp["adamw"],
-                                    maximize=hp["maximize"], param_out=out, offset=start,
+                                    maximize=hp["maximize"], param_out=p_out, offset=0,
                                     numel=numel, num_threads=self._cpu_threads)
             adam_s = time.perf_counter() - t0
             pairs, h2d = [], 0
-            for pc in chunk.pieces if whole is None else ():
-                if not has_grad[pc.param]:
-                    continue  # no gradient this step: param and state untouched, like torch
-                rel = pc.flat_offset - lo
+            for pc in chunk.pieces:
+                if not has_grad[pc.param] or pc.param in direct:
+                    continue  # no gradient this step (param and state untouched, like torch)
+                rel = pc.flat_offset - chunk.flat_start
                 pairs.append((local_view(group, pc.param)[pc.start:pc.start + pc.numel],
                               out[rel:rel + pc.numel]))
                 h2d += pc.numel * out.element_size()
             with layout.watch.writing((g, pc.param) for pc in chunk.pieces
                                       if has_grad[pc.param]):  # Note [param changes]
                 last = self._copier.h2d_many(pairs)
-            self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1)
+            self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1,
+                                 state_s=state_s, write_back_s=time.perf_counter() - t0 - adam_s)
             if slot is not None:
                 group.out_events[slot] = last
         finally:
             layout.store.release(key)
         if (g, c) in layout.nvme_chunks:
+            t_back = time.perf_counter()
             layout.store.evict(key, "nvme")  # write-back overlaps the next chunk's compute
+            self._step.add_stats(write_back_s=time.perf_counter() - t_back)
         self._step.chunk_issued((g, c), last)
 
     @staticmethod

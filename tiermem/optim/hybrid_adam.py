@@ -444,7 +444,7 @@ class HybridAdam(torch.optim.Optimizer):
 
         ``cpu_adam_s``: seconds of the CPU Adam kernel summed over chunks (worker thread);
         ``worker_s``: seconds the worker spent on chunks (kernel, copy waits, bookkeeping),
-        ``copy_wait_s``: of which waiting for gradient D2H copies and param-out ring slots;
+        ``copy_wait_s``: of which D2H and ring-slot waits (the rest: Note [worker phases]);
         ``d2h_bytes`` / ``h2d_bytes``: offloaded gradients copied off / updated params copied
         back (for chunks on the GPU lane: their state, both ways); ``gpu_chunks``: chunks the
         GPU lane stepped (Note [gpu lane]); ``nvme_read_bytes`` / ``nvme_write_bytes``: the

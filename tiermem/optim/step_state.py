@@ -28,12 +28,17 @@ from tiermem.optim.partition import Chunk
 
 
 def new_stats() -> dict:
-    """A step's counters at zero (seconds, bytes, chunks: see ``HybridAdam.step_stats``).
+    """A step's counters at zero (seconds, bytes, chunks: see ``HybridAdam.step_stats``; the
+    worker's phases ``clip_wait_s``, ``grad_copy_s``, ``state_s``, ``write_back_s``: Note
+    [worker phases] in chunk_worker.py; ``in_place_bytes`` / ``ring_copy_bytes``: Note
+    [in-place host chunks] there).
 
     Raises:
         Nothing.
     """
-    return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "d2h_bytes": 0,
+    return {"cpu_adam_s": 0.0, "worker_s": 0.0, "copy_wait_s": 0.0, "clip_wait_s": 0.0,
+            "grad_copy_s": 0.0, "state_s": 0.0, "write_back_s": 0.0, "in_place_bytes": 0,
+            "ring_copy_bytes": 0, "d2h_bytes": 0,
             "h2d_bytes": 0, "stall_s": 0.0, "chunks": 0, "gpu_chunks": 0,
             "speculated_chunks": 0, "rolled_back_chunks": 0, "rollback_held_bytes": 0,
             "rollback_gpu_bytes": 0, "speculating": 0}

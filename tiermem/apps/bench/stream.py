@@ -327,16 +327,36 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
     return fb_s, step_s, losses, per_step, diag, None if spec is None else tuple(spec)
 
 
+WORKER_STATS = ("step_s", "stall_s", "worker_s", "cpu_adam_s", "copy_wait_s", "clip_wait_s",
+                "grad_copy_s", "state_s", "write_back_s")
+"""HybridAdam's ``step_stats`` seconds a row's diagnosis prints: the step, its wait for the
+worker, and the worker's phases (Note [worker phases] in tiermem/optim/chunk_worker.py)."""
+
+
+def worker_diagnosis(st: dict) -> list[str]:
+    """``"name value"`` for each of HybridAdam's ``step_stats`` ``st`` in :data:`WORKER_STATS`,
+    then the MiB of streamed gradients stepped in place / copied through the ring (Note
+    [in-place host chunks]) and whether the step speculated, its speculated and rolled-back
+    chunks (Note [speculative step]).
+
+    Raises:
+        Nothing.
+    """
+    parts = [f"{k} {st[k]:.3f}" for k in WORKER_STATS if k in st]
+    parts += [f"{k.removesuffix('_bytes')}_mib {st[k] / 2**20:.1f}"
+              for k in ("in_place_bytes", "ring_copy_bytes") if k in st]
+    return parts + [f"{k} {st[k]}" for k in ("speculating", "speculated_chunks",
+                                             "rolled_back_chunks") if k in st]
+
+
 def _diagnosis(opt, stream) -> str:
     """Where a row's optimizer tail goes (Note [hand-off lag] in tiermem/stream/grads.py):
-    HybridAdam's last step (``step_stats``: worker and CPU Adam seconds, the wait of ``step()``
-    for the worker) and the gradients the stream handed over during the passes / at their end
-    (totals since the stream began); "" for a row with neither."""
+    HybridAdam's last step (``step_stats``: :func:`worker_diagnosis`) and the gradients the
+    stream handed over during the passes / at their end (totals since the stream began); ""
+    for a row with neither."""
     parts = []
     if hasattr(opt, "step_stats"):
-        st = opt.step_stats()
-        parts += [f"{k} {st[k]:.3f}" for k in ("step_s", "stall_s", "worker_s", "cpu_adam_s",
-                                               "copy_wait_s") if k in st]
+        parts += worker_diagnosis(opt.step_stats())
     if stream is not None:
         st = stream.stats()
         parts += [f"{k} {st[k]}" for k in ("handed_in_pass", "handed_at_end")]
