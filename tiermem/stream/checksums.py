@@ -72,7 +72,8 @@ _MASK = (1 << 64) - 1
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """The sum of the contiguous tensor ``t``'s bytes as int64 words, modulo 2**64 (a tail of
     under 8 bytes added byte by byte), a 0-dim int64 tensor on ``t``'s device
-    (Note [streamed weight checksums]).
+    (Note [streamed weight checksums]). A tensor whose storage offset is not a multiple of 8
+    bytes has every byte summed singly (weaker), so compare sums of the same storage layout.
 
     Raises:
         RuntimeError: ``t`` is not contiguous.
@@ -80,11 +81,11 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise RuntimeError("checksum: the tensor must be contiguous")
     raw = t.reshape(-1).view(torch.uint8)
-    words = raw.numel() // 8 * 8
-    out = raw[:words].view(torch.int64).sum()
-    if words != raw.numel():
-        out = out + raw[words:].sum(dtype=torch.int64)
-    return out
+    words = raw.numel() // 8 * 8 if raw.storage_offset() % 8 == 0 else 0  # else all bytewise
+    if words == raw.numel():
+        return raw.view(torch.int64).sum()
+    tail = raw[words:].sum(dtype=torch.int64)
+    return raw[:words].view(torch.int64).sum() + tail if words else tail
 
 
 def host_checksum(t: torch.Tensor) -> int:
