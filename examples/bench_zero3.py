@@ -9,7 +9,13 @@ Rows (same model, initial weights, batches, tokens per step, Adam hyper-paramete
 - ``tiermem: streamed + HybridAdam f=1``: every block's weights streamed from pinned RAM and
   HybridAdam with ``offload_fraction=1``: ``tiermem bench stream``'s ``streamed, HybridAdam`` row
   (its stream, its schedule and its timed loop, imported from :mod:`tiermem.apps.bench.stream`),
-  with ``max_grad_norm`` = ``--grad-clip``;
+  with ``max_grad_norm`` = ``--grad-clip`` and ``rollback_bytes`` = ``--rollback-bytes`` (the
+  meaning of ``tiermem bench optim --rollback-bytes``, Note [speculative step]: chunks step
+  during backward and are rolled back when the norm clips; 0: every chunk waits for the norm
+  after backward), by default every chunk's state (fp32 master and moments: 15 GiB of host
+  RAM at the reference GPT), what a user with that RAM would set; each run's line gives
+  HybridAdam's last ``step_stats`` (its worker's phases, speculated and rolled-back chunks)
+  and the speculated / rolled-back chunks over the timed steps;
 - ``DeepSpeed ZeRO-3 offload``: ``deepspeed.initialize`` with ZeRO stage 3, ``offload_param``
   and ``offload_optimizer`` on cpu (pinned), bf16 on CUDA, its AdamW (``DeepSpeedCPUAdam``,
   ``adamw_mode``), ``gradient_clipping`` = ``--grad-clip``, micro-batch = ``--batch`` and
@@ -63,7 +69,9 @@ from tiermem.apps.bench.optim_base import HP, _GpuMasters
 from tiermem.apps.bench.parity import BaselineParity
 from tiermem.config import StoreConfig
 from tiermem.models.gpt import GPT
-from tiermem.names import gib
+from tiermem.names import gib, parse_bytes
+from tiermem.optim.layout import chunk_state_bytes
+from tiermem.optim.partition import auto_chunk_numel
 from tiermem.store import TierStore
 
 BASELINE = "resident, AdamW"
@@ -71,6 +79,8 @@ AGAIN = "resident, AdamW (again: its noise)"
 TIERMEM = "tiermem: streamed + HybridAdam f=1"
 ZERO3 = "DeepSpeed ZeRO-3 offload"
 ROWS = (BASELINE, AGAIN, TIERMEM, ZERO3)
+ALL_CHUNKS = "all"
+"""``--rollback-bytes`` for a rollback slot per chunk (:func:`every_chunk_rollback_bytes`)."""
 
 
 @dataclass
@@ -115,18 +125,39 @@ def parse_args(argv):
                    help="max global gradient norm of every row (0: no clipping)")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="start no round of runs that would end past this many seconds")
+    p.add_argument("--rollback-bytes", default=ALL_CHUNKS,
+                   help="HybridAdam rollback_bytes of the tiermem row, as tiermem bench optim's "
+                        "(bytes or '4GiB'; 0: the CPU step waits for the norm); "
+                        f"'{ALL_CHUNKS}' (default): every chunk's state, what a user with the "
+                        "RAM would set (15 GiB of host RAM at the reference GPT)")
     args = p.parse_args(argv)
+    rollback = (None if args.rollback_bytes == ALL_CHUNKS
+                else parse_bytes(args.rollback_bytes, "--rollback-bytes"))
     if args.grad_clip < 0:
         raise ValueError(f"--grad-clip={args.grad_clip} must be >= 0 (0: no clipping)")
     if args.budget_s <= 0:
         raise ValueError(f"--budget-s={args.budget_s} must be > 0 (seconds)")
     shared = ["--checkpoint"] if args.checkpoint else []
     for name, value in vars(args).items():
-        if value is not None and name not in ("grad_clip", "budget_s", "checkpoint"):
+        if value is not None and name not in ("grad_clip", "budget_s", "checkpoint",
+                                              "rollback_bytes"):
             shared += [f"--{name.replace('_', '-')}", str(value)]
     sargs = bench_stream._parse_args(shared)
     sargs.grad_clip, sargs.budget_s = args.grad_clip, args.budget_s
+    sargs.rollback_bytes, sargs.rollback = args.rollback_bytes, rollback  # None: every chunk's
     return sargs
+
+
+def every_chunk_rollback_bytes(n_params: int) -> int:
+    """HybridAdam's ``rollback_bytes`` that gives every chunk of ``n_params`` fp32-moment
+    parameters, in one param group at ``offload_fraction=1`` and the default ``chunk_numel``,
+    a rollback slot (Note [speculative step]: slots of the largest chunk's state blob).
+
+    Raises:
+        Nothing.
+    """
+    chunk = auto_chunk_numel(n_params)
+    return -(-n_params // chunk) * chunk_state_bytes(chunk, torch.float32)
 
 
 class ClippedMasters(_GpuMasters):
@@ -238,7 +269,12 @@ def run(args, log=print) -> list[Row]:
             f"{TIERMEM!r} and {ZERO3!r}; the resident baseline runs uncapped")
     cfg, dtype, build, model, init = bench_stream.seeded_model(args, device)
     store = _store(model, device)
+    rollback = args.rollback
+    if rollback is None:  # --rollback-bytes all
+        rollback = every_chunk_rollback_bytes(sum(p.numel() for p in model.parameters()))
     del model
+    log(f"{TIERMEM}: rollback_bytes={rollback} ({gib(rollback)} GiB, --rollback-bytes "
+        f"{args.rollback_bytes})")
     m = args.micro_batches
     flat = learnable_batches(cfg.vocab, args.batch, args.seq,
                              (args.warmup + args.steps + 1) * m, device)
@@ -247,14 +283,16 @@ def run(args, log=print) -> list[Row]:
     def hybrid(model):
         from tiermem.optim import HybridAdam  # noqa: PLC0415
         return HybridAdam(model.parameters(), **HP, offload_fraction=1.0, store=store,
-                          grad_accumulation_steps=m, max_grad_norm=args.grad_clip or None)
+                          grad_accumulation_steps=m, max_grad_norm=args.grad_clip or None,
+                          rollback_bytes=rollback)
 
     def masters(model):
         return ClippedMasters(model.parameters(), args.grad_clip)
 
     setups = {BASELINE: bench_stream.Setup(BASELINE, False, masters, None),
               AGAIN: bench_stream.Setup(AGAIN, False, masters, BASELINE),
-              TIERMEM: bench_stream.Setup(TIERMEM, True, hybrid, BASELINE)}
+              TIERMEM: bench_stream.Setup(TIERMEM, True, hybrid, BASELINE,
+                                          clip=args.grad_clip or None, clips_itself=True)}
     deepspeed, why = import_deepspeed()
     rows = [Row(name) for name in ROWS]
     if deepspeed is None:
@@ -283,20 +321,24 @@ def run(args, log=print) -> list[Row]:
                                                                    device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
+                diag, spec = "", None
                 if row.name == ZERO3:
                     step_s, losses = train_zero3(deepspeed, args, build, init, batches,
                                                  device, dtype, log)
                 else:
-                    _, step_s, losses, _, _, _ = bench_stream._train(
+                    _, step_s, losses, _, diag, spec = bench_stream._train(
                         setups[row.name], build, init, batches, store, args, device)
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                 row.runs.append(Run(step_s, losses, peak))
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                if spec is not None:  # HybridAdam's speculation over the timed steps
+                    diag += f"; timed steps: spec/rb {spec[0]}/{spec[1]}"
                 log(f"  run {rep + 1} {row.name}: {statistics.median(step_s) * 1e3:.1f} ms/step,"
                     f" losses {', '.join(f'{x:.4f}' for x in losses)} "
-                    f"({time.perf_counter() - t0:.0f} s)")
+                    f"({time.perf_counter() - t0:.0f} s)" + (f" (last step: {diag})" if diag
+                                                             else ""))
     finally:
         store.close()
     return rows
@@ -365,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab={args.vocab} ({tokens:,} tokens per step) gpu={args.gpu or 'uncapped'} "
           f"grad_clip={args.grad_clip} checkpoint={args.checkpoint} schedule={args.schedule} "
           f"steps={args.steps} warmup={args.warmup} repeats={args.repeats} "
-          f"budget_s={args.budget_s:.0f}", flush=True)
+          f"budget_s={args.budget_s:.0f} rollback_bytes={args.rollback_bytes}", flush=True)
     rows = run(args, log=lambda s: print(s, file=sys.stderr, flush=True))
     parity = verdicts(rows)
     print(format_table(rows, tokens, parity), flush=True)

@@ -47,6 +47,7 @@ def _parity(out: str, name: str) -> str:
     (["--grad-clip", "-1"], "--grad-clip=-1.0 must be >= 0"),
     (["--budget-s", "0"], "--budget-s=0.0 must be > 0"),
     (["--gpu-bytes", "lots"], "'lots' is not a byte size"),
+    (["--rollback-bytes", "-1"], "--rollback-bytes='-1' is not a byte size"),
 ])
 def test_bad_arguments_exit_2_in_one_line(bz, capsys, argv, message):
     assert bz.main([*TINY, *argv]) == 2
@@ -162,3 +163,59 @@ def test_stale_streamed_weights_are_wrong(bz, capsys, monkeypatch, one_thread):
     monkeypatch.setattr(bench_stream, "make_stream", stale_stream_maker(bench_stream.make_stream))
     assert bz.main([*TINY, "--repeats", "1"]) == 1
     assert _parity(capsys.readouterr().out, bz.TIERMEM).startswith("WRONG (d=")
+
+
+@pytest.mark.parametrize("less", [0, 1])
+def test_the_default_rollback_gives_every_chunk_a_slot(bz, one_thread, less):
+    """``--rollback-bytes all``: ``every_chunk_rollback_bytes`` is the budget at which HybridAdam
+    built as the tiermem row builds it (one group, ``offload_fraction=1``, the default
+    ``chunk_numel``) holds a rollback slot for every chunk (Note [speculative step]); a byte
+    less holds one slot fewer. Counted after clipped training steps of a 6-chunk model."""
+    from tiermem.optim import HybridAdam
+    from tiermem.optim.layout import chunk_state_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(5)])
+    n = sum(p.numel() for p in model.parameters())
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, max_grad_norm=1e-3,
+                     rollback_bytes=bz.every_chunk_rollback_bytes(n) - less)
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            opt.synchronize()
+        chunks = opt._groups[0].plan.chunks
+        slot = chunk_state_bytes(max(c.numel for c in chunks), torch.float32)
+        assert len(chunks) == 6
+        assert opt.step_stats()["rollback_held_bytes"] == (len(chunks) - less) * slot
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("flag", [[], ["--rollback-bytes", "1MiB"], ["--rollback-bytes", "0"]])
+def test_tiermem_row_gets_rollback_bytes_and_prints_its_step_stats(bz, capsys, monkeypatch,
+                                                                   one_thread, flag):
+    """The tiermem row's HybridAdam gets ``--rollback-bytes`` (default ``all``: every chunk's
+    state), the header names it, and each run's line gives HybridAdam's last step_stats (the
+    worker's phases, the speculation) and spec/rb over the timed steps."""
+    import tiermem.optim
+
+    real, seen = tiermem.optim.HybridAdam, []
+
+    def spy(params, **kwargs):
+        params = list(params)
+        seen.append((sum(p.numel() for p in params), kwargs["rollback_bytes"]))
+        return real(params, **kwargs)
+
+    monkeypatch.setattr(tiermem.optim, "HybridAdam", spy)
+    assert bz.main([*TINY, *flag, "--grad-clip", "1e-3", "--repeats", "1", "--steps", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].endswith(f"rollback_bytes={flag[1] if flag else 'all'}")
+    (n, got), = seen
+    assert got == ({"1MiB": 1 << 20, "0": 0}[flag[1]] if flag else
+                   bz.every_chunk_rollback_bytes(n))
+    line = next(ln for ln in err.splitlines() if f" {bz.TIERMEM}: " in ln and "ms/step" in ln)
+    for name in ("speculated_chunks", "rolled_back_chunks", "spec/rb", "grad_copy_s",
+                 "write_back_s", "in_place_mib"):
+        assert name in line, line
