@@ -23,6 +23,7 @@ from torch import nn
 
 from tiermem import StoreConfig, TierStore
 from tiermem.optim import HybridAdam
+from tiermem.optim.cpu_adam import native_available
 from tiermem.stream import stream_weights
 from tiermem.stream.copies import StreamCopies
 
@@ -55,9 +56,14 @@ class _Net(nn.Module):
         return x
 
 
-def _optimizer(model):
+CHUNKS = [WIDTH * WIDTH, WIDTH * WIDTH * 3 // 2]
+"""chunk_numel: a chunk per weight, or chunks spanning two weights (each piece of a streamed
+weight stepped in place all the same: Note [in-place host chunks])."""
+
+
+def _optimizer(model, chunk_numel):
     return HybridAdam(model.parameters(), lr=1e-3, weight_decay=0.1, offload_fraction=1.0,
-                      chunk_numel=WIDTH * WIDTH, placement="given")  # every chunk in backward
+                      chunk_numel=chunk_numel, placement="given")  # every chunk in backward
 
 
 def _train(model, opt):
@@ -82,27 +88,29 @@ def _slow_grad_out(real):
     return grad_out
 
 
-def _check(monkeypatch, tmp_path):
+def _check(monkeypatch, tmp_path, chunk_numel):
     torch.manual_seed(0)
     ref = _Net().cuda()
     model = copy.deepcopy(ref)
     start = [p.detach().clone() for p in ref.parameters()]
-    ref_opt = _optimizer(ref)
+    ref_opt = _optimizer(ref, chunk_numel)
     _train(ref, ref_opt)
     ref_opt.close()
     monkeypatch.setattr(StreamCopies, "grad_out", _slow_grad_out(StreamCopies.grad_out))
     with TierStore(StoreConfig(device="cuda", gpu_bytes=32 << 20, cpu_bytes=64 << 20,
                                pool_slab_bytes=4 << 20)) as store:
         stream = stream_weights(model.blocks, store=store, prefetch_blocks=1)
-        opt = _optimizer(model)
+        opt = _optimizer(model, chunk_numel)
         try:
             _train(model, opt)
-            chunks = opt.step_stats()["chunks"]
+            st = opt.step_stats()
             stats = stream.stats()
         finally:
             opt.close()
             stream.close()
-    assert chunks == BLOCKS  # every weight was stepped on the CPU
+    assert st["chunks"] == -(-BLOCKS * WIDTH * WIDTH // chunk_numel)  # every chunk on the CPU
+    if native_available():  # Note [in-place host chunks]: no streamed gradient in the ring
+        assert st["in_place_bytes"] == BLOCKS * WIDTH * WIDTH * 4 and st["ring_copy_bytes"] == 0
     # every gradient was handed over at its take, none at the pass end (Note [hand-off lag])
     assert stats["handed_in_pass"] == BLOCKS * STEPS and stats["handed_at_end"] == 0
     for k, (a, b, b0) in enumerate(zip(model.parameters(), ref.parameters(), start)):
@@ -112,15 +120,17 @@ def _check(monkeypatch, tmp_path):
         assert rel < REL_TOL, f"block {k}: relative update error {rel:.2e}"
 
 
+@pytest.mark.parametrize("chunk_numel", CHUNKS)
 def test_cuda_worker_steps_a_streamed_chunk_only_after_its_gradient_landed(monkeypatch,
-                                                                           tmp_path):
-    _check(monkeypatch, tmp_path)
+                                                                           tmp_path, chunk_numel):
+    _check(monkeypatch, tmp_path, chunk_numel)
 
 
-def test_cuda_the_comparison_fails_without_the_workers_wait(monkeypatch, tmp_path):
+@pytest.mark.parametrize("chunk_numel", CHUNKS)
+def test_cuda_the_comparison_fails_without_the_workers_wait(monkeypatch, tmp_path, chunk_numel):
     """The tolerance is shown to fail: the worker reads each host gradient at once."""
     from tiermem.optim import chunk_worker
 
     monkeypatch.setattr(chunk_worker, "host_grads_landed", lambda refs, block=True: True)
     with pytest.raises(AssertionError, match="relative update error"):
-        _check(monkeypatch, tmp_path)
+        _check(monkeypatch, tmp_path, chunk_numel)
