@@ -75,6 +75,8 @@
 #                                       (cpu), both capped at 24 GiB (the resident baseline
 #                                       uncapped); needs the DeepSpeed wheels in .whl (carry
 #                                       .whl); bounded 420 s, not yet timed
+#                                       (ZERO3_ROLLBACK: tiermem's --rollback-bytes, default all:
+#                                       every chunk speculates; 0: it waits for the norm)
 #   dist_tests         nvidia-h200-x2   tests/distributed under NCCL
 #   bench_optim_world2 nvidia-h200-x2   FSDP2 / data-parallel HybridAdam table
 #   large13, large20   nvidia-h200      examples/train_large.py presets
@@ -211,7 +213,8 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_zero3)
       deepspeed_env
       run bench_zero3 420 python3 examples/bench_zero3.py "${GPT[@]}" --batch 8 --steps 3 \
-        --warmup 1 --repeats 3 --checkpoint --gpu-bytes 24GiB --budget-s 240 ;;
+        --warmup 1 --repeats 3 --checkpoint --gpu-bytes 24GiB --budget-s 240 \
+        --rollback-bytes "${ZERO3_ROLLBACK:-all}" ;;
     dist_tests) nvidia-smi -L; run dist_tests 420 "${PYTEST[@]}" tests/distributed ;;
     bench_optim_world2) run bench_optim_world2 300 tiermem bench optim --world 2 --steps 3 \
       --grad-accumulation-steps 1,4 --setups gpu,0.5,1.0 --timeout 290 ;;
