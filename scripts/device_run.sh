@@ -213,7 +213,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_zero3)
       deepspeed_env
       run bench_zero3 420 python3 examples/bench_zero3.py "${GPT[@]}" --batch 8 --steps 3 \
-        --warmup 1 --repeats 3 --checkpoint --gpu-bytes 24GiB --budget-s 240 \
+        --warmup 1 --repeats 3 --checkpoint --gpu-bytes 24GiB --budget-s "${ZERO3_BUDGET_S:-240}" \
         --rollback-bytes "${ZERO3_ROLLBACK:-all}" ;;
     dist_tests) nvidia-smi -L; run dist_tests 420 "${PYTEST[@]}" tests/distributed ;;
     bench_optim_world2) run bench_optim_world2 300 tiermem bench optim --world 2 --steps 3 \
