@@ -58,3 +58,12 @@ def fills_per_pass(n_streamed: int, prefetch: int) -> int:
     step): every streamed block twice, but the last ``prefetch + 2``, which the forward keeps
     on the device for the backward, once (Note [kept into backward])."""
     return 2 * n_streamed - min(prefetch + 2, n_streamed)
+
+
+def assert_same_run(got, want, what: str) -> None:
+    """``got`` and ``want`` (``(losses per step, {name: final weight})``) are bit-identical."""
+    assert len(got[0]) == len(want[0])
+    for step, (a, b) in enumerate(zip(got[0], want[0])):
+        assert torch.equal(a, b), f"{what}: step {step} losses {a.tolist()} != {b.tolist()}"
+    for k in want[1]:
+        assert torch.equal(got[1][k], want[1][k]), f"{what}: final weight {k} differs"

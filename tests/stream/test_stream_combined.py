@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _stream_train import batches, make_model
+from _stream_train import assert_same_run, batches, make_model
 from test_compose import lora_model
 
 from tiermem.checkpoint import load_checkpoint, save_checkpoint
@@ -91,21 +91,13 @@ def _train(stores, streamed, between=None, steps=range(STEPS), **kw):
         run.close()
 
 
-def _same(got, want, what):
-    assert len(got[0]) == len(want[0])
-    for step, (a, b) in enumerate(zip(got[0], want[0])):
-        assert torch.equal(a, b), f"{what}: step {step} losses {a.tolist()} != {b.tolist()}"
-    for k in want[1]:
-        assert torch.equal(got[1][k], want[1][k]), f"{what}: final weight {k} differs"
-
-
 @pytest.mark.parametrize("major", [False, True], ids=["depth-first", "block-major"])
 def test_everything_at_once_is_bit_identical(stores, major):
     """Activation offload + checkpointing + weights on NVMe + state on NVMe + 2 micro-batches +
     clipping, against the same HybridAdam run with nothing streamed or offloaded."""
     want = _train(stores, False, major=major, ckpt=True)
     got = _train(stores, True, major=major, ckpt=True, offload=True)
-    _same(got, want, "combined")
+    assert_same_run(got, want, "combined")
     assert not torch.equal(want[1]["blocks.0.qkv.weight"],
                            make_model().state_dict()["blocks.0.qkv.weight"])  # trained
 
@@ -136,7 +128,7 @@ def test_parameter_changes_between_steps_are_taken(stores, tier, change):
     undone (the losses from step 4 on differed)."""
     want = _train(stores, False, between=change, tier=tier, state_tier="cpu")
     got = _train(stores, True, between=change, tier=tier, state_tier="cpu")
-    _same(got, want, change.__name__)
+    assert_same_run(got, want, change.__name__)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["overlap", "clip"])
@@ -165,7 +157,7 @@ def test_data_replaced_between_backward_and_step(stores, clip):
             with pytest.raises(RuntimeError, match="changed after backward had handed it"):
                 run(streamed)
     else:
-        _same(run(True), run(False), "replaced before step")
+        assert_same_run(run(True), run(False), "replaced before step")
 
 
 def test_lora_streamed_frozen_base_with_hybrid_adam_on_the_adapters(stores):
@@ -174,7 +166,7 @@ def test_lora_streamed_frozen_base_with_hybrid_adam_on_the_adapters(stores):
     kw = dict(lora=True, ckpt=True, major=True)
     want = _train(stores, False, **kw)
     got = _train(stores, True, **kw)
-    _same(got, want, "lora")
+    assert_same_run(got, want, "lora")
 
 
 def test_eval_zero_grad_and_a_failed_forward_between_steps(stores):
@@ -200,7 +192,7 @@ def test_eval_zero_grad_and_a_failed_forward_between_steps(stores):
         finally:
             run.close()
 
-    _same(train(True), train(False), "eval")
+    assert_same_run(train(True), train(False), "eval")
 
 
 def _boom(module, args, out):
@@ -240,7 +232,7 @@ def test_checkpoint_resume_at_tier_nvme_and_close_then_continue_unstreamed(store
         second.step(s)
     got = second.result()
     second.close()
-    _same((losses + got[0], got[1]), want, "resumed")
+    assert_same_run((losses + got[0], got[1]), want, "resumed")
 
 
 

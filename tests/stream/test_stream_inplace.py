@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _stream_train import batches, make_model, train
+from _stream_train import assert_same_run, batches, make_model, train
 
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
@@ -32,14 +32,6 @@ CHANGED = r"blocks\[{}\]\.{} was changed in place on the device during a pass"
 def stores(make_stream_store):
     """``stores()``: a CPU store, 16 MiB RAM, a 64 MiB NVMe tier."""
     return lambda: make_stream_store(nvme_bytes=64 << 20)
-
-
-def _same(got, want, what):
-    assert len(got[0]) == len(want[0])
-    for step, (a, b) in enumerate(zip(got[0], want[0])):
-        assert torch.equal(a, b), f"{what}: step {step} losses {a.tolist()} != {b.tolist()}"
-    for k in want[1]:
-        assert torch.equal(got[1][k], want[1][k]), f"{what}: final weight {k} differs"
 
 
 # ---------------------------------------------------------------- between passes
@@ -65,7 +57,7 @@ def test_a_data_write_between_passes_is_streamed(stores, tier, n_micro):
     got = train(make_model(), n_micro=n_micro, between_steps=_eval_then_scale,
                 stream=lambda m: stream_weights(m.blocks, store=stores(), tier=tier))
     try:
-        _same(got[:2], want[:2], f"{tier} .data write between passes")
+        assert_same_run(got[:2], want[:2], f"{tier} .data write between passes")
         if tier == "nvme":  # the written weights once per step and the write's own passes
             assert got[2].stats()["nvme_writes"] > 0
     finally:
@@ -86,7 +78,7 @@ def test_a_data_write_between_steps_with_hybrid_adam_is_as_unstreamed(stores, ti
 
     want = hybrid_train(stores, False, between=between, tier=tier, state_tier="cpu")
     got = hybrid_train(stores, True, between=between, tier=tier, state_tier="cpu")
-    _same(got, want, f"{tier} .data write with HybridAdam")
+    assert_same_run(got, want, f"{tier} .data write with HybridAdam")
 
 
 def _between_micro_batches(model, mbs):
@@ -110,7 +102,7 @@ def test_a_data_write_between_micro_batches_is_streamed(stores, tier):
     got = train(make_model(), n_micro=2, fb=_between_micro_batches,
                 stream=lambda m: stream_weights(m.blocks, store=stores(), tier=tier))
     try:
-        _same(got[:2], want[:2], f"{tier} .data write between micro-batches")
+        assert_same_run(got[:2], want[:2], f"{tier} .data write between micro-batches")
     finally:
         got[2].close()
 
@@ -172,7 +164,7 @@ def test_a_data_write_between_forward_and_backward_is_refused(stores, tier):
     want = _run(stores, False, skip={3}, tier=tier)
     got = _run(stores, True, edit=_scale_kept_block_before_backward, fail_step=3, tier=tier,
                match=CHANGED.format(3, "fc.weight") + r".*param\.mul_")
-    _same(got, want, "refused step")
+    assert_same_run(got, want, "refused step")
 
 
 def _scale_in_forward(model, mb, major=False):
@@ -199,7 +191,7 @@ def test_a_data_write_inside_a_blocks_forward_is_refused(stores, major):
     want = _run(stores, False, skip={3}, major=major, prefetch=0)
     got = _run(stores, True, edit=lambda m, mb: _scale_in_forward(m, mb, major), fail_step=3,
                major=major, prefetch=0, match=CHANGED.format(0, "fc.weight"))
-    _same(got, want, "refused step")
+    assert_same_run(got, want, "refused step")
 
 
 def _scale_host_copy(model):
@@ -227,7 +219,7 @@ def test_a_host_copy_written_during_a_pass_is_refused(stores):
     got = _run(stores, True, edit=_scale_a_kept_reference, fail_step=3,
                match=r"blocks\[0\]\.fc\.weight was filled with other values than earlier in the "
                      r"same pass.*host copy keeps the new values")
-    _same(got, want, "refused refill")
+    assert_same_run(got, want, "refused refill")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -273,6 +265,6 @@ def test_a_data_write_that_changes_nothing_is_not_refused(stores):
     got = train(make_model(), fb=same_values,
                 stream=lambda m: stream_weights(m.blocks, store=stores()))
     try:
-        _same(got[:2], want[:2], "same values")
+        assert_same_run(got[:2], want[:2], "same values")
     finally:
         got[2].close()
