@@ -38,6 +38,7 @@ from typing import Iterable, Iterator
 import torch
 
 from tiermem.optim.layout import StateLayout, local_view, state_views
+from tiermem.optim.param_sums import ParamSums
 from tiermem.stream.weights import stream_of
 
 
@@ -62,6 +63,7 @@ class ParamWatch:
         self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (g, i) -> (version, ptr)
         self._kind: dict[tuple[int, int], tuple] = {}  # (g, i) -> (shape, dtype, device)
         self._checked: set[tuple[int, int]] = set()  # synced this step
+        self._sums = ParamSums(who)  # Note [param checksums]: changes through param.data
 
     def _param(self, g: int, i: int) -> torch.Tensor:
         return self._layout.groups[g].params[i]
@@ -86,15 +88,27 @@ class ParamWatch:
                 for i, p in enumerate(g.params):
                     self._seen[(g.index, i)] = self._sig(g.index, i)
                     self._kind[(g.index, i)] = _kind(g, i)
+            self._sums.take(self._storages(), only_void=False)
+
+    def _storages(self) -> dict[tuple[int, int], torch.Tensor]:
+        """The flat storage views of the watched parameters whose bytes are summed (Note
+        [param checksums]): all but streamed weights (Note [streamed weight checksums])."""
+        return {(g.index, i): local_view(g, i) for g in self._layout.groups
+                for i in range(len(g.params))
+                if i not in g.host_copies and (g.index, i) in self._seen}
 
     def begin_step(self) -> None:
-        """A new step: every parameter is checked again before it is stepped.
+        """A new step: every parameter is checked again before it is stepped; the sums of
+        those HybridAdam wrote are retaken (Note [param checksums]: called once the last step's
+        writes are issued on the caller's stream).
 
         Raises:
-            Nothing.
+            Nothing beyond torch's errors.
         """
         with self._lock:
             self._checked.clear()
+            if self.active:
+                self._sums.take(self._storages(), only_void=True)
 
     @contextmanager
     def writing(self, items: Iterable[tuple[int, int]]) -> Iterator[None]:
@@ -116,6 +130,7 @@ class ParamWatch:
                 if seen is not None:
                     self._seen[(g, i)] = (seen[0] + self._param(g, i)._version - version,
                                           seen[1])
+            self._sums.written(items)  # Note [param checksums]: retaken at the next step
 
     def changed(self, g: int, i: int) -> bool:
         """Whether local tensor ``i`` of group ``g`` changed since HybridAdam last wrote it.
@@ -155,7 +170,8 @@ class ParamWatch:
                 self._checked.add((g, i))
             seen = self._seen.get((g, i))
             now = self._sig(g, i)
-            if seen is None or seen == now:
+            if seen is None or (seen == now and not self._sums.moved(  # Note [param checksums]
+                    (g, i), self._storages, batch=mark)):
                 return
         self._refresh(g, i, rebind=seen[1] != now[1])
         with self._lock:
