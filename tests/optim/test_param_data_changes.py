@@ -57,6 +57,8 @@ def train(model, opt, how: str, accumulation: int, device="cpu") -> list[float]:
     losses = []
     for step in range(STEPS):
         if step:
+            if isinstance(opt, HybridAdam):
+                opt.synchronize()  # param_sync="forward": change after it (Note [param changes])
             change(model, step, how)
             if isinstance(opt, MasterAdamW):
                 opt.changed()
@@ -76,11 +78,11 @@ def _reference(model: torch.nn.Module):
     return MasterAdamW(model)
 
 
-def _run(tmp_path, how, dtype, fraction, tier, accumulation, overlap):
+def _run(tmp_path, how, dtype, fraction, tier, accumulation, overlap, sync="step"):
     model = _model(dtype)
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, state_tier=tier,
                      nvme_dir=str(tmp_path), chunk_numel=1024, overlap=overlap,
-                     grad_accumulation_steps=accumulation)
+                     grad_accumulation_steps=accumulation, param_sync=sync)
     losses = train(model, opt, how, accumulation)
     masters = [s["master"] for s in opt.state_dict()["state"].values()] \
         if dtype != torch.float32 else None
@@ -117,17 +119,20 @@ def test_data_changes_are_continued_from_like_no_grad_changes(tmp_path, fraction
     assert logged[0].levelno == logging.INFO
 
 
+@pytest.mark.parametrize("sync", ["step", "forward"])
 @pytest.mark.parametrize("how", ["data_mul", "data_copy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_data_copies_and_bf16_masters_follow_the_change(tmp_path, how, dtype, one_thread):
+def test_data_copies_and_bf16_masters_follow_the_change(tmp_path, how, dtype, sync,
+                                                        one_thread):
     """``p.data.copy_(other)`` (an EMA swap) and bf16 params (fp32 masters kept where they
-    still round to the param): bit-identical to the no_grad change and to AdamW on masters."""
+    still round to the param), with either ``param_sync``: bit-identical to the no_grad change
+    and to AdamW on masters."""
     ref = _model(dtype)
     ref_opt = _reference(ref)
     ref_losses = train(ref, ref_opt, how.replace("data", "nograd"), 2)
     nograd, nograd_losses, nograd_masters = _run(tmp_path, how.replace("data", "nograd"), dtype,
-                                                 0.5, "nvme", 2, True)
-    data, data_losses, data_masters = _run(tmp_path, how, dtype, 0.5, "nvme", 2, True)
+                                                 0.5, "nvme", 2, True, sync)
+    data, data_losses, data_masters = _run(tmp_path, how, dtype, 0.5, "nvme", 2, True, sync)
     assert nograd_losses == ref_losses
     assert data_losses == nograd_losses
     _assert_equal(data, nograd)
@@ -135,6 +140,30 @@ def test_data_copies_and_bf16_masters_follow_the_change(tmp_path, how, dtype, on
     if dtype != torch.float32:
         for k, (a, b, m) in enumerate(zip(data_masters, nograd_masters, ref_opt.masters)):
             assert torch.equal(a, b) and torch.equal(a, m.detach()), k
+
+
+def test_a_checkpoint_taken_after_a_data_change_holds_it(tmp_path, one_thread):
+    """``state_dict()`` between steps takes a ``.data`` change into the saved masters (bf16:
+    they round to the changed params), as it does a no_grad change; training on continues from
+    it, bit-identical to the no_grad run."""
+    runs = {}
+    for how in ("nograd_mul", "data_mul"):
+        model = _model(torch.bfloat16)
+        opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024,
+                         state_tier="nvme", nvme_dir=str(tmp_path))
+        for step in range(STEPS):
+            if step == 4:
+                change(model, step, how)
+                saved = opt.state_dict()["state"]
+                for k, p in enumerate(model.parameters()):
+                    assert torch.equal(saved[k]["master"].to(p.dtype), p.detach()), (how, k)
+            model(*make_batch(step))[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[how] = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+    for k, (a, b) in enumerate(zip(runs["nograd_mul"], runs["data_mul"])):
+        assert torch.equal(a, b), k
 
 
 @pytest.mark.cuda

@@ -21,13 +21,19 @@ as a version-counter change (:meth:`ParamWatch.sync`: the same ``_refresh``, so 
 bit-identical to ``with torch.no_grad(): p.mul_(0.9)``), logged once per optimizer at INFO.
 On CUDA that comparison waits once per step on the batch's event (the GPU has to reach the
 first hand-over: with overlap, the first gradient of the backward); never once per parameter.
-On the CPU the same path runs synchronously. Cost on CUDA: two reads of the watched params per
-step (the sums after the write-back and at the first hand-over; ~0.7 ms each for 1.3B bf16
-params at ~4 TB/s) and a few small kernels per param. Not seen: a ``.data`` change made after
-the first hand-over of a step (during the backward, or between a gradient hook and ``step()``:
-only version-counter changes are refused there), a change whose words cancel modulo 2**64 (a
-permutation of whole 8-byte words), streamed weights (their host copies are watched by Note
-[streamed weight checksums]) and several processes (the watch is off there).
+The baselines' events are long done when they are read (at that comparison, or at the next
+step's begin). ``state_dict()`` compares each parameter alone (a wait per parameter there, off
+the training path). On the CPU the same path runs synchronously. Cost on CUDA: two reads of the
+watched params per step (the sums after the write-back and at the first hand-over; ~0.7 ms each
+for 1.3B bf16 params at ~4 TB/s) and a few small kernels per param. Not seen: a ``.data``
+change made after the first hand-over of a step (during the backward, or between a gradient
+hook and ``step()``: only version-counter changes are refused there), with
+``param_sync="forward"`` one made before ``opt.synchronize()`` (the step's completion takes the
+sums, so they include it; Note [param changes] asks for ``synchronize()`` first), a change
+whose words cancel modulo 2**64 (a permutation of whole 8-byte words), streamed weights (their
+host copies are watched by Note [streamed weight checksums]) and several processes (the watch
+is off there). A false alarm (a sum taken while an aborted step's write was still landing)
+changes nothing: the parameter holds its master as written (rounded), which the refresh keeps.
 """
 
 from __future__ import annotations

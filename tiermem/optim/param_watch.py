@@ -26,7 +26,9 @@ so they are refused loudly: with ``overlap=True`` a parameter changed after its 
 and before ``step()`` (AdamW would step the new value; the chunk was stepped from the old one)
 makes ``step()`` raise, and with ``param_sync="forward"`` an offloaded parameter changed while
 the step was still pending (race with its H2D copy) makes the completion raise; call
-``opt.synchronize()`` first. One process only (``data_parallel`` and FSDP2 are not watched).
+``opt.synchronize()`` first. A change through ``param.data`` (a version counter of its own) is
+seen by the bytes instead: Note [param checksums] (``param_sums.py``). One process only
+(``data_parallel`` and FSDP2 are not watched).
 """
 
 from __future__ import annotations
@@ -90,12 +92,15 @@ class ParamWatch:
                     self._kind[(g.index, i)] = _kind(g, i)
             self._sums.take(self._storages(), only_void=False)
 
-    def _storages(self) -> dict[tuple[int, int], torch.Tensor]:
+    def _storages(self, only: tuple[int, int] | None = None) -> dict[tuple[int, int],
+                                                                      torch.Tensor]:
         """The flat storage views of the watched parameters whose bytes are summed (Note
-        [param checksums]): all but streamed weights (Note [streamed weight checksums])."""
+        [param checksums]): all but streamed weights (Note [streamed weight checksums]);
+        with ``only``, that one's at most."""
         return {(g.index, i): local_view(g, i) for g in self._layout.groups
                 for i in range(len(g.params))
-                if i not in g.host_copies and (g.index, i) in self._seen}
+                if (only is None or only == (g.index, i))
+                and i not in g.host_copies and (g.index, i) in self._seen}
 
     def begin_step(self) -> None:
         """A new step: every parameter is checked again before it is stepped; the sums of
@@ -171,7 +176,7 @@ class ParamWatch:
             seen = self._seen.get((g, i))
             now = self._sig(g, i)
             if seen is None or (seen == now and not self._sums.moved(  # Note [param checksums]
-                    (g, i), self._storages, batch=mark)):
+                    (g, i), lambda: self._storages(None if mark else (g, i)), batch=mark)):
                 return
         self._refresh(g, i, rebind=seen[1] != now[1])
         with self._lock:
