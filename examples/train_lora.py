@@ -23,17 +23,32 @@ linear_in/linear_out path: :func:`~tiermem.offload.offload_in_modules` enters on
 every ``lora_A`` / ``lora_B`` call by forward hooks, so only what the adapters save goes to
 pinned RAM; ``--offload layers+adapters`` adds that region to the block offloader (it then
 also takes the last layer's adapter tensors, which the block offloader keeps). HybridAdam
-keeps the adapters' fp32 masters and moments in pinned RAM and steps them on the CPU. The frozen base weights are neither copied, offloaded nor given optimizer state.
+keeps the adapters' fp32 masters and moments in pinned RAM and steps them on the CPU. The
+frozen base weights are never given optimizer state, and without ``--stream-weights`` they
+are neither copied nor offloaded.
 
 It prints each step's loss and time and, on CUDA, the peak GPU memory; ``--compare`` also
 trains the same model without offload (torch AdamW on the adapters, nothing offloaded) and
 exits 1 if a loss differs by more than ``--tolerance``.
 
+Weight streaming of the frozen base (issue 29; ``--stream-weights``, the flag names of
+``tiermem plan`` / examples/train_large.py): after the model is built its decoder layers'
+frozen weights go to a store of their own (:func:`tiermem.models.lora_stream.stream_lora_base`:
+``--stream-tier`` cpu = pinned RAM, or nvme with ``--nvme-dir``) and reach the GPU one layer
+at a time, ``--prefetch-blocks`` ahead (``--stream-schedule depth-first``: Note [LoRA stream
+schedule]); the adapters stay resident. ``--gpu-bytes SIZE`` then caps the process at SIZE
+(``torch.cuda.set_per_process_memory_fraction``) to stand for a smaller card. The base is
+built on ``--device`` (on CUDA: initialised on the GPU, fast, before the cap; ``32b``'s 65 GB
+fit an H200 uncapped) and moved to the store by the stream.
+
     pip install -e ".[lora]"
     python examples/train_lora.py --compare                 # CPU: tiny Llama, fp32, exact
     python examples/train_lora.py --compare --checkpoint
     python examples/train_lora.py --compare --offload adapters
+    python examples/train_lora.py --compare --stream-weights --checkpoint
     python examples/train_lora.py --preset 7b --device cuda --seq 4096 --steps 10
+    python examples/train_lora.py --preset 32b --device cuda --seq 4096 --batch 1 --steps 4 \\
+        --checkpoint --stream-weights --gpu-bytes 24GiB  # base in pinned RAM, GPU at 24 GiB
 """
 
 from __future__ import annotations
@@ -48,7 +63,10 @@ import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, lora_modules)
-from tiermem.names import check_device, resolve_device
+from tiermem.models.lora_stream import (cap_gpu, check_stream_options, stream_lora_base,
+                                        stream_summary)
+from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
+from tiermem.names import check_device, parse_bytes, resolve_device
 from tiermem.offload import ActivationOffloader, offload_activations, offload_in_modules
 from tiermem.optim import HybridAdam
 
@@ -60,12 +78,15 @@ OFFLOAD_MODES = ("layers", "adapters", "layers+adapters")
 @dataclass
 class Run:
     """One training run: per-step losses, step times (ms; empty unless timed), peak device
-    memory (bytes, CUDA only) and what the activation offloader reports."""
+    memory (bytes, CUDA only), what the activation offloader reports, the final adapter
+    weights (CPU copies) and, with ``--stream-weights``, the stream's stats()."""
 
     losses: list[float]
     step_ms: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
     offload_stats: dict | None = None
+    adapters: list[torch.Tensor] = field(default_factory=list)
+    stream_stats: dict | None = None
 
 
 def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -182,22 +203,92 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer,
         opt.synchronize()
     return Run([float(x) for x in torch.stack(losses).double().cpu()], step_ms,
                torch.cuda.max_memory_allocated(device) if cuda else None,
-               offloader.stats() if offloader is not None else None)
+               offloader.stats() if offloader is not None else None,
+               [p.detach().to("cpu", copy=True) for p in adapter_parameters(model)])
 
 
-def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print) -> Run:
-    """Build, train ``args.steps`` steps (offload + HybridAdam, or neither) and clean up."""
+def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print,
+        stream: bool | None = None) -> Run:
+    """Build, train ``args.steps`` steps (offload + HybridAdam, or neither) and clean up.
+
+    ``stream``: stream the frozen base (``--stream-weights``, its tier and prefetch from
+    ``args``) before the optimizer and the offloader are built, then cap the GPU at
+    ``args.gpu_bytes`` if set; None: ``args.stream_weights`` on the offload run, never on the
+    baseline. The stream and its store are closed at the end (the GPU uncapped first: closing
+    puts the base back on the device it was built on).
+    """
+    if stream is None:
+        stream = offload and getattr(args, "stream_weights", False)
     model = build(args, device)
-    opt = make_optimizer(model, hybrid=offload, offload_fraction=args.offload_fraction)
-    offloader = make_offloader(model, args.checkpoint, args.offload) if offload else None
-    batches = lora_batches(SHAPES[args.preset].vocab, args.batch, args.seq, args.steps, device)
+    handle = store = None
+    if stream:
+        handle, store = stream_lora_base(model, device=device, tier=args.stream_tier,
+                                         prefetch_blocks=args.prefetch_blocks,
+                                         schedule=args.stream_schedule, nvme_dir=args.nvme_dir)
+    capped = getattr(args, "gpu_bytes", None) is not None and device.type == "cuda"
+    opt = offloader = None
     try:
-        return train(model, opt, offloader, batches, timed=True, log=log)
+        if capped:
+            cap_gpu(device, args.gpu_bytes)
+        opt = make_optimizer(model, hybrid=offload, offload_fraction=args.offload_fraction)
+        offloader = make_offloader(model, args.checkpoint, args.offload) if offload else None
+        batches = lora_batches(SHAPES[args.preset].vocab, args.batch, args.seq, args.steps,
+                               device)
+        out = train(model, opt, offloader, batches, timed=True, log=log)
+        if handle is not None:
+            out.stream_stats = handle.stats()
+        return out
     finally:
         if isinstance(opt, HybridAdam):
             opt.close()
         if offloader is not None:
             offloader.close()
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        if handle is not None:
+            handle.close()
+            store.close()
+
+
+STREAM_DEFAULTS = {"stream_tier": "cpu", "prefetch_blocks": 1, "stream_schedule": "depth-first"}
+"""The streaming flags' values when ``--stream-weights`` is given without them."""
+
+
+def check_stream_flags(args: argparse.Namespace, device: torch.device) -> None:
+    """Check the streaming flags and ``--gpu-bytes`` before anything is built, then fill in
+    :data:`STREAM_DEFAULTS` and parse ``--gpu-bytes`` to bytes (in ``args``).
+
+    Raises:
+        ValueError, TypeError: a streaming flag without ``--stream-weights``,
+            ``--stream-weights`` with ``--no-offload``, a bad value
+            (:func:`~tiermem.models.lora_stream.check_stream_options`), or ``--gpu-bytes`` not
+            a byte count > 0 or on a device that is not CUDA; one line naming the flag, the
+            value and the fix.
+    """
+    given = {k: getattr(args, k) for k in (*STREAM_DEFAULTS, "nvme_dir")
+             if getattr(args, k) is not None}
+    if given and not args.stream_weights:
+        name, value = next(iter(given.items()))
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag}={value!r} sets how the base streams; fix: add "
+                         f"--stream-weights or drop {flag}")
+    if args.stream_weights and args.no_offload:
+        raise ValueError("--stream-weights streams the tiermem run, --no-offload runs without "
+                         "tiermem; fix: drop one of them")
+    for name, default in STREAM_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.stream_weights:
+        check_stream_options(tier=args.stream_tier, prefetch_blocks=args.prefetch_blocks,
+                             schedule=args.stream_schedule, nvme_dir=args.nvme_dir)
+    if args.gpu_bytes is not None:
+        cap = parse_bytes(args.gpu_bytes, "--gpu-bytes")
+        if cap <= 0:
+            raise ValueError(f"--gpu-bytes={args.gpu_bytes!r} must be > 0, e.g. 24GiB")
+        if device.type != "cuda":
+            raise ValueError(f"--gpu-bytes={args.gpu_bytes!r} caps a CUDA device, not "
+                             f"{device}; fix: --device cuda, or drop --gpu-bytes")
+        args.gpu_bytes = cap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +314,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="also train without offload and compare the losses")
     parser.add_argument("--tolerance", type=float, default=0.0,
                         help="largest loss difference --compare accepts")
+    parser.add_argument("--stream-weights", action="store_true",
+                        help="stream the frozen base's decoder-layer weights from the store "
+                             "(streaming.enabled; the adapters stay on the device)")
+    parser.add_argument("--stream-tier", choices=STREAM_TIERS, default=None,
+                        help="the streamed base's home: cpu (pinned RAM) or nvme (needs "
+                             "--nvme-dir) (streaming.tier; default cpu)")
+    parser.add_argument("--prefetch-blocks", type=int, default=None,
+                        help="layers fetched ahead of the running one (streaming."
+                             "prefetch_blocks; default 1)")
+    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default=None,
+                        help="depth-first only here: a transformers Llama runs its own "
+                             "forward (streaming.schedule; tiermem/models/lora_stream.py)")
+    parser.add_argument("--nvme-dir", default=None,
+                        help="spill directory of the stream's store (store.nvme_dir)")
+    parser.add_argument("--gpu-bytes", default=None,
+                        help="cap the process's GPU memory at SIZE, e.g. 24GiB, to stand for a "
+                             "smaller card (budgets.gpu_bytes, as in examples/train_large.py)")
     args = parser.parse_args(argv)
     for name in ("seq", "batch", "steps", "rank"):
         if getattr(args, name) < 1:
@@ -233,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before anything is built: a 7B preset on a machine without CUDA is one line
         device = resolve_device(check_device("", "--device", args.device), "--device")
     except ValueError as exc:
+        print(f"train_lora: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_stream_flags(args, device)
+    except (ValueError, TypeError) as exc:
         print(f"train_lora: error: {exc}", file=sys.stderr)
         return 2
     shape = SHAPES[args.preset]
@@ -247,9 +360,21 @@ def main(argv: list[str] | None = None) -> int:
     what = {"layers": "decoder-layer activations", "adapters": "the LoRA adapters' saved tensors",
             "layers+adapters": "decoder-layer activations and every adapter's saved tensors"}
     print(f"tiermem: {what[args.offload]} -> pinned RAM, HybridAdam on the adapters")
+    if args.stream_weights:
+        cap = "" if args.gpu_bytes is None else f", GPU capped at {args.gpu_bytes / 2**30:.1f} GiB"
+        print(f"tiermem: the base's decoder layers streamed from {args.stream_tier}, prefetch "
+              f"{args.prefetch_blocks}, {args.stream_schedule}{cap}", flush=True)
     off = run(args, device, offload=True)
     print(f"offloaded {off.offload_stats['put_bytes'] / args.steps / 2**20:.1f} MiB of "
           f"activations per step")
+    if off.stream_stats is not None:
+        print(stream_summary(off.stream_stats, args.steps))
+        later = sorted(off.step_ms[1:] or off.step_ms)
+        median_s = later[len(later) // 2] / 1e3
+        h2d = off.stream_stats["h2d_bytes"] / args.steps / 1e9
+        print(f"s/step {median_s:.2f} (median of the steps after the first), stream H2D "
+              f"{h2d / median_s:.1f} GB/s over the step (PCIe-bound when this is near the "
+              f"host's pinned H2D rate, tiermem bench transfer)")
     if not args.compare:
         return 0
     print("baseline: torch.optim.AdamW(fused=True) on the adapters, nothing offloaded")

@@ -46,8 +46,16 @@ SHAPES = {
     # Llama-2-7B's shape (6.7e9 parameters)
     "7b": LlamaShape(vocab=32000, hidden=4096, intermediate=11008, layers=32, heads=32,
                      kv_heads=32),
+    # Qwen2.5-32B's sizes as a Llama (GQA 40/8 heads; Llama has no q/k/v bias, Qwen2.5 has):
+    # 32.8e9 parameters, 58.1 GiB of bf16 weights in the 64 decoder layers (0.91 GiB each)
+    "32b": LlamaShape(vocab=152064, hidden=5120, intermediate=27648, layers=64, heads=40,
+                      kv_heads=8),
+    # Llama-3-70B's shape: 70.6e9 parameters, 127.5 GiB of bf16 weights in the 80 layers
+    "70b": LlamaShape(vocab=128256, hidden=8192, intermediate=28672, layers=80, heads=64,
+                      kv_heads=8),
 }
-"""Presets by name: ``tiny`` for the CPU and tests, ``7b`` for one H200."""
+"""Presets by name: ``tiny`` for the CPU and tests, ``7b`` for one H200, ``32b`` and ``70b``
+for one H200 with the base streamed (examples/train_lora.py ``--stream-weights``)."""
 
 
 def _imports():

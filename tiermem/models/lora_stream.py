@@ -1,0 +1,165 @@
+"""Weight streaming of a LoRA model's frozen base (issue 29: LoRA at 32B-70B on one GPU).
+
+:func:`stream_lora_base` streams the frozen weights of every decoder layer of a peft LoRA
+Llama (:func:`tiermem.models.lora_llama.lora_llama`) through a TierStore of its own sized to
+them: ``stream_weights(decoder_layers(model), frozen_only=True)``, so the base lives in the
+store's pinned RAM (``tier="cpu"``) or on NVMe (``tier="nvme"``) and reaches the GPU one layer
+at a time, prefetched ``prefetch_blocks`` ahead; the adapters stay ordinary resident
+parameters, stepped by whatever optimizer the caller built (HybridAdam or torch AdamW), and the
+base gets no gradient and no optimizer state. The embeddings, the final norm and the LM head
+stay resident. :func:`cap_gpu` caps the process's GPU memory the way ``--gpu-bytes`` does in
+examples/train_large.py, after the stream has moved the base off the GPU.
+
+Note [LoRA stream schedule]: a transformers Llama runs its own forward, so each step is one
+depth-first pass: every streamed layer crosses PCIe once in the forward and once more for its
+backward (with checkpointing the backward's recomputation runs while the layer is on the GPU:
+no third copy). tiermem's block-major loop (each block once per pass whatever the number of
+micro-batches) drives tiermem's GPT blocks only, so ``schedule="block-major"`` is refused here;
+at one micro-batch per step the two schedules move the same bytes.
+
+Note [LoRA stream on NVMe]: with ``tier="nvme"`` the stream of this phase (tiermem/stream/
+weights.py ``_place``) keeps a RAM host copy of every streamed weight beside its NVMe copy
+(what an optimizer would step); the fills read the NVMe copy through the RAM staging. A frozen
+base therefore needs its full size in RAM *and* on disk: the nvme tier does not let a base
+larger than RAM be streamed yet (docs/lora.md, "Streaming the base").
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tiermem.config import StoreConfig
+from tiermem.models.lora_llama import decoder_layers
+from tiermem.names import parse_bytes
+from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
+from tiermem.store import TierStore
+from tiermem.stream import WeightStream, stream_weights
+
+logger = logging.getLogger("tiermem")
+
+_SLAB_BYTES = 1 << 30
+"""Pinned-pool slab of the stream's store (bytes): a 32B layer's largest weight is 283 MB."""
+
+
+def base_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the decoder layers' frozen weights, bytes of the largest layer's), the
+    weights :func:`stream_lora_base` streams."""
+    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad)
+             for layer in decoder_layers(model)]
+    return sum(sizes), max(sizes, default=0)
+
+
+def check_stream_options(*, tier: str = "cpu", prefetch_blocks: int = 1,
+                         schedule: str = "depth-first", nvme_dir: str | None = None) -> None:
+    """Refuse options the LoRA stream cannot run with, one line naming the flag and the fix.
+
+    Raises:
+        ValueError: an unknown ``tier`` or ``schedule``, ``schedule="block-major"`` (Note [LoRA
+            stream schedule]), ``prefetch_blocks`` not an int >= 0, or ``tier="nvme"`` without
+            ``nvme_dir``.
+    """
+    if tier not in STREAM_TIERS:
+        raise ValueError(f"--stream-tier={tier!r} is not one of {', '.join(STREAM_TIERS)}")
+    if schedule not in STREAM_SCHEDULES:
+        raise ValueError(f"--stream-schedule={schedule!r} is not one of "
+                         f"{', '.join(STREAM_SCHEDULES)}")
+    if schedule == "block-major":
+        raise ValueError("--stream-schedule=block-major drives tiermem's GPT blocks "
+                         "(examples/train_large.py), not a transformers Llama's forward; fix: "
+                         "--stream-schedule depth-first (Note [LoRA stream schedule])")
+    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) \
+            or prefetch_blocks < 0:
+        raise ValueError(f"--prefetch-blocks={prefetch_blocks!r} must be an int >= 0 (layers "
+                         f"fetched ahead of the running one), e.g. 1")
+    if tier == "nvme" and not nvme_dir:
+        raise ValueError("--stream-tier=nvme needs --nvme-dir DIR (the store's spill "
+                         "directory); fix: add --nvme-dir or use --stream-tier cpu")
+
+
+def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str = "cpu",
+                     prefetch_blocks: int = 1, schedule: str = "depth-first",
+                     nvme_dir: str | None = None) -> tuple[WeightStream, TierStore]:
+    """Stream the frozen weights of ``model``'s decoder layers through a new store.
+
+    The store holds exactly what it streams: its pinned-RAM budget is the base's bytes plus one
+    slab (``tier="cpu"``), or RAM staging for ``prefetch_blocks + 3`` layers beside an NVMe
+    budget of the base plus one slab (``tier="nvme"``); slabs are taken as the weights go in.
+
+    Args:
+        model: a peft LoRA Llama (:func:`~tiermem.models.lora_llama.lora_llama`), base frozen,
+            on ``device`` or on the CPU.
+        device: the compute device (the store's device).
+        tier, prefetch_blocks, nvme_dir: ``stream_weights``'s tier and prefetch (layers), the
+            spill directory for ``"nvme"``.
+        schedule: ``"depth-first"`` (Note [LoRA stream schedule]).
+
+    Returns:
+        (the :class:`~tiermem.stream.WeightStream`, its store); close the stream, then the
+        store.
+
+    Raises:
+        ValueError: the options of :func:`check_stream_options`, or no frozen weight in the
+            decoder layers (nothing to stream).
+        the errors of :func:`~tiermem.stream.stream_weights` (nothing is streamed then).
+    """
+    check_stream_options(tier=tier, prefetch_blocks=prefetch_blocks, schedule=schedule,
+                         nvme_dir=nvme_dir)
+    total, largest = base_bytes(model)
+    if total == 0:
+        raise ValueError("stream_lora_base: the decoder layers have no frozen weight to stream; "
+                         "pass the peft LoRA model (its base frozen)")
+    slab = min(_SLAB_BYTES, max(1 << 20, largest))
+    if tier == "cpu":
+        cfg = StoreConfig(device=str(device), gpu_bytes=0, cpu_bytes=total + slab, nvme_bytes=0,
+                          pool_slab_bytes=slab)
+    else:
+        cfg = StoreConfig(device=str(device), gpu_bytes=0,
+                          cpu_bytes=(prefetch_blocks + 3) * largest + slab,
+                          nvme_bytes=total + slab, nvme_dir=nvme_dir, pool_slab_bytes=slab)
+    store = TierStore(cfg)
+    try:
+        stream = stream_weights(decoder_layers(model), store=store, tier=tier,
+                                prefetch_blocks=prefetch_blocks, frozen_only=True)
+    except BaseException:
+        store.close()
+        raise
+    logger.info("LoRA base streamed from %s: %d bytes in %d layers, prefetch %d", tier, total,
+                len(decoder_layers(model)), prefetch_blocks)
+    return stream, store
+
+
+def cap_gpu(device: torch.device | str, gpu_bytes: int | str) -> int:
+    """Cap this process's GPU memory at ``gpu_bytes`` (``--gpu-bytes``: stand for a smaller
+    card) with ``torch.cuda.set_per_process_memory_fraction``, after emptying the cache (the
+    base's weights, once streamed, have left the GPU). Returns the cap in bytes.
+
+    Raises:
+        ValueError, TypeError: ``gpu_bytes`` is not a byte count > 0, or ``device`` is not a
+            CUDA device.
+    """
+    cap = parse_bytes(gpu_bytes, "--gpu-bytes")
+    if cap <= 0:
+        raise ValueError(f"--gpu-bytes={gpu_bytes!r} must be > 0, e.g. 24GiB")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"--gpu-bytes={gpu_bytes!r} caps a CUDA device, not {device}; fix: "
+                         f"--device cuda, or drop --gpu-bytes")
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    return cap
+
+
+def stream_summary(st: dict, steps: int) -> str:
+    """One line from a stream's ``stats()`` after ``steps`` steps: its H2D bytes (1e9) and
+    fills per step (what the step's PCIe floor is) and its peak layers on the device.
+
+    Raises:
+        KeyError: ``st`` is not a :meth:`WeightStream.stats` dict.
+    """
+    return (f"stream: {st['h2d_bytes'] / max(steps, 1) / 1e9:.2f} GB H2D in "
+            f"{st['fills'] / max(steps, 1):.0f} layer fills per step, peak "
+            f"{st['peak_blocks']} layers on the device")
