@@ -94,6 +94,7 @@
 #   large20_stream     nvidia-h200-x2   h200_20b_stream_80gib.yaml (GPU capped at 80 GiB), 3 steps,
 #                                       bounded 540 s (~420 s estimated); not on nvidia-h200: it
 #                                       pins ~128 GiB of RAM and spills 60.3 GiB (a 64 GiB disk)
+#   lora32_stream      nvidia-h200      LoRA r16 on a 32B base streamed from pinned RAM, 24 GiB cap, 4 steps x 4096 tok (~2-3 min est.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -255,6 +256,8 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     large20_stream) free -g; df -h "$SPILL"; run large_20b_stream 540 python3 \
       examples/train_large.py --config examples/configs/large/h200_20b_stream_80gib.yaml \
       --gpu-bytes 80GiB --nvme-dir "$SPILL" ;;
+    lora32_stream) run lora32_stream 540 python3 examples/train_lora.py --preset 32b \
+      --device cuda --seq 4096 --batch 1 --steps 4 --rank 16 --checkpoint --stream-weights --gpu-bytes 24GiB ;;
     *) echo "unknown stage $stage (see the table at the top of $0)"; exit 2 ;;
   esac
 done

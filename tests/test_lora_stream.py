@@ -197,3 +197,29 @@ def test_bad_streaming_flags_get_one_line_and_exit_2(ex, capsys, argv, needle):
     err = capsys.readouterr().err
     assert err.startswith("train_lora: error: ") and err.count("\n") == 1, err
     assert needle in err, err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offload", [False, True])
+def test_cuda_streamed_base_under_a_cap_matches_the_unstreamed_run(ex, offload):
+    """On CUDA (bf16 base built on the GPU, examples/train_lora.py's run()): the base streamed
+    from pinned RAM, the process capped at 1 GiB after the stream, trains as the same run
+    without streaming; the tolerance is the unstreamed run's own noise (run twice), 0 when
+    its kernels are deterministic."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    args = _args(ex, stream_weights=True, checkpoint=True, gpu_bytes=1 << 30, seq=64)
+    streamed = ex.run(args, device, offload=offload, log=lambda _: None, stream=True)
+    args.gpu_bytes = None
+    plain = [ex.run(args, device, offload=offload, log=lambda _: None, stream=False)
+             for _ in range(2)]
+
+    def diff(a, b):
+        return max([abs(x - y) for x, y in zip(a.losses, b.losses)]
+                   + [(x - y).abs().max().item() for x, y in zip(a.adapters, b.adapters)])
+
+    noise = diff(plain[0], plain[1])
+    assert diff(streamed, plain[0]) <= 4 * noise, (diff(streamed, plain[0]), noise)
+    assert streamed.stream_stats["fills"] == STEPS * 3
+    assert streamed.peak_bytes < 1 << 30
