@@ -64,7 +64,7 @@ import torch
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, lora_modules)
 from tiermem.models.lora_stream import (cap_gpu, check_stream_options, stream_lora_base,
-                                        stream_summary)
+                                        stream_summary, uncap_gpu)
 from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
 from tiermem.names import check_device, parse_bytes, resolve_device
 from tiermem.offload import ActivationOffloader, offload_activations, offload_in_modules
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print
         if offloader is not None:
             offloader.close()
         if capped:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            uncap_gpu(device)
         if handle is not None:
             handle.close()
             store.close()

@@ -147,10 +147,32 @@ def cap_gpu(device: torch.device | str, gpu_bytes: int | str) -> int:
     if device.type != "cuda":
         raise ValueError(f"--gpu-bytes={gpu_bytes!r} caps a CUDA device, not {device}; fix: "
                          f"--device cuda, or drop --gpu-bytes")
+    index = _cuda_index(device)
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
     return cap
+
+
+def uncap_gpu(device: torch.device | str) -> None:
+    """Lift :func:`cap_gpu`'s cap on ``device`` (a fraction of 1.0).
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device.
+    """
+    torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(torch.device(device)))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """``device``'s index, the current CUDA device for a bare ``"cuda"``:
+    ``set_per_process_memory_fraction`` refuses a device without an index (torch 2.11).
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"device={device}: a CUDA device is needed to cap its memory")
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def stream_summary(st: dict, steps: int) -> str:
