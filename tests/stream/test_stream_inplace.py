@@ -64,6 +64,9 @@ def test_a_data_write_between_passes_is_streamed(stores, tier, n_micro):
         got[2].close()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "since Note [param checksums] the unstreamed HybridAdam takes a .data write into its "
+    "master; the streamed one still steps its master from before the write (LEFT, issue 29)"))
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_a_data_write_between_steps_with_hybrid_adam_is_as_unstreamed(stores, tier):
     """HybridAdam connected (it writes the host copies from its masters and marks them

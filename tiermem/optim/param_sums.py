@@ -31,8 +31,11 @@ hook and ``step()``: only version-counter changes are refused there), with
 ``param_sync="forward"`` one made before ``opt.synchronize()`` (the step's completion takes the
 sums, so they include it; Note [param changes] asks for ``synchronize()`` first), a change
 whose words cancel modulo 2**64 (a permutation of whole 8-byte words), streamed weights (their
-host copies are watched by Note [streamed weight checksums]) and several processes (the watch
-is off there). A false alarm (a sum taken while an aborted step's write was still landing)
+host copies are watched by Note [streamed weight checksums], which streams such a write to the
+next forward, but HybridAdam's master of a streamed weight does not take it: it steps its
+master from before the write and writes that back, so the change lasts one step; LEFT, issue
+29; tests/stream/test_stream_inplace.py's strict xfail) and several processes (the watch is
+off there). A false alarm (a sum taken while an aborted step's write was still landing)
 changes nothing: the parameter holds its master as written (rounded), which the refresh keeps.
 """
 
