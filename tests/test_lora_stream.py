@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -22,22 +19,12 @@ pytest.importorskip("peft")
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers,  # noqa: E402
                                        frozen_parameters, lora_batches, lora_llama)
 from tiermem.models.lora_stream import base_bytes, stream_lora_base  # noqa: E402
+from test_lora import ex  # noqa: E402, F401  (the module-scoped examples/train_lora.py fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 8
 SHAPE = dataclasses.replace(SHAPES["tiny"], layers=6)  # enough layers to refill in backward
-
-
-@pytest.fixture(scope="module")
-def ex():
-    spec = importlib.util.spec_from_file_location("train_lora", ROOT / "examples" / "train_lora.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
 
 
 def _train(ex, *, stream: dict | None, hybrid: bool, checkpoint: bool, offload: str | None):
