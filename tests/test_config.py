@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import inspect
 import pathlib
 import re
@@ -15,6 +14,7 @@ import torch
 import yaml
 
 from models import TinyGPT, make_batch
+from _examples import load_example
 from tiermem.config import (ActivationConfig, BudgetConfig, OptimizerConfig, StoreConfig,
                             TrainConfig, apply_overrides, from_dict, from_tree, from_yaml,
                             load_config, parse_bytes)
@@ -304,11 +304,7 @@ def test_optimizer_config_covers_every_hybrid_adam_argument():
 
 
 def _train_large():
-    spec = importlib.util.spec_from_file_location("train_large",
-                                                  ROOT / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_large")
 
 
 @pytest.mark.parametrize("preset", LARGE_PRESETS, ids=lambda p: p.stem)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from models import TinyGPT, make_batch
+from _examples import load_example
 from tiermem import StoreConfig, TierStore
 from tiermem.optim.layout import GRAD_SLOTS, OUT_SLOTS
 from tiermem.optim import HybridAdam
@@ -250,12 +251,7 @@ def test_train_large_dry_runs_fit_and_a_30b_fails_early(tmp_path):
 
 
 def _train_large_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("train_large_example",
-                                                  ROOT / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_large", "train_large_example")
 
 
 @pytest.mark.parametrize("preset", ["h200_13b_nvme", "h200_20b_bf16"])

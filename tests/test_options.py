@@ -22,6 +22,7 @@ import typing
 import pytest
 import torch
 
+from _examples import load_example
 from tiermem import config, flags, options
 from tiermem.offload import offload_activations
 from tiermem.offload.activations import ActivationOffloader
@@ -297,11 +298,7 @@ def test_plan_checks_each_keyword_with_the_definition(keyword):
 
 
 def _train_large():
-    spec = importlib.util.spec_from_file_location("train_large",
-                                                  ROOT / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_large")
 
 
 def _tune_parser_flags() -> dict:

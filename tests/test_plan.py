@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from _examples import load_example
 from tiermem import StoreConfig, TierStore
 from tiermem.apps import cli
 from tiermem.telemetry.saved import SavedBytesCounter
@@ -1015,13 +1016,7 @@ def test_sizing_doc_quotes_the_presets_predictions():
 
 
 def _train_large():
-    import importlib.util
-    root = pathlib.Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("train_large",
-                                                  root / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_large")
 
 
 RAM_20B = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "configs" / "large" /

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from _examples import ROOT, load_example
 from tiermem.apps.plan import plan
 from tiermem.apps.plan.memory import rollback_slot_bytes
 from tiermem.apps.plan.placement import ROLLBACK_ITEM
@@ -96,14 +97,8 @@ def test_the_20b_ram_preset_has_ram_for_36_slots_and_not_for_what_its_last_backw
     plan holds 4 GiB of copies (the 4.5 GiB left of the store's budget: 36 slots of 128 MiB
     at most), not the ~14.4 GiB (115 chunks) the last of its 16 backward passes could overlap;
     the refusal names the field."""
-    import importlib.util
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("train_large_rb",
-                                                  root / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    path = str(root / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
+    module = load_example("train_large", "train_large_rb")
+    path = str(ROOT / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
     assert module.load(path)["optimizer"].rollback_bytes == 0  # the preset sets none
     fits = module.make_plan(module.load(path, overrides=["optimizer.rollback_bytes=4GiB"]))
     item = _item(fits)
@@ -249,14 +244,8 @@ def test_the_plan_times_the_chunks_its_budget_holds():
 def test_the_20b_presets_dry_run_prints_the_speculated_chunks(capsys):
     """examples/train_large.py --dry-run of the 20B RAM preset with a 4 GiB budget: its plan's
     step lines name the 32 chunks that speculate and the rest that wait for the norm."""
-    import importlib.util
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("train_large_dry",
-                                                  root / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    path = str(root / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
+    module = load_example("train_large", "train_large_dry")
+    path = str(ROOT / "examples" / "configs" / "large" / "h200_20b_ram.yaml")
     assert module.main(["--config", path, "--dry-run", "optimizer.rollback_bytes=4GiB"]) == 0
     out = capsys.readouterr().out
     chunks = re.search(r"with the 32 of (\d+) chunks the rollback budget lets speculate", out)

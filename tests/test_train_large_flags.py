@@ -4,21 +4,17 @@ overrides like them (Note [which flags map])."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from _examples import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = str(ROOT / "examples" / "configs" / "large" / "h200_13b_nvme.yaml")
 
 
 def _train_large():
-    spec = importlib.util.spec_from_file_location("train_large",
-                                                  ROOT / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_large")
 
 
 @pytest.mark.parametrize("steps", ["0", "-1"])

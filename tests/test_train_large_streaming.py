@@ -5,12 +5,12 @@ nvme homes and both schedules; the section's overrides and refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from _examples import load_example
 from tiermem.models.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,11 +18,7 @@ PRESET = str(ROOT / "examples" / "configs" / "large" / "h200_13b_nvme.yaml")
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("train_large_stream",
-                                                  ROOT / "examples" / "train_large.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_large", "train_large_stream")
 
 
 def _every_block_streamed_bytes(n_layers=4, prefetch=1) -> int:
