@@ -51,6 +51,9 @@
 #                                       timed: ~3-4 min estimated)
 #                                       (STREAM_OPTIMIZERS=hybrid: its HybridAdam rows only, as for 64k)
 #                                       (default --max-grad-norm off,1.0: each row twice, 2x time)
+#   bench_stream_64k_df nvidia-h200     bench_stream_64k's HybridAdam rows, clip off, the streamed
+#                                       row depth-first (each weight 4x per pass) and block-major
+#                                       side by side (Note [bench stream schedule]); bounded 540 s
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
 #                                       (the same clip grid off,1.0: each row twice, 2x time)
@@ -91,6 +94,9 @@
 #                                       free -g and df first; bounded 540 s (~300 s estimated)
 #   large8_stream      nvidia-h200      h200_8b_stream_24gib.yaml (GPU capped at 24 GiB), 5 steps,
 #                                       bounded 540 s (~150 s estimated)
+#   large8_resident    nvidia-h200      the same preset uncapped, every weight resident (streaming
+#                                       off): issue 29's 8B baseline, the model TFLOP/s the
+#                                       uncapped GPU reaches at 32k tokens/step; bounded 420 s
 #   large20_stream     nvidia-h200-x2   h200_20b_stream_80gib.yaml (GPU capped at 80 GiB), 3 steps,
 #                                       bounded 540 s (~420 s estimated); not on nvidia-h200: it
 #                                       pins ~128 GiB of RAM and spills 60.3 GiB (a 64 GiB disk)
@@ -206,6 +212,10 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_stream_bm1) run bench_stream_bm1 300 tiermem bench stream "${GPT[@]}" --batch 8 \
       --steps 3 --warmup 1 --repeats 1 --gpu-bytes 64GiB --stream-schedule block-major \
       --optimizers hybrid ;;
+    bench_stream_64k_df) for sched in depth-first block-major; do
+      run "bench_stream_64k_$sched" 270 tiermem bench stream "${GPT[@]}" --batch 8 \
+        --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
+        --optimizers hybrid --max-grad-norm off --stream-schedule "$sched"; done ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
       --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
       --optimizers "${STREAM_OPTIMIZERS:-adamw,hybrid}" ;;
@@ -253,6 +263,9 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --gpu-bytes 24GiB --nvme-dir "$SPILL" ;;
     large8_stream) run large_8b_stream 540 python3 examples/train_large.py \
       --config examples/configs/large/h200_8b_stream_24gib.yaml --gpu-bytes 24GiB ;;
+    large8_resident) run large_8b_resident 420 python3 examples/train_large.py \
+      --config examples/configs/large/h200_8b_stream_24gib.yaml streaming.enabled=false \
+      budgets.gpu_bytes=139GiB ;;
     large20_stream) free -g; df -h "$SPILL"; run large_20b_stream 540 python3 \
       examples/train_large.py --config examples/configs/large/h200_20b_stream_80gib.yaml \
       --gpu-bytes 80GiB --nvme-dir "$SPILL" ;;
