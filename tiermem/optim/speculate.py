@@ -72,6 +72,16 @@ every admitted chunk's reads: the worker reads a single-piece chunk's host gradi
 during its kernel, so a clip in ``grads_and_norm`` (where it was before) would scale it under a
 speculative step that is still reading it.
 
+Note [host clip by one]: torch's clip multiplies every gradient by the coefficient, 1 included.
+:func:`clip_` copies the coefficient to the host for the host gradients (streamed weights'), a
+copy that waits for the norm as it always did, and skips their multiply when it is exactly 1:
+then the norm is finite, so is every element, and ``x * 1`` is ``x`` for every finite float
+(-0 and subnormals too, in the default IEEE mode; ``torch.set_flush_denormal(True)`` would
+have flushed subnormals in the multiply). The bits are those of the multiply, without a pass
+over every host gradient on a step that does not speculate (``rollback_bytes=0``, or the switch
+off) and does not clip: the reasoning that lets a speculative step stand. Device gradients are
+multiplied as before (reading the coefficient there would add a host synchronisation).
+
 Note [held chunks]: a speculating step ships gradients as they land (backward order: the last
 layers first), and the chunks that find no slot wait for the norm. Queued behind the admitted
 ones they would be stepped, once ``step()`` has the norm, in that backward order -- the order
@@ -118,7 +128,8 @@ SPECULATING_MODES = ("local", "local+stream", "zero")
 
 def clip_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply ``grads`` in place by the clip coefficient ``coef``, per device: a streamed
-    weight's host gradient by a host copy of it (Note [streamed rollback]).
+    weight's host gradient by a host copy of it (Note [streamed rollback]); host gradients not
+    at all when that copy is exactly 1 (Note [host clip by one]).
 
     Raises:
         Nothing beyond torch's errors.
@@ -127,7 +138,10 @@ def clip_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     for t in grads:
         by_device.setdefault(t.device, []).append(t)
     for device, ts in by_device.items():
-        torch._foreach_mul_(ts, coef if device == coef.device else coef.to(device))
+        c = coef if device == coef.device else coef.to(device)  # host: waits for the norm
+        if c.device.type == "cpu" and float(c) == 1.0:
+            continue  # Note [host clip by one]
+        torch._foreach_mul_(ts, c)
 
 
 class SpeculationSwitch:
@@ -489,6 +503,10 @@ class Speculation:
             step.add_stats(rollback_held_bytes=self.held_bytes(),
                            rollback_gpu_bytes=self.gpu_held_bytes(), speculating=int(self.active))
         grads, total = mode.grads_and_norm(groups, device)
+        counts = getattr(mode, "norm_counts", None)  # Note [streamed gradient norms]
+        if counts:
+            with step.stats_lock:
+                step.stats.update(counts)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         consumer = copier.consumer_stream()
         items: list[tuple[int, int]] = []

@@ -46,6 +46,7 @@ import torch
 
 from tiermem.optim.layout import Group
 from tiermem.optim.modes import LocalMode, grad_hook
+from tiermem.stream.grad_norms import total_norm
 from tiermem.stream.weights import stream_of
 
 
@@ -90,6 +91,7 @@ class StreamedMode(LocalMode):
     def __init__(self, streams: dict[int, Any]) -> None:
         super().__init__()
         self._streams = streams
+        self.norm_counts: dict[str, int] = {}  # Note [streamed gradient norms]
 
     def bind(self, groups: list[Group], max_grad_norm: float | None) -> None:
         """Point each streamed local tensor at its host copy (``Group.host_copies``); the clip of
@@ -125,8 +127,50 @@ class StreamedMode(LocalMode):
                 for h in hooks:
                     h.remove()
                 raise
+            stream._grads.norms.want = link.wants_norm  # Note [streamed gradient norms]
             hooks.append(link)
         return hooks
+
+    def begin_step(self) -> None:
+        """Forget the last step's norms of the streamed gradients (Note [streamed gradient
+        norms]: a norm lives for one step).
+
+        Raises:
+            nothing.
+        """
+        super().begin_step()
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream._grads.norms.clear()
+
+    def grads_and_norm(self, groups: list[Group], device: torch.device
+                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """LocalMode's gradients and global norm, a streamed gradient's norm taken from its
+        take on the device where it has one (Note [streamed gradient norms]); sets
+        ``norm_counts`` (``norms_precomputed`` / ``norms_computed``: streamed gradients whose
+        norm was taken before ``step()`` / in it) for ``step_stats``.
+
+        Raises:
+            Nothing beyond torch's errors.
+        """
+        grads: list[torch.Tensor] = []
+        norms: list[torch.Tensor | None] = []
+        streamed = 0
+        for g in groups:
+            for p in g.params:
+                grad = p.grad
+                if grad is None:
+                    continue
+                s = self._streams.get(id(p))
+                streamed += s is not None
+                grads.append(grad)
+                norms.append(None if s is None else s._grads.norms.lookup(grad))
+        found = sum(n is not None for n in norms)
+        if not hasattr(torch.nn.utils, "get_total_norm"):  # an older torch: LocalMode's rule
+            found = 0
+        self.norm_counts = {"norms_precomputed": found, "norms_computed": streamed - found}
+        if not found:
+            return super().grads_and_norm(groups, device)
+        return grads, total_norm(grads, norms)
 
     def grad_of(self, g: Group, i: int) -> torch.Tensor | None:
         """A streamed weight's host gradient (during a pass the stream's, not ``.grad``)."""
@@ -165,6 +209,19 @@ class Link:
         if opt is not None and item is not None:
             on_host_grad(opt, *item, grad, passes, event)
 
+    def wants_norm(self, passes: int) -> bool:
+        """Whether a gradient taken whole into an empty host gradient, covering ``passes``
+        backward passes, completes it for the step and its norm is wanted: HybridAdam clips,
+        with ``overlap=True`` (gradients final when backward ends), and ``passes`` reaches
+        ``grad_accumulation_steps`` (Note [streamed gradient norms]).
+
+        Raises:
+            nothing.
+        """
+        opt = self._ref()
+        return (opt is not None and opt.max_grad_norm is not None and opt.overlap
+                and passes >= opt.grad_accumulation_steps)
+
     def before_pass(self) -> None:
         """Before a pass: complete a pending step, mark the weights it wrote changed.
 
@@ -191,6 +248,10 @@ class Link:
         """
         if not self._stream.closed and self._stream._link is self:
             self._stream.connect(None)
+        norms = self._stream._grads.norms
+        if norms.want == self.wants_norm:
+            norms.want = None
+            norms.clear()
 
 
 def on_host_grad(opt: Any, g: int, i: int, grad: torch.Tensor, passes: int,

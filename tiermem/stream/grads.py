@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from tiermem.stream.copies import StreamCopies
+from tiermem.stream.grad_norms import GradNorms
 
 
 @dataclass(eq=False)
@@ -85,12 +86,16 @@ class HostGrads:
         self._told: list[tuple[Any, int, Any]] = []
         # Note [hand-off lag]: gradients handed to the sink during the pass / by flush()
         self.handed = {"handed_in_pass": 0, "handed_at_end": 0}
+        # Note [streamed gradient norms]: norms of whole gradients, taken as they leave
+        self.norms = GradNorms()
 
     def take(self, entry: Any, grad: torch.Tensor, passes: int = 1) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
         gradient or None) into ``entry.acc``; hand it to the sink, at once with the event of
         its copy straight into ``entry.acc``, or once a staged copy has landed and been added
-        (Note [streamed gradient hand-off]). ``passes``: backward passes ``grad`` holds.
+        (Note [streamed gradient hand-off]). ``passes``: backward passes ``grad`` holds. A
+        gradient that is the whole of ``entry.acc`` has its norm taken on the device when
+        ``norms.want`` says it completes the step (Note [streamed gradient norms]).
 
         Raises:
             RuntimeError: torch's copy or add errors; the sink's errors.
@@ -98,7 +103,9 @@ class HostGrads:
         if not self.copies.cuda:
             if entry.acc is None:
                 entry.acc = grad  # autograd's own tensor: nothing else refers to it now
+                self.norms.record(grad, self.norms.measure(grad, passes))
             else:
+                self.norms.forget(entry.acc)  # Note [streamed gradient norms]
                 entry.acc.add_(grad)
             if self.sink is not None:
                 self.handed["handed_in_pass"] += 1
@@ -108,8 +115,11 @@ class HostGrads:
         if entry.acc is None:
             entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
             straight = self.copies.grad_out(entry.acc, grad)
+            # beside the copy, on the caller's stream: Note [streamed gradient norms]
+            self.norms.record(entry.acc, self.norms.measure(grad, passes))
             self._pending.append(_Pending(entry, None, straight))
         else:
+            self.norms.forget(entry.acc)
             if entry.staging is None:
                 entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
             elif id(entry) in self._staged:
