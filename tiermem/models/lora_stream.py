@@ -17,11 +17,15 @@ no third copy). tiermem's block-major loop (each block once per pass whatever th
 micro-batches) drives tiermem's GPT blocks only, so ``schedule="block-major"`` is refused here;
 at one micro-batch per step the two schedules move the same bytes.
 
-Note [LoRA stream on NVMe]: with ``tier="nvme"`` the stream of this phase (tiermem/stream/
-weights.py ``_place``) keeps a RAM host copy of every streamed weight beside its NVMe copy
-(what an optimizer would step); the fills read the NVMe copy through the RAM staging. A frozen
-base therefore needs its full size in RAM *and* on disk: the nvme tier does not let a base
-larger than RAM be streamed yet (docs/lora.md, "Streaming the base").
+Note [LoRA stream on NVMe]: with ``tier="nvme"`` the base's only home is NVMe
+(``stream_weights(..., staging_blocks=k)``, Note [NVMe home] in tiermem/stream/nvme_home.py):
+no RAM copy of it, each layer read from its NVMe file ahead of use (forward order, then the
+backward's reverse) into at most ``k`` layers of pinned RAM staging (default
+``prefetch_blocks + 2``) and evicted again once its copy to the GPU has landed. The store's RAM
+budget is those ``k`` layers plus one pool slab of slack, whatever the base's size, so a base
+larger than RAM streams (its NVMe budget is the base plus one slab). Before this, the nvme
+tier kept a RAM host copy of every streamed weight beside its NVMe copy (the base's full size
+in RAM *and* on disk).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tiermem.names import parse_bytes
 from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
 from tiermem.store import TierStore
 from tiermem.stream import WeightStream, stream_weights
+from tiermem.stream.nvme_home import staging_bytes
 
 logger = logging.getLogger("tiermem")
 
@@ -53,13 +58,14 @@ def base_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def check_stream_options(*, tier: str = "cpu", prefetch_blocks: int = 1,
-                         schedule: str = "depth-first", nvme_dir: str | None = None) -> None:
+                         schedule: str = "depth-first", nvme_dir: str | None = None,
+                         staging_blocks: int | None = None) -> None:
     """Refuse options the LoRA stream cannot run with, one line naming the flag and the fix.
 
     Raises:
         ValueError: an unknown ``tier`` or ``schedule``, ``schedule="block-major"`` (Note [LoRA
-            stream schedule]), ``prefetch_blocks`` not an int >= 0, or ``tier="nvme"`` without
-            ``nvme_dir``.
+            stream schedule]), ``prefetch_blocks`` not an int >= 0, ``tier="nvme"`` without
+            ``nvme_dir``, ``staging_blocks`` not an int >= 1 or given with ``tier="cpu"``.
     """
     if tier not in STREAM_TIERS:
         raise ValueError(f"--stream-tier={tier!r} is not one of {', '.join(STREAM_TIERS)}")
@@ -77,16 +83,27 @@ def check_stream_options(*, tier: str = "cpu", prefetch_blocks: int = 1,
     if tier == "nvme" and not nvme_dir:
         raise ValueError("--stream-tier=nvme needs --nvme-dir DIR (the store's spill "
                          "directory); fix: add --nvme-dir or use --stream-tier cpu")
+    if staging_blocks is None:
+        return
+    if isinstance(staging_blocks, bool) or not isinstance(staging_blocks, int) \
+            or staging_blocks < 1:
+        raise ValueError(f"--staging-blocks={staging_blocks!r} must be an int >= 1 (layers of "
+                         f"the NVMe base staged in RAM), e.g. {prefetch_blocks + 2}")
+    if tier != "nvme":
+        raise ValueError(f"--staging-blocks={staging_blocks} bounds the RAM staging of a base "
+                         f"on NVMe; fix: add --stream-tier nvme, or drop --staging-blocks")
 
 
 def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str = "cpu",
                      prefetch_blocks: int = 1, schedule: str = "depth-first",
-                     nvme_dir: str | None = None) -> tuple[WeightStream, TierStore]:
+                     nvme_dir: str | None = None, staging_blocks: int | None = None
+                     ) -> tuple[WeightStream, TierStore]:
     """Stream the frozen weights of ``model``'s decoder layers through a new store.
 
     The store holds exactly what it streams: its pinned-RAM budget is the base's bytes plus one
-    slab (``tier="cpu"``), or RAM staging for ``prefetch_blocks + 3`` layers beside an NVMe
-    budget of the base plus one slab (``tier="nvme"``); slabs are taken as the weights go in.
+    slab (``tier="cpu"``), or (``tier="nvme"``, Note [LoRA stream on NVMe]) the staging of
+    ``staging_blocks`` layers plus one slab beside an NVMe budget of the base plus one slab;
+    slabs are taken as the weights go in.
 
     Args:
         model: a peft LoRA Llama (:func:`~tiermem.models.lora_llama.lora_llama`), base frozen,
@@ -95,6 +112,8 @@ def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str 
         tier, prefetch_blocks, nvme_dir: ``stream_weights``'s tier and prefetch (layers), the
             spill directory for ``"nvme"``.
         schedule: ``"depth-first"`` (Note [LoRA stream schedule]).
+        staging_blocks: ``tier="nvme"``: layers staged in RAM at once (None: ``prefetch_blocks
+            + 2``; Note [NVMe home]).
 
     Returns:
         (the :class:`~tiermem.stream.WeightStream`, its store); close the stream, then the
@@ -106,7 +125,7 @@ def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str 
         the errors of :func:`~tiermem.stream.stream_weights` (nothing is streamed then).
     """
     check_stream_options(tier=tier, prefetch_blocks=prefetch_blocks, schedule=schedule,
-                         nvme_dir=nvme_dir)
+                         nvme_dir=nvme_dir, staging_blocks=staging_blocks)
     total, largest = base_bytes(model)
     if total == 0:
         raise ValueError("stream_lora_base: the decoder layers have no frozen weight to stream; "
@@ -116,19 +135,35 @@ def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str 
         cfg = StoreConfig(device=str(device), gpu_bytes=0, cpu_bytes=total + slab, nvme_bytes=0,
                           pool_slab_bytes=slab)
     else:
+        if staging_blocks is None:
+            staging_blocks = prefetch_blocks + 2
         cfg = StoreConfig(device=str(device), gpu_bytes=0,
-                          cpu_bytes=(prefetch_blocks + 3) * largest + slab,
+                          cpu_bytes=staging_ram_bytes(model, staging_blocks) + slab,
                           nvme_bytes=total + slab, nvme_dir=nvme_dir, pool_slab_bytes=slab)
     store = TierStore(cfg)
     try:
         stream = stream_weights(decoder_layers(model), store=store, tier=tier,
-                                prefetch_blocks=prefetch_blocks, frozen_only=True)
+                                prefetch_blocks=prefetch_blocks, frozen_only=True,
+                                staging_blocks=staging_blocks if tier == "nvme" else None)
     except BaseException:
         store.close()
         raise
-    logger.info("LoRA base streamed from %s: %d bytes in %d layers, prefetch %d", tier, total,
-                len(decoder_layers(model)), prefetch_blocks)
+    logger.info("LoRA base streamed from %s: %d bytes in %d layers, prefetch %d%s", tier, total,
+                len(decoder_layers(model)), prefetch_blocks,
+                f", {staging_blocks} layers of RAM staging" if tier == "nvme" else "")
     return stream, store
+
+
+def staging_ram_bytes(model: nn.Module, staging_blocks: int) -> int:
+    """RAM the NVMe base's staging of ``staging_blocks`` layers may hold (bytes; Note [NVMe
+    home]); the store's budget adds one pool slab to it.
+
+    Raises:
+        nothing: arithmetic on the model's sizes.
+    """
+    return staging_bytes([[p.numel() * p.element_size() for p in layer.parameters()
+                           if not p.requires_grad] for layer in decoder_layers(model)],
+                         staging_blocks)
 
 
 def cap_gpu(device: torch.device | str, gpu_bytes: int | str) -> int:

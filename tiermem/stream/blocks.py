@@ -30,7 +30,7 @@ class Param:
     name: str
     param: nn.Parameter
     key: Hashable                  # its key in the TierStore
-    host: torch.Tensor             # the host copy: ``param.data`` between passes
+    host: torch.Tensor  # the host copy: ``param.data`` between passes (Note [NVMe home]: stand-in)
     storage: Any                   # torch.UntypedStorage on the device (0 bytes when released)
     home_device: torch.device      # where the parameter was before streaming (close() returns it)
     acc: torch.Tensor | None = None      # host gradient during a pass (Note [host gradients])
@@ -96,6 +96,7 @@ class Fetcher:
         self.fault: Any = None  # tests: a callable(block, param, src) -> the tensor to copy
         self._holding: list[Block] = []  # blocks whose fill still reads staging blocks
         self.checks = BufferChecks(copies.cuda)  # Note [streamed weight checksums]
+        self.home: Any = None  # the NvmeHome of weights homed on NVMe (Note [NVMe home])
 
     def fill(self, block: Block) -> None:
         """Start copying ``block``'s weights to the device (nothing if filling or ready).
@@ -114,6 +115,8 @@ class Fetcher:
         self.check_unchanged(block)
         pairs = []
         try:
+            if self.home is not None:
+                self._stage(block)
             for p in block.params:
                 src = p.host
                 if self.tier == "nvme":
@@ -217,6 +220,23 @@ class Fetcher:
             for key in block.held:
                 self.store.release(key)
             block.held.clear()
+        if self.home is not None:
+            self.home.unstage(block)  # back to nvme, no write (Note [NVMe home])
+
+    def _stage(self, block: Block) -> None:
+        """Make room for ``block`` in the NVMe home's staging, then count it (Note [NVMe
+        home]): drop a read-ahead block, else wait for the oldest fill's copy to land."""
+        home = self.home
+        while not home.staged(block) and home.full():
+            victim = home.victim(self._holding)
+            if victim is not None:
+                home.unstage(victim)
+            elif self._holding:
+                self._unhold(self._holding.pop(0))  # waits for the copy to land (a host sync)
+            else:
+                raise RuntimeError("weight streaming: the NVMe staging is full with no block to "
+                                   "give back (a stream bug: Note [NVMe home])")
+        home.stage(block)
 
     def _free(self, block: Block) -> None:
         """Give back the storages and the staging blocks held for the fill."""
@@ -230,7 +250,7 @@ class Fetcher:
     def _view(self, p: Param) -> torch.Tensor:
         """The parameter's full tensor on its device storage."""
         out = torch.empty(0, dtype=p.host.dtype, device=self.device)
-        return out.set_(p.storage, 0, p.host.shape, p.host.stride())
+        return out.set_(p.storage, 0, p.host.shape)  # contiguous (an NVMe stand-in's stride is 0)
 
     def _bytes(self, p: Param) -> torch.Tensor:
         """The parameter's device storage as bytes (what its checksum sums, whatever the

@@ -38,7 +38,8 @@ early (``torch._C._current_graph_task_id() != -1`` tells a recomputation from a 
 Between passes, ``param.data`` IS the host copy (the store's held pool view for ``tier="cpu"``;
 for ``tier="nvme"`` a host tensor whose store copy on NVMe is rewritten at the next pass start
 when it changed: ``param._version`` moved, ``param.data`` was replaced, or an optimizer stepped
-it) and ``param.grad`` the host gradient (Note [host gradients] in tiermem/stream/grads.py), so a
+it; with ``staging_blocks`` no host copy but a stand-in: Note [NVMe home] in nvme_home.py)
+and ``param.grad`` the host gradient (Note [host gradients] in tiermem/stream/grads.py), so a
 torch optimizer steps the host copies in place and the next forward streams the new weights.
 HybridAdam instead connects to the stream (:meth:`WeightStream.connect`): it gets each gradient
 from the stream as it lands on the host (Note [streamed gradient hand-off]), writes the new
@@ -76,6 +77,7 @@ from tiermem.stream.compose import eager as _eager
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
 from tiermem.stream.major import BlockMajorPass
+from tiermem.stream.nvme_home import home_for
 from tiermem.stream.release import BackwardRelease
 from tiermem.stream.residency import (ResidencyPlan, buffer_blocks_for, kept_blocks_for,
                                       plan_residency)
@@ -131,7 +133,8 @@ def _pre_backward(ref: Any, i: int, token: Any) -> None:
 def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
                    prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
                    resident: Sequence[int] | None = None,
-                   frozen_only: bool = False) -> "WeightStream":
+                   frozen_only: bool = False,
+                   staging_blocks: int | None = None) -> "WeightStream":
     """Stream the weights of ``blocks`` through ``store`` (Note [weight streaming]).
 
     Args:
@@ -149,6 +152,10 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
         resident: indices of blocks to keep on the device instead (not with ``gpu_bytes``).
         frozen_only: stream only the weights that do not require grad (a frozen base under
             LoRA adapters); the trainable ones stay ordinary parameters where they are.
+        staging_blocks: with ``tier="nvme"``, keep no RAM copy: the weights' only home is
+            NVMe, read ahead in execution order into at most this many blocks of RAM staging
+            in the store's cpu tier (frozen weights only; Note [NVMe home]). None: a RAM host
+            copy of every weight beside the NVMe copy.
 
     Returns:
         A :class:`WeightStream` (a context manager; ``close()`` makes the parameters ordinary
@@ -160,7 +167,8 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
         TierFullError: the store has no room for the weights (nothing is changed).
     """
     return WeightStream(blocks, store=store, tier=tier, prefetch_blocks=prefetch_blocks,
-                        gpu_bytes=gpu_bytes, resident=resident, frozen_only=frozen_only)
+                        gpu_bytes=gpu_bytes, resident=resident, frozen_only=frozen_only,
+                        staging_blocks=staging_blocks)
 
 
 class WeightStream:
@@ -172,7 +180,8 @@ class WeightStream:
 
     def __init__(self, blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
                  prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
-                 resident: Sequence[int] | None = None, frozen_only: bool = False) -> None:
+                 resident: Sequence[int] | None = None, frozen_only: bool = False,
+                 staging_blocks: int | None = None) -> None:
         per_block = select_frozen(block_params(blocks), frozen_only)
         n = len(per_block)
         gpu_bytes, resident = check_options(store, tier, prefetch_blocks, gpu_bytes, resident, n)
@@ -188,6 +197,9 @@ class WeightStream:
         else:
             self.plan = plan_residency(sizes, gpu_bytes=gpu_bytes,
                                        prefetch_blocks=prefetch_blocks)
+        on = self.plan.streamed  # Note [NVMe home]: checked before anything changes
+        self._home = home_for(staging_blocks, tier=tier, store=store, indices=on,
+                              streamed=[per_block[i] for i in on])
         self.store = store
         self.tier = tier
         self.prefetch_blocks = prefetch_blocks
@@ -199,6 +211,7 @@ class WeightStream:
         self._uid = next(_IDS)
         self._copies = StreamCopies(self.device)
         self._fetcher = Fetcher(store, tier, self._copies)
+        self._fetcher.home = self._home
         self._grads = HostGrads(self._copies, pin=self._copies.cuda)
         self._pass: _Pass | None = None
         self._major: BlockMajorPass | None = None  # the open block-major pass, if any
@@ -254,9 +267,15 @@ class WeightStream:
         optimizer that steps it writes the new weights (Note [streamed write-back]).
 
         Raises:
-            ValueError: ``param`` is not streamed by this stream (resident, or another model's).
+            ValueError: ``param`` is not streamed by this stream (resident, or another model's),
+                or its home is NVMe (``staging_blocks``: it has no host copy).
         """
-        return self._entry(param).host
+        p = self._entry(param)
+        if self._home is not None:
+            raise ValueError(f"WeightStream.host_copy(): blocks[{p.block.index}].{p.name} has no "
+                             f"host copy: its home is NVMe (staging_blocks, Note [NVMe home]); "
+                             f"fix: stream with staging_blocks=None to keep one in RAM")
+        return p.host
 
     def host_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The host gradient of streamed ``param``: ``param.grad`` between passes, the one
@@ -277,6 +296,18 @@ class WeightStream:
             ValueError: ``param`` is not streamed by this stream.
         """
         self._entry(param).written_version = None
+
+    def host_sum(self, param: nn.Parameter) -> int | None:
+        """The checksum of ``param``'s host copy known without reading it: its block's first
+        fill in the open pass, once landed; else None (Note [streamed write-back checksums]).
+
+        Raises:
+            ValueError: ``param`` is not streamed by this stream.
+        """
+        p = self._entry(param)
+        if self._pass is None or p.host.storage_offset() * p.host.element_size() % 8:
+            return None  # no pass, or a word grid unlike the device buffer's
+        return self._fetcher.checks.first_fill_sum(p.block, p.block.params.index(p))
 
     def adopt(self, param: nn.Parameter) -> None:
         """Between passes, take a replaced ``param.data`` (``param.data = t``) into the host
@@ -330,12 +361,16 @@ class WeightStream:
         ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy),
         ``handed_in_pass`` / ``handed_at_end`` (gradients handed to a connected optimizer
         during a pass / when it ended: Note [hand-off lag]), ``checked_blocks`` (block releases
-        whose weights were checksummed: Note [streamed weight checksums]).
+        whose weights were checksummed: Note [streamed weight checksums]); with
+        ``staging_blocks``, ``staging_peak_blocks`` / ``staging_peak_bytes`` (RAM staging) and
+        ``read_ahead_blocks`` (Note [NVMe home]).
 
         Raises:
             nothing.
         """
-        return dict(self._fetcher.stats, **self._grads.handed, **self._fetcher.checks.stats)
+        home = self._home.stats if self._home is not None else {}
+        return dict(self._fetcher.stats, **self._grads.handed, **self._fetcher.checks.stats,
+                    **home)
 
     def close(self, *, force: bool = False) -> None:
         """Stop streaming: every streamed parameter becomes an ordinary parameter on the device
@@ -349,6 +384,8 @@ class WeightStream:
         Raises:
             RuntimeError: a pass is open with a live graph and ``force`` is False (run its
                 backward first).
+            SpillError, SpillCorruption: reading back a weight homed on NVMe failed (the
+                stream stays open, nothing changed; Note [NVMe home]).
         """
         if self._closed:
             return
@@ -363,12 +400,15 @@ class WeightStream:
         if self._link is not None:
             raise RuntimeError("WeightStream.close(): a HybridAdam steps these weights' host "
                                "copies; close() the optimizer first")
+        entries = [p for b in self._blocks for p in b.params]
+        back = self._home.restore(entries) if self._home is not None else None  # reads first
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         for block in self._blocks:
             for p in block.params:
-                p.param.data = p.host.detach().to(p.home_device, copy=True)
+                p.param.data = back.pop(0) if back is not None else \
+                    p.host.detach().to(p.home_device, copy=True)
                 grad = p.param.grad
                 if grad is not None:
                     p.param.grad = grad.to(p.home_device, copy=True)
@@ -404,6 +444,8 @@ class WeightStream:
                     if self.tier == "cpu":
                         self.store.put(key, src, "cpu")
                         host = self.store.get(key, "cpu", hold=True)
+                    elif self._home is not None:  # no RAM copy: a stand-in (Note [NVMe home])
+                        host = self._home.place(key, param)
                     else:
                         host = src.to("cpu", copy=True).contiguous()
                         self.store.put(key, host, "nvme")
@@ -484,7 +526,9 @@ class WeightStream:
         check_grad_flags(entries, self._hooked)
         check_composition(self._modules, self._blocks)
         taken = [p for p in entries if self._replaced(p)]  # checks first: a refusal
-        for p in entries:                                    # changes nothing
+        if self._home is not None:                           # changes nothing
+            self._home.check_unwritten(entries)  # Note [NVMe home]
+        for p in entries:
             grad = p.param.grad
             if grad is not None and (grad.device.type != "cpu" or grad.shape != p.host.shape
                                      or grad.dtype != p.host.dtype):
@@ -495,7 +539,7 @@ class WeightStream:
                     f"its weight ({p.host.dtype}, {tuple(p.host.shape)}, cpu), or None")
         for p in taken:
             self._take_replaced(p)
-        if self.tier == "nvme":
+        if self.tier == "nvme" and self._home is None:  # no host copy to write back
             for p in entries:
                 now = None
                 if not self._stepped and p.written_version == p.param._version:
@@ -540,6 +584,9 @@ class WeightStream:
 
     def _take_replaced(self, p: Param) -> None:
         """Copy a replaced ``.data`` into the host copy, which becomes ``.data`` again."""
+        if self._home is not None:
+            self._home.take(p)  # into the NVMe copy (Note [NVMe home])
+            return
         logger.info("weight streaming: blocks[%d].%s.data was replaced between passes; "
                     "the new values are streamed", p.block.index, p.name)
         new = p.param.data
@@ -715,10 +762,13 @@ class WeightStream:
 
     def _prefetch(self, upcoming: list[int]) -> None:
         """Fill the next ``prefetch_blocks`` of ``upcoming`` (streamed block indices in
-        execution order); with ``tier="nvme"`` read one more into RAM."""
+        execution order); with ``tier="nvme"`` read one more into RAM (with ``staging_blocks``
+        as many as the staging holds, Note [NVMe home])."""
         for j in upcoming[:self.prefetch_blocks]:
             self._fetcher.fill(self._blocks[j])
-        if self.tier == "nvme":
+        if self._home is not None:
+            self._home.read_ahead([self._blocks[j] for j in upcoming[self.prefetch_blocks:]])
+        elif self.tier == "nvme":
             mine = ("tiermem.stream", self._uid)
             for j in upcoming[self.prefetch_blocks:self.prefetch_blocks + 1]:
                 for p in self._blocks[j].params:  # a hint: only into room, never an error
