@@ -46,6 +46,8 @@ fit an H200 uncapped) and moved to the store by the stream.
     python examples/train_lora.py --compare --checkpoint
     python examples/train_lora.py --compare --offload adapters
     python examples/train_lora.py --compare --stream-weights --checkpoint
+    python examples/train_lora.py --compare --stream-weights --stream-tier nvme \\
+        --nvme-dir /tmp/spill --staging-blocks 2  # the base on NVMe only, 2 layers in RAM
     python examples/train_lora.py --preset 7b --device cuda --seq 4096 --steps 10
     python examples/train_lora.py --preset 32b --device cuda --seq 4096 --batch 1 --steps 4 \\
         --checkpoint --stream-weights --gpu-bytes 24GiB  # base in pinned RAM, GPU at 24 GiB
@@ -224,7 +226,8 @@ def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print
     if stream:
         handle, store = stream_lora_base(model, device=device, tier=args.stream_tier,
                                          prefetch_blocks=args.prefetch_blocks,
-                                         schedule=args.stream_schedule, nvme_dir=args.nvme_dir)
+                                         schedule=args.stream_schedule, nvme_dir=args.nvme_dir,
+                                         staging_blocks=getattr(args, "staging_blocks", None))
     capped = getattr(args, "gpu_bytes", None) is not None and device.type == "cuda"
     opt = offloader = None
     try:
@@ -265,7 +268,7 @@ def check_stream_flags(args: argparse.Namespace, device: torch.device) -> None:
             a byte count > 0 or on a device that is not CUDA; one line naming the flag, the
             value and the fix.
     """
-    given = {k: getattr(args, k) for k in (*STREAM_DEFAULTS, "nvme_dir")
+    given = {k: getattr(args, k) for k in (*STREAM_DEFAULTS, "nvme_dir", "staging_blocks")
              if getattr(args, k) is not None}
     if given and not args.stream_weights:
         name, value = next(iter(given.items()))
@@ -280,7 +283,8 @@ def check_stream_flags(args: argparse.Namespace, device: torch.device) -> None:
             setattr(args, name, default)
     if args.stream_weights:
         check_stream_options(tier=args.stream_tier, prefetch_blocks=args.prefetch_blocks,
-                             schedule=args.stream_schedule, nvme_dir=args.nvme_dir)
+                             schedule=args.stream_schedule, nvme_dir=args.nvme_dir,
+                             staging_blocks=args.staging_blocks)
     if args.gpu_bytes is not None:
         cap = parse_bytes(args.gpu_bytes, "--gpu-bytes")
         if cap <= 0:
@@ -328,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
                              "forward (streaming.schedule; tiermem/models/lora_stream.py)")
     parser.add_argument("--nvme-dir", default=None,
                         help="spill directory of the stream's store (store.nvme_dir)")
+    parser.add_argument("--staging-blocks", type=int, default=None,
+                        help="with --stream-tier nvme: layers of the base staged in pinned RAM "
+                             "at once, the base's only RAM (default prefetch + 2; Note [NVMe "
+                             "home] in tiermem/stream/nvme_home.py)")
     parser.add_argument("--gpu-bytes", default=None,
                         help="cap the process's GPU memory at SIZE, e.g. 24GiB, to stand for a "
                              "smaller card (budgets.gpu_bytes, as in examples/train_large.py)")
@@ -362,8 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiermem: {what[args.offload]} -> pinned RAM, HybridAdam on the adapters")
     if args.stream_weights:
         cap = "" if args.gpu_bytes is None else f", GPU capped at {args.gpu_bytes / 2**30:.1f} GiB"
+        staging = "" if args.stream_tier != "nvme" else (
+            f", {args.staging_blocks or args.prefetch_blocks + 2} layers of RAM staging "
+            f"(no RAM copy of the base)")
         print(f"tiermem: the base's decoder layers streamed from {args.stream_tier}, prefetch "
-              f"{args.prefetch_blocks}, {args.stream_schedule}{cap}", flush=True)
+              f"{args.prefetch_blocks}, {args.stream_schedule}{cap}{staging}", flush=True)
     off = run(args, device, offload=True)
     print(f"offloaded {off.offload_stats['put_bytes'] / args.steps / 2**20:.1f} MiB of "
           f"activations per step")

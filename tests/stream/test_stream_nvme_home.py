@@ -31,6 +31,7 @@ peft = pytest.importorskip("peft")
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers,  # noqa: E402
                                        lora_batches, lora_llama)
 from tiermem.models.lora_stream import stream_lora_base  # noqa: E402
+from test_lora import ex  # noqa: E402, F401  (the examples/train_lora.py fixture)
 
 STEPS = 8
 SHAPE = dataclasses.replace(SHAPES["tiny"], layers=6)
@@ -330,3 +331,29 @@ def test_bad_input_gets_one_line_naming_field_value_and_fix(make_stream_store):
 
 def _name_of(model, param):
     return next(n for n, p in model.named_parameters() if p is param)
+
+
+def test_the_entry_point_streams_the_base_from_nvme_with_bounded_ram(ex, capsys, tmp_path):
+    """examples/train_lora.py --stream-tier nvme --nvme-dir DIR --staging-blocks 2: the same
+    losses as the baseline (exit 0) and the RAM staging printed."""
+    code = ex.main(["--compare", "--stream-weights", "--stream-tier", "nvme", "--nvme-dir",
+                    str(tmp_path), "--staging-blocks", "2", "--steps", "8", "--seq", "16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "streamed from nvme, prefetch 1, depth-first, 2 layers of RAM staging" in out
+    assert "RAM staging peak" in out and "max |loss difference|: 0 " in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--stream-weights", "--stream-tier", "nvme", "--nvme-dir", ".", "--staging-blocks", "0"],
+     "--staging-blocks=0 must be an int >= 1"),
+    (["--stream-weights", "--staging-blocks", "2"],
+     "--staging-blocks=2 bounds the RAM staging of a base on NVMe; fix: add --stream-tier nvme"),
+    (["--staging-blocks", "2"], "--staging-blocks=2 sets how the base streams; fix: add "
+                                "--stream-weights"),
+])
+def test_bad_staging_flags_get_one_line_and_exit_2(ex, capsys, argv, needle):
+    assert ex.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train_lora: error: ") and err.count("\n") == 1, err
+    assert needle in err, err

@@ -219,4 +219,7 @@ def stream_summary(st: dict, steps: int) -> str:
     """
     return (f"stream: {st['h2d_bytes'] / max(steps, 1) / 1e9:.2f} GB H2D in "
             f"{st['fills'] / max(steps, 1):.0f} layer fills per step, peak "
-            f"{st['peak_blocks']} layers on the device")
+            f"{st['peak_blocks']} layers on the device"
+            + (f", RAM staging peak {st['staging_peak_bytes'] / 1e9:.3f} GB in "
+               f"{st['staging_peak_blocks']} layers (the base's only RAM)"
+               if "staging_peak_bytes" in st else ""))
