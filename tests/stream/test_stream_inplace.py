@@ -19,6 +19,7 @@ import pytest
 import torch
 from _stream_train import assert_same_run, batches, make_model, train
 
+from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 from tiermem.stream.checksums import checksum
@@ -64,15 +65,13 @@ def test_a_data_write_between_passes_is_streamed(stores, tier, n_micro):
         got[2].close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "since Note [param checksums] the unstreamed HybridAdam takes a .data write into its "
-    "master; the streamed one still steps its master from before the write (LEFT, issue 29)"))
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_a_data_write_between_steps_with_hybrid_adam_is_as_unstreamed(stores, tier):
     """HybridAdam connected (it writes the host copies from its masters and marks them
-    changed): a ``.data`` write after an evaluation pass is streamed to the next forward, as
-    the unstreamed run computes with it (and HybridAdam, streamed or not, steps its master
-    from before the write: Note [param changes] sees versions, not bytes). Before, with
+    changed): a ``.data`` write after an evaluation pass is streamed to the next forward and
+    taken into HybridAdam's masters, as the unstreamed HybridAdam does (Note [param
+    checksums]). Before, the streamed master was stepped from before the write and written
+    back over it (the write lasted one step; a strict xfail until then); earlier still, with
     ``tier="nvme"`` the next forward streamed the NVMe copy from before the write."""
     from test_stream_combined import _train as hybrid_train
 
@@ -82,6 +81,119 @@ def test_a_data_write_between_steps_with_hybrid_adam_is_as_unstreamed(stores, ti
     want = hybrid_train(stores, False, between=between, tier=tier, state_tier="cpu")
     got = hybrid_train(stores, True, between=between, tier=tier, state_tier="cpu")
     assert_same_run(got, want, f"{tier} .data write with HybridAdam")
+
+
+def _scale_after_step(model, step):
+    """``.data`` writes to streamed weights right after ``step()`` (no pass between): a scale,
+    a shift and a copy of other values into some rows; the weights change every step."""
+    with torch.no_grad():
+        model.blocks[0].qkv.weight.data.mul_(0.95)
+        model.blocks[2].ln1.weight.data.add_(0.01 * (step + 1))
+        model.blocks[3].fc.weight.data[:2].copy_(torch.full((2, 32), 0.001 * step))
+
+
+def _hybrid(stores, streamed, *, tier="cpu", fraction=1.0, n_micro=2, clip=None, overlap=True,
+            sync="step", major=False, write=_scale_after_step, fb=None,
+            dtype=torch.float32):
+    """8 HybridAdam steps of ``n_micro`` micro-batches (``fb(model, batches)``, else
+    depth-first or block-major), ``write(model, step)`` before each step's first forward.
+    Returns ``((losses, final weights), the watch's sum counts)``."""
+    model = make_model(dtype)
+    stream = stream_weights(model.blocks, store=stores(), tier=tier, prefetch_blocks=1) \
+        if streamed else None
+    opt = HybridAdam(model.parameters(), lr=3e-3, weight_decay=0.1, offload_fraction=fraction,
+                     chunk_numel=2048, max_grad_norm=clip, grad_accumulation_steps=n_micro,
+                     overlap=overlap, param_sync=sync)
+    losses = []
+    try:
+        for step in range(STEPS):
+            write(model, step)
+            mb = batches(step, n_micro)
+            out = fb(model, mb) if fb else forward_backward(model, mb, block_major=major)
+            losses.append(torch.stack(out).detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.synchronize()
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return (losses, weights), dict(opt._watch._sums.stats)
+    finally:
+        opt.close()
+        if stream is not None:
+            stream.close()
+
+
+HYBRID = [  # _hybrid's keywords
+    pytest.param({}, id="f1-acc2-overlap"),
+    pytest.param({"fraction": 0.5}, id="f0.5-acc2-overlap"),
+    # bf16 weights: fp32 masters apart from them in the chunks and on the GPU side (an fp32
+    # weight's GPU-side share is its own master: the host copy itself)
+    pytest.param({"fraction": 0.5, "dtype": torch.bfloat16}, id="bf16-f0.5-acc2-overlap"),
+    pytest.param({"clip": 0.5}, id="f1-acc2-clip"),
+    pytest.param({"fraction": 0.5, "n_micro": 1, "overlap": False}, id="f0.5-no-overlap"),
+    pytest.param({"major": True, "fraction": 0.5}, id="f0.5-acc2-block-major"),
+    # param_sync="forward": a write after the next forward began the step's completion (an
+    # evaluation first; before it, Note [param changes] asks for synchronize())
+    pytest.param({"sync": "forward", "write": _eval_then_scale}, id="f1-acc2-sync-forward"),
+    # and one between the micro-batches of each step (the second pass streams it)
+    pytest.param({"fb": lambda m, mb: _between_micro_batches(m, mb)},
+                 id="f1-acc2-between-micro-batches"),
+]
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("kw", HYBRID)
+def test_streamed_masters_take_a_data_write_as_unstreamed(stores, tier, kw):
+    """Note [streamed write-back checksums]: a ``.data`` write to streamed weights after every
+    ``step()`` is taken into HybridAdam's masters (chunks and, below fraction 1, the GPU
+    side) exactly as unstreamed, bit for bit at every step and in the final weights. Before,
+    the streamed masters were stepped from before each write and written back over it."""
+    want, _ = _hybrid(stores, False, **kw)
+    got, _ = _hybrid(stores, True, tier=tier, **kw)
+    assert_same_run(got, want, f"{tier} {kw}")
+    assert not torch.equal(want[1]["blocks.0.qkv.weight"],
+                           make_model().state_dict()["blocks.0.qkv.weight"])  # trained
+
+
+@pytest.mark.parametrize("kw", [
+    pytest.param({}, id="f1-acc2-overlap"),
+    pytest.param({"fraction": 0.5, "dtype": torch.bfloat16}, id="bf16-f0.5-acc2-overlap"),
+    pytest.param({"fraction": 0.5, "n_micro": 1, "overlap": False}, id="f0.5-no-overlap"),
+    pytest.param({"write": lambda m, s: None, "fb": lambda m, mb: _between_micro_batches(m, mb)},
+                 id="f1-acc2-only-between-micro-batches"),
+])
+def test_without_the_refresh_of_streamed_masters_the_runs_differ(stores, monkeypatch, kw):
+    """The must-fail twin of the test above: with the refresh of streamed weights' masters
+    switched off (what the code did before), the same comparison fails (so it can)."""
+    from tiermem.optim.param_watch import ParamWatch
+    refresh = ParamWatch._refresh
+
+    def no_streamed_refresh(self, gi, i, rebind):
+        if i not in self._layout.groups[gi].host_copies:
+            refresh(self, gi, i, rebind)
+
+    want, _ = _hybrid(stores, False, **kw)
+    monkeypatch.setattr(ParamWatch, "_refresh", no_streamed_refresh)
+    got, _ = _hybrid(stores, True, **kw)
+    with pytest.raises(AssertionError, match="no refresh"):
+        assert_same_run(got, want, "no refresh")
+
+
+def test_the_streamed_sums_come_from_the_fills(stores):
+    """Note [streamed write-back checksums]: with overlap the comparison runs at the first
+    gradient hand-over, inside the step's last backward pass, and takes each streamed
+    weight's sum now from its block's first fill in that pass (no read of the host copy);
+    only resident parameters are summed again. Without overlap it runs in ``step()``, after
+    the pass: every host copy is read then."""
+    model = make_model()
+    n_resident = sum(1 for n, _ in model.named_parameters() if not n.startswith("blocks."))
+    n_streamed = sum(1 for n, _ in model.named_parameters() if n.startswith("blocks."))
+    _, overlap = _hybrid(stores, True)
+    _, late = _hybrid(stores, True, overlap=False, n_micro=1)
+    # one comparison per step; step 0's in step() (its backward only records the order the
+    # gradients arrive in: Note [trace placement]), the others at a hand-over in the backward
+    assert overlap == {"known_sums": (STEPS - 1) * n_streamed,
+                       "read_sums": STEPS * n_resident + n_streamed}
+    assert late == {"known_sums": 0, "read_sums": STEPS * (n_resident + n_streamed)}
 
 
 def _between_micro_batches(model, mbs):
@@ -95,6 +207,37 @@ def _between_micro_batches(model, mbs):
         (loss / len(mbs)).backward()
         out.append(loss.detach())
     return out
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_what_param_data_is_between_passes_and_in_an_open_one(stores, tier):
+    """Note [streamed weight checksums], what a ``.data`` write lands in: between passes (after
+    a backward, after a ``no_grad`` forward) ``param.data`` IS the host copy, at every tier;
+    after a forward that recorded a graph, also once its outputs are dropped, the pass is still
+    open and a released block's ``.data`` is an empty placeholder, until the next forward ends
+    that pass (then it is the host copy again, unchanged)."""
+    model = make_model()
+    h = stream_weights(model.blocks, store=stores(), tier=tier, prefetch_blocks=0)
+    w = model.blocks[0].fc.weight
+    host = h.host_copy(w)
+    try:
+        (idx, tgt), = batches(0, 1)
+        model(idx, tgt)[1].backward()
+        assert not h.in_pass and w.data.data_ptr() == host.data_ptr()
+        with torch.no_grad():
+            model(idx, tgt)
+        assert not h.in_pass and w.data.data_ptr() == host.data_ptr()
+        w.data.mul_(0.5)  # between passes: the host copy itself
+        assert torch.equal(host, model.blocks[0].fc.weight.detach())
+        before = host.clone()
+        model(idx, tgt)  # a graph recorded, its outputs dropped at once
+        assert h.in_pass and w.data.numel() == 0 and w.data.device == h.device
+        with torch.no_grad():
+            model(idx, tgt)  # ends the open pass first
+        assert not h.in_pass and w.data.data_ptr() == host.data_ptr()
+        assert torch.equal(host, before)
+    finally:
+        h.close()
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

@@ -30,13 +30,47 @@ change made after the first hand-over of a step (during the backward, or between
 hook and ``step()``: only version-counter changes are refused there), with
 ``param_sync="forward"`` one made before ``opt.synchronize()`` (the step's completion takes the
 sums, so they include it; Note [param changes] asks for ``synchronize()`` first), a change
-whose words cancel modulo 2**64 (a permutation of whole 8-byte words), streamed weights (their
-host copies are watched by Note [streamed weight checksums], which streams such a write to the
-next forward, but HybridAdam's master of a streamed weight does not take it: it steps its
-master from before the write and writes that back, so the change lasts one step; LEFT, issue
-29; tests/stream/test_stream_inplace.py's strict xfail) and several processes (the watch is
-off there). A false alarm (a sum taken while an aborted step's write was still landing)
-changes nothing: the parameter holds its master as written (rounded), which the refresh keeps.
+whose words cancel modulo 2**64 (a permutation of whole 8-byte words) and several processes
+(the watch is off there). Streamed weights are watched too, through their host copies, with the
+sums at the comparison taken from the stream where it has them: Note [streamed write-back
+checksums]. A false alarm (a sum taken while an aborted step's write was still landing, or a
+streamed weight's in-place write of a step that failed) changes nothing: the parameter holds
+its master as written (rounded), which the refresh keeps.
+
+Note [streamed write-back checksums]: a streamed weight (Note [streamed write-back]) is stepped
+through its host copy, which is its ``.data`` between passes, so ``p.data.mul_(0.9)`` between
+steps writes the host copy; the stream streams it to the next forward (Note [streamed weight
+checksums]) and HybridAdam takes it into the weight's masters (chunks and, below
+``offload_fraction=1``, its GPU-side share, which lives on the host) at the same point and
+through the same :meth:`ParamWatch.sync` and ``_refresh`` as an unstreamed parameter's, so the
+run is bit-identical to the unstreamed one with the same write (before, the master was stepped
+from before the write and written back over it: the change lasted one step). The two sums:
+- *As HybridAdam left it*: taken when the next step begins (``_finish_step``, after the worker
+  is done) for the streamed weights stepped since their last sum (the worker's kernel writes a
+  host copy in place, outside :meth:`ParamWatch.writing`, so their step counts tell) and those
+  written inside ``writing()`` (the GPU lane, the GPU side, a rollback). The host copy is in
+  host memory, so this is a read of those host copies on the host, synchronous, no device
+  sync: the one read this watch adds per step (2 bytes per bf16 weight). The stream cannot give
+  it: its fills come before the write-back.
+- *Now*, at the comparison (the first hand-over of the step): when a pass is open, the sum of
+  the weight at its block's first fill in that pass (``WeightStream.host_sum``), which the
+  stream takes at every fill anyway (Note [streamed weight checksums]) and keeps on the host
+  (on CUDA a pinned copy issued on the copy stream behind an event that is only queried, never
+  waited for): the bytes of the host copy then (``tier="nvme"``: of the store copy, rewritten
+  from the host copy at the pass start). With ``overlap=True`` and no ``max_grad_norm`` the
+  first hand-over is a gradient of the step's last backward pass, so from the second step on
+  no host copy is read again. Otherwise the host copy is read then: a comparison in ``step()``
+  (``overlap=False``, clipping, the first step), a block the open pass has not filled, a sum
+  not yet landed (CUDA), a host copy not 8-byte aligned (the device buffer's word grid).
+  ``ParamSums.stats`` counts both kinds (``known_sums``, ``read_sums``).
+Caught: a ``.data`` write between ``step()`` and the step's first hand-over, at the tiers
+``cpu`` and ``nvme``, at any ``offload_fraction``, with accumulation (between micro-batches
+too), clipping, block-major passes, ``param_sync="forward"`` once the step is complete (the
+same limits as above); tests/stream/test_stream_inplace.py::
+test_streamed_masters_take_a_data_write_as_unstreamed. Not seen, beyond the limits above: a
+write during the open pass into a block's host copy after its first fill (through a reference
+kept from between passes; a refill refuses it: Note [streamed weight checksums]), whose master
+keeps the value from before it.
 """
 
 from __future__ import annotations
@@ -49,6 +83,7 @@ from tiermem._log import logger
 from tiermem.stream.checksums import checksum
 
 Key = Hashable
+_MASK = (1 << 64) - 1  # checksums are compared modulo 2**64
 
 
 class ParamSums:
@@ -67,6 +102,9 @@ class ParamSums:
         self._inflight: list[tuple[list[Key], list[int], torch.Tensor, Any]] = []
         self._moved: set[Key] | None = None  # this step's comparison, made at first use
         self._logged = False
+        # sums compared: known from a stream's fill, or read now
+        # (Note [streamed write-back checksums])
+        self.stats = {"known_sums": 0, "read_sums": 0}
 
     def written(self, keys: Iterable[Key]) -> None:
         """HybridAdam wrote these parameters: their sums are void until retaken.
@@ -133,20 +171,25 @@ class ParamSums:
                     self._base[key] = (gen, s)
         self._inflight = []
 
-    def _compare(self, tensors: dict[Key, torch.Tensor]) -> set[Key]:
-        """The keys of ``tensors`` with a valid sum that differs from their bytes now; every
+    def _compare(self, tensors: dict[Key, torch.Tensor | int]) -> set[Key]:
+        """The keys of ``tensors`` with a valid sum that differs from their bytes now (an int:
+        their sum now, known without a read: Note [streamed write-back checksums]); every
         compared sum is replaced by the one now (the caller's refresh leaves the param)."""
         self._land()
         valid = {k: t for k, t in tensors.items() if self._valid(k)}
-        moved = set()
-        for keys, ts in _by_device(valid):
+        now = {k: t for k, t in valid.items() if isinstance(t, int)}
+        self.stats["known_sums"] += len(now)
+        for keys, ts in _by_device({k: t for k, t in valid.items() if k not in now}):
             host, event = _sums(ts)
             if event is not None:
                 event.synchronize()  # once per step: the host compares the sums next
-            for key, s in zip(keys, host.tolist()):
-                if s != self._base[key][1]:
-                    moved.add(key)
-                self._base[key] = (self._base[key][0], s)
+            now.update(zip(keys, host.tolist()))
+            self.stats["read_sums"] += len(keys)
+        moved = set()
+        for key, s in now.items():
+            if (s - self._base[key][1]) & _MASK:  # mod 2**64: int64 from torch, or not
+                moved.add(key)
+            self._base[key] = (self._base[key][0], s)
         return moved
 
 

@@ -66,6 +66,7 @@ class ParamWatch:
         self._kind: dict[tuple[int, int], tuple] = {}  # (g, i) -> (shape, dtype, device)
         self._checked: set[tuple[int, int]] = set()  # synced this step
         self._sums = ParamSums(who)  # Note [param checksums]: changes through param.data
+        self._steps: dict[tuple[int, int], int] = {}  # streamed (g, i) -> steps at its sum
 
     def _param(self, g: int, i: int) -> torch.Tensor:
         return self._layout.groups[g].params[i]
@@ -90,17 +91,37 @@ class ParamWatch:
                 for i, p in enumerate(g.params):
                     self._seen[(g.index, i)] = self._sig(g.index, i)
                     self._kind[(g.index, i)] = _kind(g, i)
+            self._streamed_steps()  # the sums below are of the host copies as they are
             self._sums.take(self._storages(), only_void=False)
 
-    def _storages(self, only: tuple[int, int] | None = None) -> dict[tuple[int, int],
-                                                                      torch.Tensor]:
+    def _storages(self, only: tuple[int, int] | None = None,
+                  known: bool = False) -> dict[tuple[int, int], torch.Tensor | int]:
         """The flat storage views of the watched parameters whose bytes are summed (Note
-        [param checksums]): all but streamed weights (Note [streamed weight checksums]);
-        with ``only``, that one's at most."""
-        return {(g.index, i): local_view(g, i) for g in self._layout.groups
-                for i in range(len(g.params))
-                if (only is None or only == (g.index, i))
-                and i not in g.host_copies and (g.index, i) in self._seen}
+        [param checksums]; a streamed weight's: its host copy); with ``only``, that one's at
+        most; with ``known``, a streamed weight's sum instead where its stream knows it
+        without a read (Note [streamed write-back checksums])."""
+        out: dict[tuple[int, int], torch.Tensor | int] = {}
+        for g in self._layout.groups:
+            for i in range(len(g.params)):
+                key = (g.index, i)
+                if (only is not None and only != key) or key not in self._seen:
+                    continue
+                s = stream_of(g.params[i]) if known and i in g.host_copies else None
+                now = None if s is None else s.host_sum(g.params[i])
+                out[key] = local_view(g, i) if now is None else now
+        return out
+
+    def _streamed_steps(self) -> list[tuple[int, int]]:
+        """The streamed weights stepped since their sum was taken (the worker's kernel writes
+        a host copy in place, outside :meth:`writing`: Note [in-place host chunks]); their
+        step counts are noted as seen."""
+        out = []
+        for g in self._layout.groups:
+            for i in g.host_copies:
+                if self._steps.get((g.index, i), 0) != g.steps[i]:
+                    self._steps[(g.index, i)] = g.steps[i]
+                    out.append((g.index, i))
+        return out
 
     def begin_step(self) -> None:
         """A new step: every parameter is checked again before it is stepped; the sums of
@@ -113,6 +134,7 @@ class ParamWatch:
         with self._lock:
             self._checked.clear()
             if self.active:
+                self._sums.written(self._streamed_steps())  # in place: no writing() block
                 self._sums.take(self._storages(), only_void=True)
 
     @contextmanager
@@ -176,7 +198,8 @@ class ParamWatch:
             seen = self._seen.get((g, i))
             now = self._sig(g, i)
             if seen is None or (seen == now and not self._sums.moved(  # Note [param checksums]
-                    (g, i), lambda: self._storages(None if mark else (g, i)), batch=mark)):
+                    (g, i), lambda: self._storages(None if mark else (g, i), known=True),
+                    batch=mark)):
                 return
         self._refresh(g, i, rebind=seen[1] != now[1])
         with self._lock:

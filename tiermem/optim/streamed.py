@@ -6,7 +6,8 @@ passes; its ``.data`` is the stream's host copy then, a device tensor or an empt
 during a pass (Note [weight streaming]). HybridAdam steps such a weight through the host copy,
 never through ``param.data``: :class:`StreamedMode` puts ``stream.host_copy(param)`` into the
 group's ``host_copies``, and ``local_view`` (tiermem/optim/layout.py), through which HybridAdam
-reads a weight (the masters at step 0, a changed weight: Note [param changes]) and writes it
+reads a weight (the masters at step 0, a changed weight: Note [param changes]; one changed
+through ``param.data``, seen by checksums: Note [streamed write-back checksums]) and writes it
 (the worker's copy out of the param-out ring, the GPU lane's cast, the GPU side's copy), returns
 it for these weights (and the worker's kernel writes it itself for a chunk that is all one
 piece of such a weight: Note [in-place host chunks] in chunk_worker.py). So an updated chunk

@@ -15,7 +15,21 @@ version checks of Note [weight streaming] cannot see it; only the bytes can. Whe
   frozen base) was silently not streamed. Now the checksum of each host copy is taken when its
   store copy is written, and at every pass start a host copy not rewritten is summed again and
   its store copy rewritten when the sums differ (logged). Cost: one read of those host copies
-  in RAM per pass, beside the store reads of every fill that the nvme tier makes anyway.
+  in RAM per pass, beside the store reads of every fill that the nvme tier makes anyway. With
+  HybridAdam connected the write is also taken into the weight's masters, so the next step
+  continues from it as unstreamed (before, it was stepped from its master and written over
+  after one step): each block's first fill in a pass keeps its sums on the host for that
+  (:meth:`BufferChecks.first_fill_sum`, on CUDA behind an event that is only queried), which
+  HybridAdam compares with the host copy's sum after its write-back: Note [streamed write-back
+  checksums] in tiermem/optim/param_sums.py. "Between passes" is the same on every device:
+  ``param.data`` is the host copy (a CPU tensor) after a backward has ended and after a
+  forward under ``no_grad``. Not between passes, though it may look so: after a forward that
+  recorded a graph, the pass stays open until its backward ends, and when its outputs are
+  dropped without a backward, until the next forward's first block, an optimizer's ``step()``
+  or ``close()`` ends it (``stream.in_pass`` says so). There ``param.data`` of a released
+  block is an empty placeholder, on the CPU as on CUDA: ``p.data.mul_(0.9)`` changes nothing
+  and nothing can tell (no bytes, no version: the write is lost), ``p.data.copy_(w)`` raises
+  torch's shape error; of a block kept on the device it is the device buffer (next bullet).
 - **During a pass** ``param.data`` is the device buffer while the block is ready (else an empty
   placeholder). A write into the buffer is used by the ops after it, and then lost: a released
   block is refilled from the host copy, and the pass end makes the host copy the data again, so
@@ -53,10 +67,12 @@ change whose word differences do not cancel modulo 2**64 (a scale, a shift, a fi
 other values, a clamp, noise, a sign flip unless the flipped words balance exactly). It cannot
 catch a permutation of whole 8-byte words (swapped rows or heads whose size is a multiple of
 8 bytes), other rewrites whose differences cancel exactly, a write into a released block's
-empty placeholder (``p.data.mul_`` of 0 elements changes nothing; ``p.data.copy_(w)`` raises a
-shape error), or a change of a resident block (an ordinary parameter, not streamed). Cost per
+empty placeholder (``p.data.mul_`` of 0 elements changes nothing, so the write is lost;
+``p.data.copy_(w)`` raises a shape error), or a change of a resident block (an ordinary
+parameter, not streamed; HybridAdam's own sums watch those: Note [param checksums]). Cost per
 fill and per release: one read of the block's weights on the device (about 1/80 of the copy's
-time over PCIe on an H200) and a kernel per weight.
+time over PCIe on an H200) and a kernel per weight; per first fill of a block in a pass on
+CUDA, a copy of its few sums to pinned host memory and an event.
 """
 
 from __future__ import annotations
@@ -95,6 +111,16 @@ def host_checksum(t: torch.Tensor) -> int:
         RuntimeError: ``t`` is not contiguous.
     """
     return int(checksum(t))
+
+
+def _to_host(sums: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, Any]:
+    """``sums`` on the host: on CUDA a pinned copy issued on the current stream and the event
+    after which it has landed; on the CPU ``sums`` itself and None."""
+    if not cuda:
+        return sums, None
+    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+    host.copy_(sums, non_blocking=True)
+    return host, torch.cuda.current_stream(sums.device).record_event()  # landed after it
 
 
 @dataclass(eq=False)
@@ -136,6 +162,10 @@ class BufferChecks:
         self.cuda = cuda
         self._pending: list[_Compare] = []
         self.stats = {"checked_blocks": 0}
+        # block index -> its first fill's sums in this pass on the host (pinned on CUDA) and
+        # the event after which they have landed (None: known now), which a connected
+        # optimizer compares with its write-back's (Note [streamed write-back checksums])
+        self._first_host: dict[int, tuple[torch.Tensor, Any]] = {}
 
     def new_pass(self, blocks: Sequence[Any]) -> None:
         """A pass begins: forget the sums of the last pass's first fills.
@@ -145,6 +175,21 @@ class BufferChecks:
         """
         for block in blocks:
             block.first_sums = None
+        self._first_host.clear()
+
+    def first_fill_sum(self, block: Any, k: int) -> int | None:
+        """The checksum of ``block``'s weight ``k`` at the block's first fill in this pass (the
+        bytes of its host copy then), once landed on the host; None when the block was not
+        filled in this pass or (CUDA) the sums are still on their way: never waits (Note
+        [streamed write-back checksums]).
+
+        Raises:
+            nothing.
+        """
+        got = self._first_host.get(block.index)
+        if got is None or (got[1] is not None and not got[1].query()):
+            return None
+        return int(got[0][k])
 
     def filled(self, block: Any, views: Sequence[torch.Tensor]) -> None:
         """Take the checksums of ``block``'s weights just copied into ``views`` (on CUDA: call
@@ -159,6 +204,7 @@ class BufferChecks:
             return
         if block.first_sums is None:
             block.first_sums = block.sums
+            self._first_host[block.index] = _to_host(block.sums, self.cuda)
         else:  # both made on the copy stream, compared there
             self._pending.append(_compare(block, block.first_sums, block.sums, self.cuda,
                                           refill=True))

@@ -297,6 +297,18 @@ class WeightStream:
         """
         self._entry(param).written_version = None
 
+    def host_sum(self, param: nn.Parameter) -> int | None:
+        """The checksum of ``param``'s host copy known without reading it: its block's first
+        fill in the open pass, once landed; else None (Note [streamed write-back checksums]).
+
+        Raises:
+            ValueError: ``param`` is not streamed by this stream.
+        """
+        p = self._entry(param)
+        if self._pass is None or p.host.storage_offset() * p.host.element_size() % 8:
+            return None  # no pass, or a word grid unlike the device buffer's
+        return self._fetcher.checks.first_fill_sum(p.block, p.block.params.index(p))
+
     def adopt(self, param: nn.Parameter) -> None:
         """Between passes, take a replaced ``param.data`` (``param.data = t``) into the host
         copy now, through the parameter (its ``_version`` moves), instead of at the next pass
