@@ -241,3 +241,5 @@ def test_hybrid_rows_print_the_workers_phases(capsys, one_thread):
             assert float(got["ring_copy_mib"]) == 0 or not native_available(), ln
         else:
             assert float(got["in_place_mib"]) == float(got["ring_copy_mib"]) == 0, ln
+        if name == bench.HYBRID_STREAMED and clip == ALWAYS:  # Note [streamed gradient norms]
+            assert int(got["norms_precomputed"]) > 0 and int(got["norms_computed"]) == 0, ln

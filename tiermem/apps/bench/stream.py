@@ -337,7 +337,8 @@ def worker_diagnosis(st: dict) -> list[str]:
     """``"name value"`` for each of HybridAdam's ``step_stats`` ``st`` in :data:`WORKER_STATS`,
     then the MiB of streamed gradients stepped in place / copied through the ring (Note
     [in-place host chunks]) and whether the step speculated, its speculated and rolled-back
-    chunks (Note [speculative step]).
+    chunks (Note [speculative step]), the streamed gradient norms taken before / in
+    ``step()`` (Note [streamed gradient norms]).
 
     Raises:
         Nothing.
@@ -346,7 +347,8 @@ def worker_diagnosis(st: dict) -> list[str]:
     parts += [f"{k.removesuffix('_bytes')}_mib {st[k] / 2**20:.1f}"
               for k in ("in_place_bytes", "ring_copy_bytes") if k in st]
     return parts + [f"{k} {st[k]}" for k in ("speculating", "speculated_chunks",
-                                             "rolled_back_chunks") if k in st]
+                                             "rolled_back_chunks", "norms_precomputed",
+                                             "norms_computed") if k in st]
 
 
 def _diagnosis(opt, stream) -> str:
