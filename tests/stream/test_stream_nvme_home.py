@@ -262,6 +262,35 @@ def test_a_failed_read_names_key_and_file_and_the_stream_stays_usable(tmp_path, 
     _same(out, ref)
 
 
+def test_a_truncated_spill_file_names_key_and_file_and_close_leaves_the_stream_open(tmp_path):
+    """The NVMe file cut short mid-run (the base's only copy is gone): the next forward raises
+    SpillCorruption naming a stream key and the file, no pass stays open, and close(), which
+    would read the base back, raises the same way and leaves the stream open (nothing changed);
+    the store still closes."""
+    import os
+
+    from tiermem.store.nvme import SpillCorruption
+
+    model = lora_llama(SHAPE, seed=0)
+    handle, store = stream_lora_base(model, device="cpu", tier="nvme", nvme_dir=str(tmp_path))
+    ids = lora_batches(SHAPE.vocab, 2, 16, 1)[0]
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        spill = store._spill.path
+        os.truncate(spill, 4096)
+        with pytest.raises(SpillCorruption) as info:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert info.value.key[0] == "tiermem.stream" and info.value.path == spill
+        assert spill in str(info.value) and not handle.in_pass
+        with pytest.raises(SpillCorruption):
+            handle.close()
+        assert not handle.closed
+        assert all(p.param.data.stride() == (0,) * p.param.dim()
+                   for b in handle._blocks for p in b.params)  # still the stand-ins
+    finally:
+        store.close()
+
+
 def test_out_of_order_calls_are_still_refused(make_stream_store):
     store = make_stream_store(cpu_bytes=4 << 20, nvme_bytes=16 << 20)
     model = _frozen_gpt()
