@@ -67,11 +67,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(name, regime, stores, *, streamed=True, device="cpu", after_backward=None,
-           after_step=None, reference=None):
-    """8 steps of config ``name`` in ``regime``: per step ``(losses, weights, state, global
-    norm, step_stats counts)``. ``after_backward(model, step)`` runs before ``step()``,
-    ``after_step(model, opt, step)`` after it (before ``zero_grad``); ``reference(grads)``
-    (given the gradients ``step()`` clips) is recorded beside the norm."""
+           after_step=None, reference=None, overlap=True):
+    """8 steps of config ``name`` in ``regime``: ``(per step (losses, weights, state,
+    step_stats counts), the global norm of every step() call, the references)``.
+    ``after_backward(model, step)`` runs before ``step()``, ``after_step(model, opt, step)``
+    after it (before ``zero_grad``); ``reference(grads)`` (given the gradients ``step()``
+    clips) is recorded beside the norm."""
     n_micro, major, fraction, dtype, budget = CONFIGS[name]
     max_norm, scale_of = REGIMES[regime]
     model = make_model(dtype).to(device)
@@ -80,7 +81,7 @@ def _train(name, regime, stores, *, streamed=True, device="cpu", after_backward=
     stream = stream_weights(model.blocks, store=stores(device), tier="cpu") if streamed else None
     opt = HybridAdam(model.parameters(), lr=3e-3, weight_decay=0.1, offload_fraction=fraction,
                      chunk_numel=2048, max_grad_norm=max_norm, grad_accumulation_steps=n_micro,
-                     rollback_bytes=budget)
+                     rollback_bytes=budget, overlap=overlap)
     totals, refs = [], []
     grads_and_norm = opt._mode.grads_and_norm
 
@@ -237,6 +238,31 @@ def test_gradients_set_by_the_user_are_measured_in_step(stores, one_thread):
     _same(got, want, "user gradients")
     n = _streamed_weights()
     assert [c for *_, c in got[0]][4] == (0, n)
+
+
+def test_without_overlap_no_norm_is_taken(stores, monkeypatch, one_thread):
+    """``overlap=False``: HybridAdam reads every gradient in ``step()``, so gradients may be
+    changed after backward, also by a write no version counter sees (a GradScaler's unscale
+    kernel): no norm is taken, each is measured in ``step()``; bit-identical to the unstreamed
+    loop. Red when norms are taken without overlap."""
+    def unscale(model, step):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        version = grads[0]._version
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1),
+                                                         torch.tensor(0.25))
+        assert grads[0]._version == version  # the premise: no version moved
+
+    want = _train("one-pass", "alternate", stores, streamed=False, after_backward=unscale,
+                  overlap=False)
+    got = _train("one-pass", "alternate", stores, after_backward=unscale, overlap=False)
+    _same(got, want, "no overlap")
+    n = _streamed_weights()
+    assert [c for *_, c in got[0]] == [(0, n)] * STEPS
+    from tiermem.optim.streamed import Link
+    monkeypatch.setattr(Link, "wants_norm", lambda self, passes: True)
+    taken = _train("one-pass", "alternate", stores, after_backward=unscale, overlap=False)
+    with pytest.raises(AssertionError, match="global norm 0"):
+        _same(taken, want, "taken")
 
 
 def test_total_norm_is_get_total_norm():

@@ -83,6 +83,11 @@ class GradNorms:
         self.want: Callable[[int], bool] | None = None
 
     def __len__(self) -> int:
+        """Norms held (of gradients still alive).
+
+        Raises:
+            Nothing.
+        """
         return len(self._norms)
 
     def measure(self, grad: torch.Tensor, passes: int) -> torch.Tensor | None:
