@@ -22,7 +22,7 @@ from _stream_train import assert_same_run, batches, make_model, train
 from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
-from tiermem.stream.checksums import checksum
+from tiermem.stream.checksums import checksum, piece_checksum
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 STEPS = 8
@@ -178,22 +178,36 @@ def test_without_the_refresh_of_streamed_masters_the_runs_differ(stores, monkeyp
         assert_same_run(got, want, "no refresh")
 
 
-def test_the_streamed_sums_come_from_the_fills(stores):
-    """Note [streamed write-back checksums]: with overlap the comparison runs at the first
-    gradient hand-over, inside the step's last backward pass, and takes each streamed
-    weight's sum now from its block's first fill in that pass (no read of the host copy);
-    only resident parameters are summed again. Without overlap it runs in ``step()``, after
-    the pass: every host copy is read then."""
+def test_the_streamed_sums_are_not_read_again(stores, monkeypatch):
+    """Note [streamed write-back checksums]: the sum of a host copy after the write-back is
+    added up by the chunk worker from the pieces it wrote (no read of the host copy), and with
+    overlap the comparison runs at the first gradient hand-over, inside the step's last
+    backward pass, taking each streamed weight's sum now from its block's first fill in that
+    pass: only resident parameters are summed again. Without overlap the comparison runs in
+    ``step()``, after the pass: every host copy is read then. The sums never disagree but
+    for a write: no refresh without one, one per written weight and step with them."""
+    from tiermem.optim.param_watch import ParamWatch
+    refreshed = []
+    refresh = ParamWatch._refresh
+    monkeypatch.setattr(ParamWatch, "_refresh", lambda self, gi, i, rebind: (
+        refreshed.append(i), refresh(self, gi, i, rebind=rebind)))
     model = make_model()
     n_resident = sum(1 for n, _ in model.named_parameters() if not n.startswith("blocks."))
     n_streamed = sum(1 for n, _ in model.named_parameters() if n.startswith("blocks."))
     _, overlap = _hybrid(stores, True)
-    _, late = _hybrid(stores, True, overlap=False, n_micro=1)
+    assert len(refreshed) == 3 * (STEPS - 1)  # _scale_after_step's 3 weights from step 1 on
     # one comparison per step; step 0's in step() (its backward only records the order the
     # gradients arrive in: Note [trace placement]), the others at a hand-over in the backward
     assert overlap == {"known_sums": (STEPS - 1) * n_streamed,
-                       "read_sums": STEPS * n_resident + n_streamed}
-    assert late == {"known_sums": 0, "read_sums": STEPS * (n_resident + n_streamed)}
+                       "read_sums": STEPS * n_resident + n_streamed,
+                       "known_bases": STEPS * n_streamed,
+                       "read_bases": n_resident + n_streamed + STEPS * n_resident}
+    refreshed.clear()
+    _, late = _hybrid(stores, True, overlap=False, n_micro=1, write=lambda m, s: None)
+    assert refreshed == []
+    assert late["known_sums"] == 0
+    assert late["read_sums"] == STEPS * (n_resident + n_streamed)
+    assert late["known_bases"] == STEPS * n_streamed
 
 
 def _between_micro_batches(model, mbs):
@@ -386,6 +400,26 @@ def test_the_checksum_sees_every_single_element_change(dtype, numel):
     nudged[0] = torch.nextafter(nudged[0], torch.tensor(2.0))
     assert big.sum() == nudged.sum()  # a float sum misses it
     assert checksum(big) != checksum(nudged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
+@pytest.mark.parametrize("numel", [1, 3, 7, 8, 9, 17, 257])
+def test_the_checksums_of_pieces_add_up_to_the_whole(dtype, numel):
+    """Note [streamed write-back checksums]: the worker sums the pieces it wrote; whatever the
+    cuts (inside a word, in the byte-summed tail), they add up to the whole's checksum, and a
+    piece's own change moves its sum."""
+    gen = torch.Generator().manual_seed(numel)
+    t = (torch.randn(numel, generator=gen) * 100).to(dtype)
+    whole = int(checksum(t)) & ((1 << 64) - 1)
+    for trial in range(12):
+        cuts = sorted(set(torch.randint(1, numel, (trial % 5,), generator=gen).tolist())) \
+            if numel > 1 else []
+        bounds = [0, *cuts, numel]
+        parts = [piece_checksum(t, a, b - a) for a, b in zip(bounds, bounds[1:])]
+        assert sum(parts) & ((1 << 64) - 1) == whole, f"{dtype} {numel} cut at {cuts}"
+    u = t.clone()
+    u[numel // 2] = u[numel // 2] + 1
+    assert piece_checksum(u, numel // 2, 1) != piece_checksum(t, numel // 2, 1)
 
 
 def test_what_the_checksum_cannot_see():

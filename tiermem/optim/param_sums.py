@@ -45,24 +45,33 @@ checksums]) and HybridAdam takes it into the weight's masters (chunks and, below
 through the same :meth:`ParamWatch.sync` and ``_refresh`` as an unstreamed parameter's, so the
 run is bit-identical to the unstreamed one with the same write (before, the master was stepped
 from before the write and written back over it: the change lasted one step). The two sums:
-- *As HybridAdam left it*: taken when the next step begins (``_finish_step``, after the worker
+- *As HybridAdam left it*: due when the next step begins (``_finish_step``, after the worker
   is done) for the streamed weights stepped since their last sum (the worker's kernel writes a
   host copy in place, outside :meth:`ParamWatch.writing`, so their step counts tell) and those
-  written inside ``writing()`` (the GPU lane, the GPU side, a rollback). The host copy is in
-  host memory, so this is a read of those host copies on the host, synchronous, no device
-  sync: the one read this watch adds per step (2 bytes per bf16 weight). The stream cannot give
-  it: its fills come before the write-back.
+  written inside ``writing()``. The stream cannot give it (its fills come before the
+  write-back), so the chunk worker sums each piece of a host copy right after it wrote it (in
+  place or from the param-out ring), while the bytes are at hand, on its own thread
+  (:meth:`ParamWatch.pieces_written`, ``piece_checksum``: each byte weighted by its place in
+  the weight's 8-byte words, so the pieces add up to the whole's checksum, exactly), and a
+  weight whose pieces written this step tile it exactly takes their total. The rest is read on
+  the host then (synchronous, no device sync): a weight with a GPU-side share
+  (``offload_fraction < 1``) or a piece the GPU lane stepped, a host copy not 8-byte aligned;
+  a piece a rollback restored is rewritten by its re-step, whose sum replaces the first.
 - *Now*, at the comparison (the first hand-over of the step): when a pass is open, the sum of
   the weight at its block's first fill in that pass (``WeightStream.host_sum``), which the
   stream takes at every fill anyway (Note [streamed weight checksums]) and keeps on the host
   (on CUDA a pinned copy issued on the copy stream behind an event that is only queried, never
   waited for): the bytes of the host copy then (``tier="nvme"``: of the store copy, rewritten
   from the host copy at the pass start). With ``overlap=True`` and no ``max_grad_norm`` the
-  first hand-over is a gradient of the step's last backward pass, so from the second step on
-  no host copy is read again. Otherwise the host copy is read then: a comparison in ``step()``
-  (``overlap=False``, clipping, the first step), a block the open pass has not filled, a sum
-  not yet landed (CUDA), a host copy not 8-byte aligned (the device buffer's word grid).
-  ``ParamSums.stats`` counts both kinds (``known_sums``, ``read_sums``).
+  first hand-over is a gradient of the step's last backward pass. Otherwise the host copy is
+  read then: a comparison in ``step()`` (``overlap=False``, clipping, the first step), a block
+  the open pass has not filled, a sum not yet landed (CUDA), a host copy not 8-byte aligned
+  (the device buffer's word grid).
+So with ``overlap=True``, no clipping and ``offload_fraction=1``, from the second step on no
+host copy is read for the watch but by the worker, once, as it writes it; the caller's thread
+reads none and waits for no device. ``ParamSums.stats`` counts each kind (``known_sums`` /
+``read_sums`` at the comparison, ``known_bases`` / ``read_bases`` after the write-back;
+tests/stream/test_stream_inplace.py::test_the_streamed_sums_are_not_read_again).
 Caught: a ``.data`` write between ``step()`` and the step's first hand-over, at the tiers
 ``cpu`` and ``nvme``, at any ``offload_fraction``, with accumulation (between micro-batches
 too), clipping, block-major passes, ``param_sync="forward"`` once the step is complete (the
@@ -102,9 +111,10 @@ class ParamSums:
         self._inflight: list[tuple[list[Key], list[int], torch.Tensor, Any]] = []
         self._moved: set[Key] | None = None  # this step's comparison, made at first use
         self._logged = False
-        # sums compared: known from a stream's fill, or read now
+        # sums compared (known from a stream's fill, or read now) and taken after a write
+        # (known: summed by the worker as it wrote, or read)
         # (Note [streamed write-back checksums])
-        self.stats = {"known_sums": 0, "read_sums": 0}
+        self.stats = {"known_sums": 0, "read_sums": 0, "known_bases": 0, "read_bases": 0}
 
     def written(self, keys: Iterable[Key]) -> None:
         """HybridAdam wrote these parameters: their sums are void until retaken.
@@ -115,17 +125,25 @@ class ParamSums:
         for key in keys:
             self._gen[key] = self._gen.get(key, 0) + 1
 
-    def take(self, tensors: dict[Key, torch.Tensor], only_void: bool) -> None:
+    def take(self, tensors: dict[Key, torch.Tensor], only_void: bool,
+             known: dict[Key, int] | None = None) -> None:
         """Take the sums of ``tensors`` (key -> the parameter's flat storage view) after
         HybridAdam's writes to them were issued on the current stream; with ``only_void``, of
-        those whose sum is void or missing. On CUDA the sums land behind an event.
+        those whose sum is void or missing. On CUDA the sums land behind an event. ``known``:
+        sums of some of them summed by their writer (Note [streamed write-back checksums]),
+        taken as they are instead of reading those tensors.
 
         Raises:
             Nothing beyond torch's errors.
         """
         self._moved = None  # a new step: compare again at its first hand-over
-        if only_void:
-            tensors = {k: t for k, t in tensors.items() if not self._valid(k)}
+        tensors = {k: t for k, t in tensors.items() if not (only_void and self._valid(k))}
+        for key, s in (known or {}).items():
+            if key in tensors:
+                del tensors[key]
+                self._base[key] = (self._gen.get(key, 0), s)
+                self.stats["known_bases"] += 1
+        self.stats["read_bases"] += len(tensors)
         for keys, ts in _by_device(tensors):
             gens = [self._gen.get(k, 0) for k in keys]
             host, event = _sums(ts)

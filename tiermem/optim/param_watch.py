@@ -41,6 +41,7 @@ import torch
 
 from tiermem.optim.layout import StateLayout, local_view, state_views
 from tiermem.optim.param_sums import ParamSums
+from tiermem.stream.checksums import piece_checksum
 from tiermem.stream.weights import stream_of
 
 
@@ -67,6 +68,8 @@ class ParamWatch:
         self._checked: set[tuple[int, int]] = set()  # synced this step
         self._sums = ParamSums(who)  # Note [param checksums]: changes through param.data
         self._steps: dict[tuple[int, int], int] = {}  # streamed (g, i) -> steps at its sum
+        # streamed (g, i) -> {start: (elements, sum)} of the pieces the worker wrote this step
+        self._pieces: dict[tuple[int, int], dict[int, tuple[int, int | None]]] = {}
 
     def _param(self, g: int, i: int) -> torch.Tensor:
         return self._layout.groups[g].params[i]
@@ -133,9 +136,45 @@ class ParamWatch:
         """
         with self._lock:
             self._checked.clear()
+            pieces, self._pieces = self._pieces, {}
             if self.active:
                 self._sums.written(self._streamed_steps())  # in place: no writing() block
-                self._sums.take(self._storages(), only_void=True)
+                self._sums.take(self._storages(), only_void=True, known=self._tiled(pieces))
+
+    def pieces_written(self, g: int, pieces: Iterable[tuple[int, int, int]]) -> None:
+        """The chunk worker has written these pieces ``(local tensor, start, elements)`` of
+        group ``g`` (its thread): for those of streamed weights, sum what it wrote while it is
+        at hand, so the next step's sum of the host copy needs no read (Note [streamed
+        write-back checksums]).
+
+        Raises:
+            Nothing beyond torch's errors.
+        """
+        group = self._layout.groups[g]
+        if not self.active or not group.host_copies:
+            return
+        sums = [((g, i), start, numel, piece_checksum(local_view(group, i), start, numel))
+                for i, start, numel in pieces if i in group.host_copies]
+        with self._lock:
+            for key, start, numel, s in sums:
+                self._pieces.setdefault(key, {})[start] = (numel, s)  # a rewrite replaces
+
+    def _tiled(self, pieces: dict[tuple[int, int], dict[int, tuple[int, int | None]]]
+               ) -> dict[tuple[int, int], int]:
+        """The sums of the weights whose pieces written this step tile them exactly (else
+        they are read: a GPU-side or lane piece, a misaligned host copy)."""
+        out = {}
+        for (g, i), parts in pieces.items():
+            at, total = 0, 0
+            for start in sorted(parts):
+                numel, s = parts[start]
+                if start != at or s is None:
+                    break
+                at, total = at + numel, total + s
+            else:
+                if at == local_view(self._layout.groups[g], i).numel():
+                    out[(g, i)] = total & ((1 << 64) - 1)
+        return out
 
     @contextmanager
     def writing(self, items: Iterable[tuple[int, int]]) -> Iterator[None]:

@@ -104,6 +104,37 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return raw[:words].view(torch.int64).sum() + tail if words else tail
 
 
+def piece_checksum(whole: torch.Tensor, start: int, numel: int) -> int | None:
+    """What elements ``[start, start + numel)`` of the contiguous host tensor ``whole`` add to
+    :func:`checksum` of ``whole`` (modulo 2**64): the pieces of a partition of ``whole`` add up
+    to it, so a writer can sum what it just wrote (Note [streamed write-back checksums]).
+    None when ``whole`` does not start on an 8-byte boundary.
+
+    Raises:
+        RuntimeError: ``whole`` is not contiguous.
+    """
+    if not whole.is_contiguous():
+        raise RuntimeError("piece_checksum: the tensor must be contiguous")
+    raw = whole.reshape(-1).view(torch.uint8)
+    if raw.data_ptr() % 8:
+        return None
+    size = whole.element_size()
+    lo, hi = start * size, (start + numel) * size
+    words = raw.numel() // 8 * 8  # below: 8-byte words, byte k weighs 256**(k % 8); above: 1
+    total = 0
+    top = min(hi, words)
+    if lo < top:
+        a = min(-(-lo // 8) * 8, top)
+        b = max(top // 8 * 8, a)
+        total += sum(v << (8 * (k % 8)) for k, v in enumerate(raw[lo:a].tolist(), lo))
+        if b > a:
+            total += int(raw[a:b].view(torch.int64).sum())
+        total += sum(v << (8 * (k % 8)) for k, v in enumerate(raw[b:top].tolist(), b))
+    if max(lo, words) < hi:
+        total += int(raw[max(lo, words):hi].sum(dtype=torch.int64))
+    return total & _MASK
+
+
 def host_checksum(t: torch.Tensor) -> int:
     """:func:`checksum` of a host tensor, as a Python int.
 
