@@ -48,6 +48,9 @@ fit an H200 uncapped) and moved to the store by the stream.
     python examples/train_lora.py --compare --stream-weights --checkpoint
     python examples/train_lora.py --compare --stream-weights --stream-tier nvme \\
         --nvme-dir /tmp/spill --staging-blocks 2  # the base on NVMe only, 2 layers in RAM
+    python examples/train_lora.py --preset 70b --device cuda --seq 4096 --batch 1 --steps 3 \\
+        --checkpoint --stream-weights --stream-tier nvme --nvme-dir /nvme/spill \\
+        --layerwise-base --gpu-bytes 24GiB  # 127.5 GiB base built layer by layer into NVMe
     python examples/train_lora.py --preset 7b --device cuda --seq 4096 --steps 10
     python examples/train_lora.py --preset 32b --device cuda --seq 4096 --batch 1 --steps 4 \\
         --checkpoint --stream-weights --gpu-bytes 24GiB  # base in pinned RAM, GPU at 24 GiB
@@ -65,6 +68,7 @@ import torch
 
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, lora_modules)
+from tiermem.models.lora_layerwise import layerwise_lora_llama
 from tiermem.models.lora_stream import (cap_gpu, check_stream_options, stream_lora_base,
                                         stream_summary, uncap_gpu)
 from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
@@ -96,6 +100,17 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return lora_llama(SHAPES[args.preset], device=device, dtype=dtype, rank=args.rank,
                       alpha=2 * args.rank, max_seq=args.seq, checkpoint=args.checkpoint)
+
+
+def build_layerwise(args: argparse.Namespace, device: torch.device, materialize: bool):
+    """``--layerwise-base``: the LoRA Llama with its base's layers as stand-ins and the
+    function that makes one layer (the stream writes each to NVMe as it is made), or with
+    every layer made now (``materialize``: the run without streaming, the same weights);
+    Note [layer-wise LoRA Llama]."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return layerwise_lora_llama(SHAPES[args.preset], device=device, dtype=dtype,
+                                rank=args.rank, alpha=2 * args.rank, max_seq=args.seq,
+                                checkpoint=args.checkpoint, materialize=materialize)
 
 
 def make_optimizer(model: torch.nn.Module, hybrid: bool,
@@ -221,13 +236,18 @@ def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print
     """
     if stream is None:
         stream = offload and getattr(args, "stream_weights", False)
-    model = build(args, device)
+    load = None
+    if getattr(args, "layerwise_base", False):  # Note [layer-wise LoRA Llama]
+        model, load = build_layerwise(args, device, materialize=not stream)
+    else:
+        model = build(args, device)
     handle = store = None
     if stream:
         handle, store = stream_lora_base(model, device=device, tier=args.stream_tier,
                                          prefetch_blocks=args.prefetch_blocks,
                                          schedule=args.stream_schedule, nvme_dir=args.nvme_dir,
-                                         staging_blocks=getattr(args, "staging_blocks", None))
+                                         staging_blocks=getattr(args, "staging_blocks", None),
+                                         load_block=load)
     capped = getattr(args, "gpu_bytes", None) is not None and device.type == "cuda"
     opt = offloader = None
     try:
@@ -278,6 +298,10 @@ def check_stream_flags(args: argparse.Namespace, device: torch.device) -> None:
     if args.stream_weights and args.no_offload:
         raise ValueError("--stream-weights streams the tiermem run, --no-offload runs without "
                          "tiermem; fix: drop one of them")
+    if args.layerwise_base and not (args.stream_weights and args.stream_tier == "nvme"):
+        raise ValueError("--layerwise-base builds the base layer by layer into its NVMe home; "
+                         "fix: add --stream-weights --stream-tier nvme --nvme-dir DIR, or drop "
+                         "--layerwise-base")
     for name, default in STREAM_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -332,10 +356,15 @@ def main(argv: list[str] | None = None) -> int:
                              "forward (streaming.schedule; tiermem/models/lora_stream.py)")
     parser.add_argument("--nvme-dir", default=None,
                         help="spill directory of the stream's store (store.nvme_dir)")
+    parser.add_argument("--layerwise-base", action="store_true",
+                        help="build the base one decoder layer at a time straight into its "
+                             "NVMe home (a base neither RAM nor the GPU holds whole; with "
+                             "--stream-tier nvme; --compare's baseline makes the same weights "
+                             "whole: Note [layer-wise LoRA Llama])")
     parser.add_argument("--staging-blocks", type=int, default=None,
                         help="with --stream-tier nvme: layers of the base staged in pinned RAM "
-                             "at once, the base's only RAM (default prefetch + 2; Note [NVMe "
-                             "home] in tiermem/stream/nvme_home.py)")
+                             "at once, the base's only RAM (default prefetch + 2; "
+                             "Note [NVMe home] in tiermem/stream/nvme_home.py)")
     parser.add_argument("--gpu-bytes", default=None,
                         help="cap the process's GPU memory at SIZE, e.g. 24GiB, to stand for a "
                              "smaller card (budgets.gpu_bytes, as in examples/train_large.py)")

@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -380,9 +381,91 @@ def test_the_entry_point_streams_the_base_from_nvme_with_bounded_ram(ex, capsys,
      "--staging-blocks=2 bounds the RAM staging of a base on NVMe; fix: add --stream-tier nvme"),
     (["--staging-blocks", "2"], "--staging-blocks=2 sets how the base streams; fix: add "
                                 "--stream-weights"),
+    (["--stream-weights", "--layerwise-base"],
+     "--layerwise-base builds the base layer by layer into its NVMe home; fix: add "
+     "--stream-weights --stream-tier nvme"),
 ])
 def test_bad_staging_flags_get_one_line_and_exit_2(ex, capsys, argv, needle):
     assert ex.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("train_lora: error: ") and err.count("\n") == 1, err
     assert needle in err, err
+
+
+# ---------------------------------------------------------------- Note [layer-wise NVMe base]
+
+
+def test_a_base_built_layer_by_layer_into_nvme_trains_bit_identical(tmp_path):
+    """layerwise_lora_llama's layers made one at a time straight into the stream's NVMe home
+    (at most one layer's tensors alive at any time) train like the same weights built whole
+    and not streamed: 8 steps, every loss and adapter; after close() the base is stand-ins."""
+    from tiermem.models.lora_layerwise import layerwise_lora_llama
+
+    def run(stream: bool):
+        model, layer_weights = layerwise_lora_llama(SHAPE, checkpoint=True,
+                                                    materialize=not stream)
+        alive, calls = [], []
+
+        def tracked(i):
+            gc.collect()
+            calls.append((i, sum(r() is not None for r in alive)))  # earlier layers' tensors
+            out = layer_weights(i)
+            alive.extend(weakref.ref(t) for t in out.values())
+            return out
+
+        handle = store = None
+        if stream:
+            handle, store = stream_lora_base(model, device="cpu", tier="nvme",
+                                             nvme_dir=str(tmp_path), load_block=tracked)
+            assert calls == [(i, 0) for i in range(SHAPE.layers)]
+        opt = torch.optim.AdamW(adapter_parameters(model), lr=2e-3, weight_decay=0.01)
+        out = []
+        for ids in lora_batches(SHAPE.vocab, 2, 16, STEPS):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append((loss.detach().clone(),
+                        [p.detach().clone() for p in adapter_parameters(model)]))
+        if handle is not None:
+            assert handle.stats()["staging_peak_blocks"] <= 3
+            handle.close()
+            store.close()
+            assert all(p.stride() == (0,) * p.dim()
+                       for p in model.parameters() if not p.requires_grad and p.dim()
+                       and any(p is q for layer in decoder_layers(model)
+                               for q in layer.parameters()))
+        return out
+
+    _same(run(True), run(False))
+
+
+def test_load_block_gets_one_line_errors_and_places_nothing(make_stream_store):
+    store = make_stream_store(cpu_bytes=1 << 20, nvme_bytes=16 << 20)
+    m = _frozen_gpt()
+    shapes = {n: p for n, p in m.blocks[1].named_parameters() if p.dim() == 2}
+
+    def wrong(i):
+        return {n: torch.zeros(3) for n in shapes}
+
+    cases = [
+        (dict(load_block=lambda i: {}), ValueError,
+         r"load_block builds weights whose only home is NVMe; fix: give staging_blocks"),
+        (dict(staging_blocks=2, load_block=3), TypeError, r"load_block must be a callable"),
+        (dict(staging_blocks=2, load_block=wrong), ValueError,
+         r"load_block\(0\) gave a torch.float32 tensor of shape \(3,\) for 'qkv.weight'; fix: "
+         r"give the torch.float32 tensor of shape \(96, 32\) under that name"),
+    ]
+    for kw, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            stream_weights(m.blocks, store=store, tier="nvme", frozen_only=True, **kw)
+        assert len(store) == 0
+        assert all(p.data.stride() != (0, 0) for p in shapes.values())  # unchanged
+
+
+def test_the_entry_point_builds_the_base_layer_by_layer(ex, capsys, tmp_path):
+    code = ex.main(["--compare", "--stream-weights", "--stream-tier", "nvme", "--nvme-dir",
+                    str(tmp_path), "--layerwise-base", "--steps", "8", "--seq", "16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "max |loss difference|: 0 " in out

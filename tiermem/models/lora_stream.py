@@ -96,8 +96,8 @@ def check_stream_options(*, tier: str = "cpu", prefetch_blocks: int = 1,
 
 def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str = "cpu",
                      prefetch_blocks: int = 1, schedule: str = "depth-first",
-                     nvme_dir: str | None = None, staging_blocks: int | None = None
-                     ) -> tuple[WeightStream, TierStore]:
+                     nvme_dir: str | None = None, staging_blocks: int | None = None,
+                     load_block=None) -> tuple[WeightStream, TierStore]:
     """Stream the frozen weights of ``model``'s decoder layers through a new store.
 
     The store holds exactly what it streams: its pinned-RAM budget is the base's bytes plus one
@@ -114,6 +114,9 @@ def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str 
         schedule: ``"depth-first"`` (Note [LoRA stream schedule]).
         staging_blocks: ``tier="nvme"``: layers staged in RAM at once (None: ``prefetch_blocks
             + 2``; Note [NVMe home]).
+        load_block: ``tier="nvme"``: the ``layer_weights`` of :func:`~tiermem.models.
+            lora_layerwise.layerwise_lora_llama`, whose layers are built one at a time
+            straight into NVMe (Note [layer-wise NVMe base]).
 
     Returns:
         (the :class:`~tiermem.stream.WeightStream`, its store); close the stream, then the
@@ -144,7 +147,8 @@ def stream_lora_base(model: nn.Module, *, device: torch.device | str, tier: str 
     try:
         stream = stream_weights(decoder_layers(model), store=store, tier=tier,
                                 prefetch_blocks=prefetch_blocks, frozen_only=True,
-                                staging_blocks=staging_blocks if tier == "nvme" else None)
+                                staging_blocks=staging_blocks if tier == "nvme" else None,
+                                load_block=load_block)
     except BaseException:
         store.close()
         raise

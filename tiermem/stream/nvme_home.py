@@ -41,6 +41,16 @@ whatever the model's size:
   quietly (the fill that needs the weight raises the error).
 - ``close()`` reads every weight back to the device it came from (all reads first: a failed one
   leaves the stream open, nothing changed) and deletes the keys.
+
+Note [layer-wise NVMe base]: a base larger than RAM *and* the device cannot be built whole and
+then streamed. ``stream_weights(..., staging_blocks=k, load_block=f)`` instead takes blocks
+whose streamed parameters are stand-ins (:func:`stand_in`: shape and dtype, no memory) and, at
+placement, calls ``f(i)`` for each streamed block in order: it builds or loads block ``i``'s
+weights (a dict by parameter name, e.g. on the device), which are written to NVMe and dropped
+before the next block is asked for; at most one block's tensors live at once. Such weights
+never existed anywhere else, so ``close()`` leaves the stand-ins (it reads nothing back) and
+deletes the keys. :func:`tiermem.models.lora_stream.layerwise_lora_llama` builds a LoRA Llama
+so.
 """
 
 from __future__ import annotations
@@ -75,7 +85,7 @@ def staging_bytes(block_sizes: Sequence[Sequence[int]], staging_blocks: int) -> 
 
 def home_for(staging_blocks: Any, *, tier: str, store: Any,
             streamed: Sequence[Sequence[tuple[str, nn.Parameter]]],
-            indices: Sequence[int]) -> "NvmeHome | None":
+            indices: Sequence[int], load_block: Any = None) -> "NvmeHome | None":
     """Check ``stream_weights``' ``staging_blocks`` (Note [NVMe home]); return the
     stream's :class:`NvmeHome`, or None.
 
@@ -85,16 +95,24 @@ def home_for(staging_blocks: Any, *, tier: str, store: Any,
         store: the TierStore (its ``cpu_bytes`` must hold the staging).
         streamed: the ``(name, parameter)`` pairs of each streamed block.
         indices: those blocks' indices.
+        load_block: None, or ``load_block(i)`` -> block ``i``'s weights by name, written to
+            NVMe instead of the parameters' data (Note [layer-wise NVMe base]).
 
     Raises:
-        TypeError: not an int.
+        TypeError: not an int; ``load_block`` not callable.
         ValueError: below 1, a tier other than ``"nvme"``, a streamed weight that requires
             grad, or a staging area larger than the store's ``cpu_bytes``; one line naming
             the field, the value and the fix.
     """
-    if staging_blocks is None:
-        return None
     who = "stream_weights: "
+    if load_block is not None and not callable(load_block):
+        raise TypeError(f"{who}load_block must be a callable (block index -> its weights by "
+                        f"name), got {type(load_block).__name__}")
+    if staging_blocks is None:
+        if load_block is not None:
+            raise ValueError(f"{who}load_block builds weights whose only home is NVMe; fix: "
+                             f"give staging_blocks (e.g. prefetch_blocks + 2) and tier='nvme'")
+        return None
     check_int(who, "staging_blocks", staging_blocks, low=1, unit="blocks",
               fix="give e.g. prefetch_blocks + 2, or None for a RAM copy of every weight")
     if tier != "nvme":
@@ -117,7 +135,9 @@ def home_for(staging_blocks: Any, *, tier: str, store: Any,
                          f"(that many of the largest streamed block) in the store's RAM, more "
                          f"than StoreConfig.cpu_bytes={have}; fix: raise cpu_bytes to at least "
                          f"{need} or lower staging_blocks")
-    return NvmeHome(store, staging_blocks, need)
+    home = NvmeHome(store, staging_blocks, need, load_block)
+    home.last_names = {i: pairs[-1][0] for i, pairs in zip(indices, streamed) if pairs}
+    return home
 
 
 def stand_in(like: torch.Tensor) -> torch.Tensor:
@@ -144,8 +164,12 @@ class NvmeHome:
         nothing at construction.
     """
 
-    def __init__(self, store: Any, staging_blocks: int, bound_bytes: int) -> None:
+    def __init__(self, store: Any, staging_blocks: int, bound_bytes: int,
+                 load_block: Any = None) -> None:
         self.store = store
+        self.load_block = load_block  # Note [layer-wise NVMe base]
+        self._loaded: tuple[int, dict] | None = None  # the block load_block gave last
+        self.last_names: dict[int, str] = {}  # block -> the name placed last in it
         self.limit = staging_blocks
         self.bound_bytes = bound_bytes
         self._writing = 0  # bytes of placement writes that may still hold pool blocks
@@ -154,18 +178,36 @@ class NvmeHome:
 
     # ------------------------------------------------------------------ placement
 
-    def place(self, key: Hashable, param: nn.Parameter) -> torch.Tensor:
-        """Write ``param``'s weight to the nvme tier under ``key``; return its stand-in.
+    def place(self, key: Hashable, param: nn.Parameter, block: int, name: str) -> torch.Tensor:
+        """Write ``param``'s weight (blocks[``block``].``name``; with ``load_block``, what it
+        gives for it) to the nvme tier under ``key``; return its stand-in.
 
         Raises:
-            the errors of ``TierStore.put`` (nothing is stored then).
+            ValueError: ``load_block`` gave no tensor of the parameter's shape and dtype.
+            the errors of ``TierStore.put`` and ``load_block`` (nothing is stored then).
         """
+        src = param.detach()
+        if self.load_block is not None:  # Note [layer-wise NVMe base]
+            if self._loaded is None or self._loaded[0] != block:
+                self._loaded = None  # the last block's tensors go first
+                self._loaded = (block, dict(self.load_block(block)))
+            src = self._loaded[1].get(name)
+            if not isinstance(src, torch.Tensor) or src.shape != param.shape \
+                    or src.dtype != param.dtype:
+                what = "nothing" if src is None else (
+                    f"a {src.dtype} tensor of shape {tuple(src.shape)}"
+                    if isinstance(src, torch.Tensor) else type(src).__name__)
+                raise ValueError(f"stream_weights: load_block({block}) gave {what} for {name!r}; "
+                                 f"fix: give the {param.dtype} tensor of shape "
+                                 f"{tuple(param.shape)} under that name")
         nbytes = block_bytes(param.numel() * param.element_size())
         if self._writing and self._writing + nbytes > self.bound_bytes:
             self.store.synchronize()  # the writes in flight free their pool blocks: RAM bound
             self._writing = 0
-        self.store.put(key, param.detach(), "nvme")
+        self.store.put(key, src, "nvme")
         self._writing += nbytes
+        if self.last_names.get(block) == name:
+            self._loaded = None  # the block is written: its loaded tensors can go
         return stand_in(param)
 
     def check_unwritten(self, entries: Sequence[Any]) -> None:
@@ -206,6 +248,8 @@ class NvmeHome:
         """
         for b in list(self._staged.values()):
             self.unstage(b)
+        if self.load_block is not None:  # Note [layer-wise NVMe base]: NVMe was its only home
+            return [p.host for p in params]
         out = []
         for p in params:
             t = self.store.get(p.key, "cpu", hold=True, keep_extent=True)  # a clean read

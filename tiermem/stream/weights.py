@@ -134,7 +134,7 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
                    prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
                    resident: Sequence[int] | None = None,
                    frozen_only: bool = False,
-                   staging_blocks: int | None = None) -> "WeightStream":
+                   staging_blocks: int | None = None, load_block: Any = None) -> "WeightStream":
     """Stream the weights of ``blocks`` through ``store`` (Note [weight streaming]).
 
     Args:
@@ -156,6 +156,8 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
             NVMe, read ahead in execution order into at most this many blocks of RAM staging
             in the store's cpu tier (frozen weights only; Note [NVMe home]). None: a RAM host
             copy of every weight beside the NVMe copy.
+        load_block: with ``staging_blocks``, ``load_block(i)`` builds block ``i``'s weights
+            (by name) at placement, one block at a time (Note [layer-wise NVMe base]).
 
     Returns:
         A :class:`WeightStream` (a context manager; ``close()`` makes the parameters ordinary
@@ -168,7 +170,7 @@ def stream_weights(blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu"
     """
     return WeightStream(blocks, store=store, tier=tier, prefetch_blocks=prefetch_blocks,
                         gpu_bytes=gpu_bytes, resident=resident, frozen_only=frozen_only,
-                        staging_blocks=staging_blocks)
+                        staging_blocks=staging_blocks, load_block=load_block)
 
 
 class WeightStream:
@@ -181,7 +183,7 @@ class WeightStream:
     def __init__(self, blocks: Sequence[nn.Module], *, store: Any, tier: str = "cpu",
                  prefetch_blocks: int = 1, gpu_bytes: int | str | None = None,
                  resident: Sequence[int] | None = None, frozen_only: bool = False,
-                 staging_blocks: int | None = None) -> None:
+                 staging_blocks: int | None = None, load_block: Any = None) -> None:
         per_block = select_frozen(block_params(blocks), frozen_only)
         n = len(per_block)
         gpu_bytes, resident = check_options(store, tier, prefetch_blocks, gpu_bytes, resident, n)
@@ -199,7 +201,7 @@ class WeightStream:
                                        prefetch_blocks=prefetch_blocks)
         on = self.plan.streamed  # Note [NVMe home]: checked before anything changes
         self._home = home_for(staging_blocks, tier=tier, store=store, indices=on,
-                              streamed=[per_block[i] for i in on])
+                              streamed=[per_block[i] for i in on], load_block=load_block)
         self.store = store
         self.tier = tier
         self.prefetch_blocks = prefetch_blocks
@@ -445,7 +447,7 @@ class WeightStream:
                         self.store.put(key, src, "cpu")
                         host = self.store.get(key, "cpu", hold=True)
                     elif self._home is not None:  # no RAM copy: a stand-in (Note [NVMe home])
-                        host = self._home.place(key, param)
+                        host = self._home.place(key, param, i, name)
                     else:
                         host = src.to("cpu", copy=True).contiguous()
                         self.store.put(key, host, "nvme")
