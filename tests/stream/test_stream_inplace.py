@@ -210,6 +210,65 @@ def test_the_streamed_sums_are_not_read_again(stores, monkeypatch):
     assert late["known_bases"] == STEPS * n_streamed
 
 
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda), "cpu"])
+@pytest.mark.parametrize("dtype,fraction,refresh", [
+    pytest.param(torch.float32, 1.0, True, id="fp32-f1"),
+    pytest.param(torch.bfloat16, 1.0, True, id="bf16-f1"),
+    pytest.param(torch.float32, 0.5, True, id="fp32-f0.5"),
+    pytest.param(torch.bfloat16, 0.5, True, id="bf16-f0.5"),
+    # the twins (an fp32 weight's GPU-side share is its own master: no twin for fp32-f0.5)
+    pytest.param(torch.float32, 1.0, False, id="fp32-f1-twin-no-refresh"),
+    pytest.param(torch.bfloat16, 0.5, False, id="bf16-f0.5-twin-no-refresh"),
+])
+def test_a_data_write_reaches_the_streamed_masters_on_the_device(device, dtype, fraction,
+                                                                  refresh, monkeypatch):
+    """Note [streamed write-back checksums] where the stream computes on a device (on CUDA the
+    fill sums are taken on the copy stream and reach the host through pinned memory behind an
+    event; the worker's piece sums are taken on the host: the two must agree to the bit).
+    8 steps of 2 micro-batches, blocks[1].fc.weight zeroed through ``.data`` after step 3:
+    exactly one refresh (no false alarm in any other step), and the next step trains it from
+    zero (every entry within a few ``lr`` of 0; its entries were up to 0.18 before). The twin
+    with the refresh off must see the old values come back (so the check can fail)."""
+    from tiermem import StoreConfig, TierStore
+    from tiermem.optim.param_watch import ParamWatch
+    refreshed = []
+    real = ParamWatch._refresh
+    monkeypatch.setattr(ParamWatch, "_refresh", lambda self, gi, i, rebind: (
+        refreshed.append(i), refresh and real(self, gi, i, rebind=rebind)))
+    lr = 1e-3
+    model = make_model(dtype).to(device)
+    store = TierStore(StoreConfig(device=device, gpu_bytes=1 << 20, cpu_bytes=16 << 20,
+                                  pool_slab_bytes=1 << 20, nvme_bytes=0))
+    stream = stream_weights(model.blocks, store=store, prefetch_blocks=1)
+    opt = HybridAdam(model.parameters(), lr=lr, weight_decay=0.0, offload_fraction=fraction,
+                     chunk_numel=2048, grad_accumulation_steps=2)
+    w = model.blocks[1].fc.weight
+    try:
+        for step in range(STEPS):
+            for k, (idx, tgt) in enumerate(batches(step, 2)):
+                _, loss = model(idx.to(device), tgt.to(device))
+                if device == "cuda":  # the fills' sums have landed by the first hand-over
+                    torch.cuda.synchronize()  # (else the host copy is read: the same sums)
+                (loss / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 3:
+                assert w.data.abs().max() > 0.05
+                w.data.zero_()  # between passes: the host copy
+            if step == 4:
+                assert (w.data.abs().max() <= 10 * lr) == refresh
+        assert len(refreshed) == 1
+        stats = opt._watch._sums.stats
+        n_streamed = sum(1 for n, _ in model.named_parameters() if n.startswith("blocks."))
+        assert stats["known_sums"] == (STEPS - 1) * n_streamed
+        if fraction == 1.0:
+            assert stats["known_bases"] == STEPS * n_streamed
+    finally:
+        opt.close()
+        stream.close()
+        store.close()
+
+
 def _between_micro_batches(model, mbs):
     """Depth-first micro-batches with a ``.data`` write between them (no step between)."""
     out = []
