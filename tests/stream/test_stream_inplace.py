@@ -4,13 +4,15 @@ silently lost or half applied (issue 29 item 7, Note [streamed weight checksums]
 tiermem/stream/checksums.py).
 
 - Between passes ``param.data`` is the host copy: the next forward streams the change, with
-  ``tier="nvme"`` too (its store copy is rewritten when the host copy's checksum moved).
+  ``tier="nvme"`` too (its store copy is rewritten when the host copy's checksum moved), and
+  HybridAdam takes it into its masters as unstreamed (Note [streamed write-back checksums] in
+  tiermem/optim/param_sums.py).
 - During a pass the change lands in the block's device buffer, which the stream refills from the
   host copy or drops: refused with one line naming the weight when the block is released, the
   pass ended, the change discarded and the stream usable.
 
-Every run trains 8 AdamW steps of different batches and is compared bit for bit, at every step
-and in the final weights, with an independent unstreamed run from the same seed.
+Every run trains 8 AdamW (or HybridAdam) steps of different batches and is compared bit for bit,
+at every step and in the final weights, with an independent unstreamed run from the same seed.
 """
 
 from __future__ import annotations

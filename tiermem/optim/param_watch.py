@@ -27,8 +27,9 @@ and before ``step()`` (AdamW would step the new value; the chunk was stepped fro
 makes ``step()`` raise, and with ``param_sync="forward"`` an offloaded parameter changed while
 the step was still pending (race with its H2D copy) makes the completion raise; call
 ``opt.synchronize()`` first. A change through ``param.data`` (a version counter of its own) is
-seen by the bytes instead: Note [param checksums] (``param_sums.py``). One process only
-(``data_parallel`` and FSDP2 are not watched).
+seen by the bytes instead: Note [param checksums] (``param_sums.py``; a streamed weight's
+too: Note [streamed write-back checksums]). One process only (``data_parallel`` and FSDP2 are
+not watched).
 """
 
 from __future__ import annotations
