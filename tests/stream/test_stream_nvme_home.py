@@ -350,6 +350,14 @@ def test_bad_input_gets_one_line_naming_field_value_and_fix(make_stream_store):
         m(batches(0, 1)[0][0])
     new = torch.full(w.shape, 0.25)
     w.data = new  # the fix: replaced data is written to the NVMe home
+    with torch.no_grad():
+        m(batches(0, 1)[0][0])
+    assert torch.isnan(w).all()  # a fresh stand-in, not the one fill_ wrote
+    w.data = w.data.clone()  # a copy of the stand-in (what model.to() makes) is refused
+    with pytest.raises(ValueError, match=r"qkv\.weight\.data was replaced by a tensor of NaN "
+                                         r"only, a copy of its stand-in .* fix: leave"):
+        m(batches(0, 1)[0][0])
+    assert w.stride() == (0, 0)  # the stand-in again: the NVMe copy (0.25) was kept
     plain = _frozen_gpt()
     dict(plain.named_parameters())[_name_of(m, w)].data.copy_(new)
     idx = batches(0, 1)[0][0]

@@ -211,15 +211,26 @@ class NvmeHome:
         return stand_in(param)
 
     def check_unwritten(self, entries: Sequence[Any]) -> None:
-        """At a pass start: refuse a stand-in written in place since it was set (Note [NVMe
-        home]); a replaced ``.data`` is taken by :meth:`take` instead.
+        """At a pass start: refuse a stand-in written in place since it was set, or replaced by
+        a copy of itself (all NaN: ``model.to()``), which would overwrite the NVMe copy
+        (Note [NVMe home]); any other replaced ``.data`` is taken by :meth:`take`.
 
         Raises:
-            ValueError: naming the weight and the fix (nothing changed).
+            ValueError: naming the weight and the fix (the NVMe copy unchanged; a stand-in's
+                copy is replaced by the stand-in again).
         """
         for p in entries:
-            if p.param.data.data_ptr() == p.host.data_ptr() \
-                    and p.param._version != p.written_version:
+            data = p.param.data
+            if data.data_ptr() != p.host.data_ptr() and data.is_floating_point() \
+                    and data.numel() and bool(torch.isnan(data).all()):
+                p.param.data = p.host  # the NVMe copy is kept: the stream stays usable
+                raise ValueError(
+                    f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced by "
+                    f"a tensor of NaN only, a copy of its stand-in (model.to() or .cuda() "
+                    f"between passes copies it; Note [NVMe home]); its NVMe copy is kept and "
+                    f".data is the stand-in again; fix: leave streamed blocks where they are "
+                    f"(the stream moves them), or assign the real values")
+            if data.data_ptr() == p.host.data_ptr() and p.param._version != p.written_version:
                 raise ValueError(
                     f"weight streaming: blocks[{p.block.index}].{p.name} was written in place "
                     f"between passes (version {p.written_version} -> {p.param._version}), but "
@@ -237,6 +248,7 @@ class NvmeHome:
                     "values are written to its NVMe home", p.block.index, p.name)
         self.unstage(p.block)  # between passes nothing holds its keys
         self.store.put(p.key, p.param.data.detach(), "nvme")
+        p.host = stand_in(p.host)  # a fresh one: a fill_ may have written the old one
         p.param.data = p.host
         p.written_version = p.param._version
 
@@ -263,15 +275,27 @@ class NvmeHome:
     # ------------------------------------------------------------------ staging
 
     def staged(self, block: Any) -> bool:
-        """Whether ``block``'s weights are (being read) in the store's RAM."""
+        """Whether ``block``'s weights are (being read) in the store's RAM.
+
+        Raises:
+            nothing.
+        """
         return block.index in self._staged
 
     def full(self) -> bool:
-        """Whether ``staging_blocks`` blocks are staged."""
+        """Whether ``staging_blocks`` blocks are staged.
+
+        Raises:
+            nothing.
+        """
         return len(self._staged) >= self.limit
 
     def victim(self, holding: Sequence[Any]) -> Any:
-        """A staged block no fill reads (a read-ahead one): the last staged, or None."""
+        """A staged block no fill reads (a read-ahead one): the last staged, or None.
+
+        Raises:
+            nothing.
+        """
         busy = {b.index for b in holding}
         for i in reversed(self._staged):
             if i not in busy:
@@ -279,7 +303,11 @@ class NvmeHome:
         return None
 
     def stage(self, block: Any) -> None:
-        """Count ``block`` as staged (its fill or read-ahead reads it into RAM now)."""
+        """Count ``block`` as staged (its fill or read-ahead reads it into RAM now).
+
+        Raises:
+            nothing.
+        """
         self._staged[block.index] = block
         st = self.stats
         st["staging_peak_blocks"] = max(st["staging_peak_blocks"], len(self._staged))
