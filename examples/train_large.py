@@ -71,6 +71,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore, flags  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
+from tiermem.gpu_cap import cap_gpu  # noqa: E402
 from tiermem.config import (BudgetConfig, OptimizerConfig, StreamingConfig,  # noqa: E402
                             TrainConfig, apply_overrides, from_tree, load_config, parse_bytes)
 from tiermem.models import materialize_  # noqa: E402
@@ -508,9 +509,7 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
         return 0
     device = torch.device(device_name)
     if args.gpu is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        cap = cfg["budgets"].gpu_bytes
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        cap, total = cap_gpu(device, cfg["budgets"].gpu_bytes)  # Note [GPU cap device index]
         print(f"train_large: GPU capped at {cap / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
               f"(--gpu-bytes)", flush=True)
     dtype = getattr(torch, t.dtype)

@@ -81,6 +81,7 @@ import torch
 
 from tiermem import flags
 from tiermem.apps import table
+from tiermem.gpu_cap import cap_gpu
 from tiermem.apps.bench.common import (bench_device, bench_main, learnable_batches, parse_clips,
                                         sync)
 from tiermem.apps.bench.optim_base import HP
@@ -396,8 +397,7 @@ def run(args, log=print) -> list[Row]:
     """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
     device = bench_device()
     if args.gpu_bytes is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_bytes / total), device)
+        _, total = cap_gpu(device, args.gpu_bytes)  # Note [GPU cap device index]
         log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu)")
     cfg, dtype, build, model, init = seeded_model(args, device)
     m = args.micro_batches
