@@ -231,15 +231,19 @@ def test_refusals(stores, one_thread):
 
 
 class _Event:
-    """A fake CUDA event: the copy it marks happens when it completes."""
+    """A fake CUDA event: the copy it marks happens when the test completes it; a wait on it
+    (the gradient adder thread's, Note [gradient adder]) blocks until then, like
+    ``cudaEventSynchronize``."""
 
     def __init__(self, copy):
         self.copy, self.done = copy, False
+        self.landed = threading.Event()
 
     def complete(self):
         if not self.done:
             self.copy()
             self.done = True
+            self.landed.set()
 
 
 class _Copies:
@@ -260,7 +264,7 @@ class _Copies:
 
     @staticmethod
     def landed(event):
-        event.complete()
+        assert event.landed.wait(60), "deadlock guard: a copy the test never completes"
 
 
 class _Entry:
@@ -271,8 +275,9 @@ class _Entry:
 def test_cuda_hand_off_is_at_once_with_the_copy_event_and_keeps_backward_order():
     """Note [streamed gradient hand-off] on the CUDA path (fake events): a gradient copied
     straight into its host gradient is handed over at once with its copy's event (in flight),
-    or with None once landed; a staged micro-batch is handed over only once its copy has
-    landed and been added, and holds back the ones taken after it (take order)."""
+    or with None once landed; a staged micro-batch is handed over (by the adder thread, Note
+    [gradient adder]) only once its copy has landed and been added, and holds back the ones
+    taken after it (take order)."""
     from tiermem.stream.grads import HostGrads
 
     copies = _Copies()
@@ -290,17 +295,24 @@ def test_cuda_hand_off_is_at_once_with_the_copy_event_and_keeps_backward_order()
     assert told[2][:3] == ("c", 1, copies.events[2])
     grads.take(a, ga)  # a second micro-batch of a: staged, added once landed
     grads.take(d, gc)  # straight, but taken after a's staged one: held back
-    assert len(told) == 3
+    assert len(told) == 3  # the adder thread waits for a's copy
     for k in (1, 2, 3):  # the copies land in issue order, up to a's staged one
         copies.events[k].complete()
-    grads.take(c, gc)  # c's second micro-batch: staged, held until it is added
+    grads._adder.wait_idle()
     assert [(t[0], t[1]) for t in told[3:]] == [("a", 1), ("d", 1)]
     assert told[3][2] is None and torch.equal(told[3][3], ga + ga)  # told after the add
     assert told[4][2] is copies.events[4]  # d's copy still in flight
+    grads.take(c, gc)  # c's second micro-batch: staged, held until it is added
+    assert len(told) == 5
+    copies.events[4].complete()
+    copies.events[5].complete()
     grads.flush()
     assert [(t[0], t[2]) for t in told[5:]] == [("c", None)]
     assert torch.equal(c.acc, gc + gc) and torch.equal(b.acc, gb)
-    assert grads.handed == {"handed_in_pass": 5, "handed_at_end": 1}
+    # c: handed by the adder as soon as added, during the pass or by flush()'s wait
+    assert grads.handed["handed_in_pass"] + grads.handed["handed_at_end"] == 6
+    assert grads.handed["handed_in_pass"] >= 5
+    assert grads.stats()["adds_off_thread"] == 2
 
 
 class _LateCopy:

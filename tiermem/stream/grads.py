@@ -10,12 +10,13 @@ the parameter's dtype, in backward order. That is exactly what autograd does to 
 without streaming (``grad = new`` then ``grad += new``: the same elementwise IEEE adds in the
 same dtype and order), so accumulation over micro-batches is bit-identical. On CUDA the copy
 runs on the D2H stream into pinned memory (the first one straight into the host gradient,
-later ones into a per-parameter pinned staging tensor), and the adds run on the host when the
-pass ends (with HybridAdam connected, as soon as the copies have landed:
-Note [streamed gradient hand-off]), in the order the copies were issued (or, when a pass takes
-one parameter's gradient again before it ends, before its staging tensor is reused). On the CPU
-the gradient autograd made is kept as the host gradient (no copy) and later ones are added at
-once.
+later ones into a per-parameter pinned staging tensor). The adds run on the stream's gradient
+adder thread (Note [gradient adder] in tiermem/stream/grad_adds.py), never on the autograd
+thread: each waits for its copy to land, in the order the copies were issued; a second take of
+one parameter in a pass waits for that parameter's previous add before its copy reuses the
+staging tensor, and :meth:`HostGrads.flush` at the pass end waits for all of them. On the CPU
+the gradient autograd made is kept as the host gradient (no copy), and later ones are
+enqueued as they are and added by the same thread.
 
 Note [streamed gradient hand-off]: ``HostGrads.take`` is the one place a streamed weight's
 gradient lands on the host, so it is also where an optimizer that steps the host copies
@@ -26,13 +27,13 @@ backward passes this take covers, ``n_micro`` for a block-major pass's device-ac
 gradient, else 1), in the order the gradients were taken (backward order). ``event`` is None
 when ``entry.acc`` is complete, else the CUDA event of the D2H copy still writing it: the sink
 (HybridAdam's chunk worker: ``host_grads_landed`` in tiermem/optim/chunk_worker.py) waits on it
-before it reads the host gradient. On the CPU every take hands over at once with no event. On
-CUDA (Note [hand-off lag]) a take whose copy goes straight into the host gradient (the first
-of the step, or a block-major pass's one) hands it over at once with that copy's event; a
-later micro-batch's copy goes into a staging tensor whose add on the host must come first, so
-it is handed over once that copy has landed and been added: by a later take that sees it
-finished (``event.query()``, no wait) or by :meth:`flush` at the end of the pass. A parameter
-waiting for its add holds back the ones taken after it (the order).
+before it reads the host gradient. A take copied straight into its host gradient (the first
+of the step, or a block-major pass's one; on the CPU: kept as it is) is handed over at once on
+the caller's thread, with that copy's event, when no earlier take's add is still queued; a
+later micro-batch's take is handed over by the gradient adder thread right after its add
+(Note [gradient adder]), and so is a straight take enqueued behind one: one queue of adds and
+hand-offs in take order, so none passes a busy one. A hand-off made while :meth:`flush` waits
+counts as made at the pass end.
 
 Note [hand-off lag]: the sink once learned of every CUDA gradient only when the autograd
 thread polled (a later take) after its D2H copy had landed, or at :meth:`HostGrads.flush` when
@@ -43,27 +44,23 @@ instead of during it (session 13's streamed HybridAdam row spent 481 ms after it
 against the resident row's 264). Now a gradient copied straight into its host gradient is
 handed over at once with its D2H event, like HybridAdam's own hook hands over an event for a
 device gradient, and the worker thread waits for the GPU instead of the autograd thread
-polling (Note [streamed gradient hand-off]). Only a staged later micro-batch (gradient
-accumulation over depth-first passes) still waits for a poll or the pass end. ``stats()`` of
-the stream counts both (``handed_in_pass``, ``handed_at_end``).
+polling (Note [streamed gradient hand-off]). A staged later micro-batch (gradient accumulation
+over depth-first passes) is handed over by the adder thread as soon as it is added, not at a
+poll (Note [gradient adder]); only those whose adds are still queued when the backward ends
+are handed over at the end. ``stats()`` of the stream counts them (``handed_in_pass``,
+``handed_at_end``) and the adds (``adds_off_thread``, ``add_waits``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import torch
 
 from tiermem.stream.copies import StreamCopies
+from tiermem.stream.grad_adds import AddItem, GradAdder
 from tiermem.stream.grad_norms import GradNorms
-
-
-@dataclass(eq=False)
-class _Pending:
-    entry: Any            # the parameter's _Param (tiermem.stream.blocks)
-    staging: torch.Tensor | None  # None: the copy went straight into entry.acc
-    event: Any
 
 
 class HostGrads:
@@ -72,112 +69,105 @@ class HostGrads:
     Args:
         copies: the stream's copies.
         pin: allocate host gradients and staging tensors in pinned memory (CUDA).
+
+    Attributes:
+        stage_on_cpu: tests: on the CPU copy a later micro-batch's gradient into the staging
+            tensor first, as CUDA does (the staging reuse rule runs: Note [gradient adder]).
     """
+
+    stage_on_cpu = False
 
     def __init__(self, copies: StreamCopies, pin: bool) -> None:
         self.copies = copies
         self.pin = pin
-        self._pending: list[_Pending] = []
-        self._staged: set[int] = set()  # id(entry) whose staging tensor a pending copy fills
-        # Note [streamed gradient hand-off]: callable(entry, passes, event)
-        self.sink: Any = None
-        # (entry, passes, the D2H event of a copy straight into entry.acc or None), not yet
-        # handed to the sink
-        self._told: list[tuple[Any, int, Any]] = []
         # Note [hand-off lag]: gradients handed to the sink during the pass / by flush()
         self.handed = {"handed_in_pass": 0, "handed_at_end": 0}
+        self._adder = GradAdder(copies, self.handed)  # Note [gradient adder]
+        weakref.finalize(self, self._adder.stop)
+        self._straight: list[Any] = []  # D2H events of copies straight into a host gradient
         # Note [streamed gradient norms]: norms of whole gradients, taken as they leave
         self.norms = GradNorms()
 
+    @property
+    def sink(self) -> Any:
+        """``sink(entry, passes, event)`` or None (Note [streamed gradient hand-off])."""
+        return self._adder.sink
+
+    @sink.setter
+    def sink(self, sink: Any) -> None:
+        self._adder.sink = sink
+
+    def stats(self) -> dict:
+        """The hand-off counts (Note [hand-off lag]) and the adder's (``adds_off_thread``,
+        ``add_waits``: Note [gradient adder]), since the stream began.
+
+        Raises:
+            nothing.
+        """
+        return dict(self.handed, **self._adder.counts)
+
     def take(self, entry: Any, grad: torch.Tensor, passes: int = 1) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
-        gradient or None) into ``entry.acc``; hand it to the sink, at once with the event of
-        its copy straight into ``entry.acc``, or once a staged copy has landed and been added
-        (Note [streamed gradient hand-off]). ``passes``: backward passes ``grad`` holds. A
+        gradient or None) into ``entry.acc``: copied straight in (and handed to the sink at
+        once with the copy's event, when no add is queued before it), or staged and enqueued
+        for the adder thread, which adds it and then hands it over (Note [streamed gradient
+        hand-off], Note [gradient adder]). ``passes``: backward passes ``grad`` holds. A
         gradient that is the whole of ``entry.acc`` has its norm taken on the device when
         ``norms.want`` says it completes the step (Note [streamed gradient norms]).
 
         Raises:
-            RuntimeError: torch's copy or add errors; the sink's errors.
+            RuntimeError: an add or hand-off that failed on the adder thread since the last
+                take (naming its parameter); torch's copy errors; the sink's errors.
         """
-        if not self.copies.cuda:
-            if entry.acc is None:
-                entry.acc = grad  # autograd's own tensor: nothing else refers to it now
-                self.norms.record(grad, self.norms.measure(grad, passes))
-            else:
-                self.norms.forget(entry.acc)  # Note [streamed gradient norms]
-                entry.acc.add_(grad)
-            if self.sink is not None:
-                self.handed["handed_in_pass"] += 1
-                self.sink(entry, passes, None)
-            return
-        straight = None  # the event of a copy straight into entry.acc
+        self._adder.raise_failed()
+        tell = self.sink is not None
         if entry.acc is None:
-            entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
-            straight = self.copies.grad_out(entry.acc, grad)
-            # beside the copy, on the caller's stream: Note [streamed gradient norms]
-            self.norms.record(entry.acc, self.norms.measure(grad, passes))
-            self._pending.append(_Pending(entry, None, straight))
-        else:
-            self.norms.forget(entry.acc)
+            if self.copies.cuda:
+                entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
+                event = self.copies.grad_out(entry.acc, grad)
+                self._straight.append(event)
+                # beside the copy, on the caller's stream: Note [streamed gradient norms]
+                self.norms.record(entry.acc, self.norms.measure(grad, passes))
+            else:
+                entry.acc = grad  # autograd's own tensor: nothing else refers to it now
+                event = None
+                self.norms.record(grad, self.norms.measure(grad, passes))
+            if tell:
+                item = AddItem(entry, entry.acc, None, event, passes, tell=True)
+                if self._adder.idle():  # nothing taken before it is still being added
+                    self._adder.hand(item)
+                else:
+                    self._adder.put(item)
+            return
+        self.norms.forget(entry.acc)  # Note [streamed gradient norms]
+        if self.copies.cuda or self.stage_on_cpu:
             if entry.staging is None:
                 entry.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
-            elif id(entry) in self._staged:
-                self._land(entry)  # the staging tensor is reused: add what it holds first
-            self._pending.append(_Pending(entry, entry.staging,
-                                          self.copies.grad_out(entry.staging, grad)))
-            self._staged.add(id(entry))
-        if self.sink is not None:
-            self._told.append((entry, passes, straight))
-            self._land_finished()
-
-    def _land_finished(self) -> None:
-        """Land the copies that have finished, in issue order, without waiting, and hand the
-        sink every parameter with no staged add left to do (Note [streamed gradient
-        hand-off])."""
-        while self._pending and self.copies.finished(self._pending[0].event):
-            item = self._pending.pop(0)
-            if item.staging is not None:
-                item.entry.acc.add_(item.staging)
-                if not any(q.entry is item.entry for q in self._pending):
-                    self._staged.discard(id(item.entry))
-        self._tell()
-
-    def _tell(self, when: str = "handed_in_pass") -> None:
-        """Hand the sink, in take order, each told parameter with no staged copy in flight,
-        with the event of its copy straight into ``entry.acc`` while that is in flight."""
-        busy = {id(item.entry) for item in self._pending if item.staging is not None}
-        while self._told and id(self._told[0][0]) not in busy:  # the order: none passes a busy one
-            entry, passes, event = self._told.pop(0)  # first: a sink that raises is told once
-            self.handed[when] += 1
-            landed = event is None or self.copies.finished(event)
-            self.sink(entry, passes, None if landed else event)
-
-    def _land(self, entry: Any) -> None:
-        """Wait for ``entry``'s gradient copies in flight and add them, in issue order (a
-        second take of one parameter in a pass: block-major, Note [block-major passes])."""
-        keep = []
-        for item in self._pending:
-            if item.entry is not entry:
-                keep.append(item)
-                continue
-            self.copies.landed(item.event)  # the host adds (or reuses) the copied bytes next
-            if item.staging is not None:
-                item.entry.acc.add_(item.staging)
-        self._pending = keep
-        self._staged.discard(id(entry))
+            else:
+                self._adder.wait_for(entry)  # the staging tensor is reused: its add first
+            staged, event = entry.staging, self.copies.grad_out(entry.staging, grad)
+        else:
+            staged, event = grad, None
+        self._adder.put(AddItem(entry, entry.acc, staged, event, passes, tell=tell))
 
     def flush(self) -> None:
-        """Wait for the gradient copies in flight and add them, in the order they were issued.
+        """Wait until every gradient copy and add of the pass is done and every hand-off made
+        (the adder thread then ends, Note [gradient adder]). An error of the adder thread is
+        kept for :meth:`raise_failed` (the pass end raises it once the stream is restored).
 
         Raises:
-            RuntimeError: torch's add errors.
+            RuntimeError: the adder thread ended with adds not done (a bug).
         """
-        pending, self._pending = self._pending, []
-        self._staged.clear()
-        for item in pending:
-            self.copies.landed(item.event)
-            if item.staging is not None:
-                item.entry.acc.add_(item.staging)
-        if self._told:
-            self._tell("handed_at_end")
+        self._adder.drain()
+        straight, self._straight = self._straight, []
+        for event in straight:
+            self.copies.landed(event)  # the next pass and step() read what this copy writes
+
+    def raise_failed(self) -> None:
+        """Raise, once, an add or hand-off that failed on the adder thread (Note [gradient
+        adder]).
+
+        Raises:
+            RuntimeError: naming the parameter; the stream stays usable.
+        """
+        self._adder.raise_failed()

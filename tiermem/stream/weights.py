@@ -362,7 +362,9 @@ class WeightStream:
         ``h2d_bytes``, ``peak_blocks`` (streamed blocks on the device at once, at most
         ``plan.buffer_blocks``), ``nvme_writes`` (weights written to the store's NVMe copy),
         ``handed_in_pass`` / ``handed_at_end`` (gradients handed to a connected optimizer
-        during a pass / when it ended: Note [hand-off lag]), ``checked_blocks`` (block releases
+        during a pass / when it ended: Note [hand-off lag]), ``adds_off_thread`` / ``add_waits``
+        (host adds of later micro-batches, made on the adder thread / waited for by a take:
+        Note [gradient adder]), ``checked_blocks`` (block releases
         whose weights were checksummed: Note [streamed weight checksums]); with
         ``staging_blocks``, ``staging_peak_blocks`` / ``staging_peak_bytes`` (RAM staging) and
         ``read_ahead_blocks`` (Note [NVMe home]).
@@ -371,7 +373,7 @@ class WeightStream:
             nothing.
         """
         home = self._home.stats if self._home is not None else {}
-        return dict(self._fetcher.stats, **self._grads.handed, **self._fetcher.checks.stats,
+        return dict(self._fetcher.stats, **self._grads.stats(), **self._fetcher.checks.stats,
                     **home)
 
     def close(self, *, force: bool = False) -> None:
@@ -610,6 +612,7 @@ class WeightStream:
                 p.acc = None
         self._pass = None
         self._major = None
+        self._grads.raise_failed()  # an adder thread's error, now the pass has ended
         self._fetcher.checks.raise_changed()  # Note [streamed weight checksums]
 
     def _settle_idle_pass(self) -> None:

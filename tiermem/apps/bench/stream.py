@@ -355,14 +355,16 @@ def worker_diagnosis(st: dict) -> list[str]:
 def _diagnosis(opt, stream) -> str:
     """Where a row's optimizer tail goes (Note [hand-off lag] in tiermem/stream/grads.py):
     HybridAdam's last step (``step_stats``: :func:`worker_diagnosis`) and the gradients the
-    stream handed over during the passes / at their end (totals since the stream began); ""
-    for a row with neither."""
+    stream handed over during the passes / at their end and its host adds on the adder thread
+    / waited for (Note [gradient adder]; totals since the stream began); "" for a row with
+    neither."""
     parts = []
     if hasattr(opt, "step_stats"):
         parts += worker_diagnosis(opt.step_stats())
     if stream is not None:
         st = stream.stats()
-        parts += [f"{k} {st[k]}" for k in ("handed_in_pass", "handed_at_end")]
+        parts += [f"{k} {st[k]}" for k in ("handed_in_pass", "handed_at_end",
+                                              "adds_off_thread", "add_waits")]
     return ", ".join(parts)
 
 
