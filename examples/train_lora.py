@@ -69,8 +69,8 @@ import torch
 from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layers, lora_batches,
                                        lora_llama, lora_modules)
 from tiermem.models.lora_layerwise import layerwise_lora_llama
-from tiermem.models.lora_stream import (cap_gpu, check_stream_options, stream_lora_base,
-                                        stream_summary, uncap_gpu)
+from tiermem.gpu_cap import cap_gpu, uncap_gpu
+from tiermem.models.lora_stream import check_stream_options, stream_lora_base, stream_summary
 from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
 from tiermem.names import check_device, parse_bytes, resolve_device
 from tiermem.offload import ActivationOffloader, offload_activations, offload_in_modules

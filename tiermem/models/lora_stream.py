@@ -7,8 +7,9 @@ store's pinned RAM (``tier="cpu"``) or on NVMe (``tier="nvme"``) and reaches the
 at a time, prefetched ``prefetch_blocks`` ahead; the adapters stay ordinary resident
 parameters, stepped by whatever optimizer the caller built (HybridAdam or torch AdamW), and the
 base gets no gradient and no optimizer state. The embeddings, the final norm and the LM head
-stay resident. :func:`cap_gpu` caps the process's GPU memory the way ``--gpu-bytes`` does in
-examples/train_large.py, after the stream has moved the base off the GPU.
+stay resident. examples/train_lora.py caps the process's GPU memory with
+:func:`tiermem.gpu_cap.cap_gpu`, as examples/train_large.py does, after the stream has moved
+the base off the GPU.
 
 Note [LoRA stream schedule]: a transformers Llama runs its own forward, so each step is one
 depth-first pass: every streamed layer crosses PCIe once in the forward and once more for its
@@ -37,7 +38,6 @@ from torch import nn
 
 from tiermem.config import StoreConfig
 from tiermem.models.lora_llama import decoder_layers
-from tiermem.names import parse_bytes
 from tiermem.options import STREAM_SCHEDULES, STREAM_TIERS
 from tiermem.store import TierStore
 from tiermem.stream import WeightStream, stream_weights
@@ -168,50 +168,6 @@ def staging_ram_bytes(model: nn.Module, staging_blocks: int) -> int:
     return staging_bytes([[p.numel() * p.element_size() for p in layer.parameters()
                            if not p.requires_grad] for layer in decoder_layers(model)],
                          staging_blocks)
-
-
-def cap_gpu(device: torch.device | str, gpu_bytes: int | str) -> int:
-    """Cap this process's GPU memory at ``gpu_bytes`` (``--gpu-bytes``: stand for a smaller
-    card) with ``torch.cuda.set_per_process_memory_fraction``, after emptying the cache (the
-    base's weights, once streamed, have left the GPU). Returns the cap in bytes.
-
-    Raises:
-        ValueError, TypeError: ``gpu_bytes`` is not a byte count > 0, or ``device`` is not a
-            CUDA device.
-    """
-    cap = parse_bytes(gpu_bytes, "--gpu-bytes")
-    if cap <= 0:
-        raise ValueError(f"--gpu-bytes={gpu_bytes!r} must be > 0, e.g. 24GiB")
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"--gpu-bytes={gpu_bytes!r} caps a CUDA device, not {device}; fix: "
-                         f"--device cuda, or drop --gpu-bytes")
-    index = _cuda_index(device)
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
-    return cap
-
-
-def uncap_gpu(device: torch.device | str) -> None:
-    """Lift :func:`cap_gpu`'s cap on ``device`` (a fraction of 1.0).
-
-    Raises:
-        ValueError: ``device`` is not a CUDA device.
-    """
-    torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(torch.device(device)))
-
-
-def _cuda_index(device: torch.device) -> int:
-    """``device``'s index, the current CUDA device for a bare ``"cuda"``:
-    ``set_per_process_memory_fraction`` refuses a device without an index (torch 2.11).
-
-    Raises:
-        ValueError: ``device`` is not a CUDA device.
-    """
-    if device.type != "cuda":
-        raise ValueError(f"device={device}: a CUDA device is needed to cap its memory")
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def stream_summary(st: dict, steps: int) -> str:
