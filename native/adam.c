@@ -146,6 +146,38 @@ TM_INLINE void adam_body(const adam_args *a, int64_t begin, int64_t end, const i
     }
 }
 
+/* ---- the placed byte sum of the written params (tm_adam_step_sum) --------------------------
+ * Byte j of b[0, n) weighs 256**((phase + j) % 8) for j < weighted and 1 from there on; the sum
+ * is modulo 2**64. That is tiermem.stream.checksums.piece_checksum's quantity for bytes that sit
+ * at byte offset lo (phase = lo % 8) of an 8-byte-aligned whole whose last whole word ends
+ * weighted + lo bytes in (its tail of < 8 bytes is summed bytewise). Integer adds: exact, and
+ * independent of how the bytes are split into calls, blocks or threads. */
+TM_INLINE uint64_t placed_sum(const unsigned char *b, int64_t n, int64_t phase,
+                              int64_t weighted) {
+    uint64_t s = 0;
+    const int64_t w = weighted < 0 ? 0 : (weighted > n ? n : weighted);
+    int64_t head = (8 - phase) & 7, j = 0;
+    if (head > w) head = w;
+    for (; j < head; j++) s += (uint64_t)b[j] << (8 * ((phase + j) & 7));
+    const int64_t nw = (w - j) / 8;
+    const unsigned char *q = b + j;
+    for (int64_t k = 0; k < nw; k++) { /* (phase + j) % 8 == 0 here: little-endian words */
+        uint64_t x;
+        memcpy(&x, q + 8 * k, sizeof x);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        x = __builtin_bswap64(x);
+#endif
+        s += x;
+    }
+    j += nw * 8;
+    for (; j < w; j++) s += (uint64_t)b[j] << (8 * ((phase + j) & 7));
+    for (; j < n; j++) s += b[j];
+    return s;
+}
+
+/* Elements stepped before their output is summed: 4 or 8 KiB of output, still in L1 then. */
+#define TM_SUM_BLOCK 2048
+
 #define TM_KEY(GD, SD, OD) (((GD) * 2 + (SD)) * 4 + (OD))
 #define TM_CASE(GD, SD, OD)                    \
     case TM_KEY(GD, SD, OD):                   \
@@ -159,9 +191,24 @@ TM_INLINE void adam_body(const adam_args *a, int64_t begin, int64_t end, const i
     TM_CASES_OD(TM_BF16, TM_F32) TM_CASES_OD(TM_BF16, TM_BF16)                   \
     TM_CASES_OD(TM_F16, TM_F32) TM_CASES_OD(TM_F16, TM_BF16)
 
+/* NAME steps [begin, end); NAME##_sum also returns the placed sum of the output it wrote
+ * there, block by block, each block summed right after it is written (read back from L1). */
 #define TM_DEFINE_RANGE(NAME, ATTR)                                                         \
     ATTR static void NAME(const adam_args *a, int64_t begin, int64_t end) {                \
         switch (TM_KEY(a->grad_dtype, a->state_dtype, a->out_dtype)) { TM_CASES default:; } \
+    }                                                                                       \
+    ATTR static uint64_t NAME##_sum(const adam_args *a, int64_t begin, int64_t end,        \
+                                    int64_t phase, int64_t weighted) {                      \
+        const int64_t osz = a->out_dtype == TM_F32 ? 4 : 2;                                 \
+        const unsigned char *out = (const unsigned char *)a->param_out;                     \
+        uint64_t s = 0;                                                                     \
+        for (int64_t b = begin; b < end; b += TM_SUM_BLOCK) {                               \
+            const int64_t e = end - b > TM_SUM_BLOCK ? b + TM_SUM_BLOCK : end;              \
+            NAME(a, b, e);                                                                  \
+            const int64_t off = b * osz; /* bytes from the call's first output byte */      \
+            s += placed_sum(out + off, (e - b) * osz, (phase + off) & 7, weighted - off);   \
+        }                                                                                   \
+        return s;                                                                           \
     }
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -176,6 +223,7 @@ TM_DEFINE_RANGE(adam_range_avx2, __attribute__((target("avx2,fma,f16c"))))
 TM_DEFINE_RANGE(adam_range_default, )
 
 typedef void (*adam_range_fn)(const adam_args *, int64_t, int64_t);
+typedef uint64_t (*adam_sum_fn)(const adam_args *, int64_t, int64_t, int64_t, int64_t);
 
 static int tm_isa_best(void) {
 #if TM_HAVE_X86
@@ -226,11 +274,25 @@ TM_API int tm_adam_step(float *param, const void *grad, int grad_dtype, void *ex
                         int64_t numel, int64_t step, double lr, double beta1, double beta2,
                         double eps, double weight_decay, int adamw, int maximize,
                         int num_threads) {
+    return tm_adam_step_sum(param, grad, grad_dtype, exp_avg, exp_avg_sq, state_dtype,
+                            param_out, out_dtype, numel, step, lr, beta1, beta2, eps,
+                            weight_decay, adamw, maximize, num_threads, 0, 0, NULL);
+}
+
+TM_API int tm_adam_step_sum(float *param, const void *grad, int grad_dtype, void *exp_avg,
+                            void *exp_avg_sq, int state_dtype, void *param_out, int out_dtype,
+                            int64_t numel, int64_t step, double lr, double beta1, double beta2,
+                            double eps, double weight_decay, int adamw, int maximize,
+                            int num_threads, int64_t sum_phase, int64_t sum_weighted,
+                            uint64_t *sum_out) {
     if (grad_dtype < TM_F32 || grad_dtype > TM_F16) return TM_EINVAL_DTYPE;
     if (state_dtype != TM_F32 && state_dtype != TM_BF16) return TM_EINVAL_DTYPE;
     if (out_dtype < TM_F32 || out_dtype > TM_NONE) return TM_EINVAL_DTYPE;
     if (numel < 0) return TM_EINVAL_NUMEL;
     if (step < 1) return TM_EINVAL_STEP;
+    if (sum_out && (out_dtype == TM_NONE || sum_phase < 0 || sum_phase > 7))
+        return TM_EINVAL_SUM;
+    if (sum_out) *sum_out = 0;
     if (numel == 0) return TM_OK;
     if (!param || !grad || !exp_avg || !exp_avg_sq || (out_dtype != TM_NONE && !param_out))
         return TM_EINVAL_PTR;
@@ -266,10 +328,11 @@ TM_API int tm_adam_step(float *param, const void *grad, int grad_dtype, void *ex
     a.neg_step_size = (float)(-step_size);
 
     adam_range_fn fn = adam_range_default;
+    adam_sum_fn fn_sum = adam_range_default_sum;
 #if TM_HAVE_X86
     switch (resolve_isa()) {
-        case TM_ISA_AVX512: fn = adam_range_avx512; break;
-        case TM_ISA_AVX2: fn = adam_range_avx2; break;
+        case TM_ISA_AVX512: fn = adam_range_avx512; fn_sum = adam_range_avx512_sum; break;
+        case TM_ISA_AVX2: fn = adam_range_avx2; fn_sum = adam_range_avx2_sum; break;
         default: break;
     }
 #endif
@@ -279,11 +342,15 @@ TM_API int tm_adam_step(float *param, const void *grad, int grad_dtype, void *ex
     if (nt > cap) nt = cap;
     if (nt < 1) nt = 1;
     if (nt == 1) {
-        fn(&a, 0, numel);
+        if (sum_out)
+            *sum_out = fn_sum(&a, 0, numel, sum_phase, sum_weighted);
+        else
+            fn(&a, 0, numel);
         return TM_OK;
     }
     const int64_t nblocks = (numel + TM_ALIGN_ELEMS - 1) / TM_ALIGN_ELEMS;
-#pragma omp parallel num_threads((int)nt)
+    uint64_t total = 0; /* the threads' sums added modulo 2**64: exact in any order */
+#pragma omp parallel num_threads((int)nt) reduction(+ : total)
     {
         /* static partition in whole 32-element blocks (one contiguous range per thread) */
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -292,7 +359,13 @@ TM_API int tm_adam_step(float *param, const void *grad, int grad_dtype, void *ex
         const int64_t b1 = b0 + per + (t < rem ? 1 : 0);
         int64_t begin = b0 * TM_ALIGN_ELEMS, end = b1 * TM_ALIGN_ELEMS;
         if (end > numel) end = numel;
-        if (begin < end) fn(&a, begin, end);
+        if (begin < end) {
+            if (sum_out)
+                total += fn_sum(&a, begin, end, sum_phase, sum_weighted);
+            else
+                fn(&a, begin, end);
+        }
     }
+    if (sum_out) *sum_out = total;
     return TM_OK;
 }

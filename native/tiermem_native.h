@@ -12,7 +12,7 @@
 
 #define TM_API __attribute__((visibility("default")))
 
-#define TM_ABI_VERSION 1
+#define TM_ABI_VERSION 2
 
 /* dtype codes shared with tiermem/_native.py */
 enum tm_dtype { TM_F32 = 0, TM_BF16 = 1, TM_F16 = 2, TM_NONE = 3 };
@@ -27,6 +27,7 @@ enum tm_err {
     TM_EINVAL_NUMEL = -2,
     TM_EINVAL_PTR = -3,
     TM_EINVAL_STEP = -4,
+    TM_EINVAL_SUM = -5,
 };
 
 TM_API int tm_abi_version(void);
@@ -46,6 +47,20 @@ TM_API int tm_adam_step(float *param, const void *grad, int grad_dtype, void *ex
                         int64_t numel, int64_t step, double lr, double beta1, double beta2,
                         double eps, double weight_decay, int adamw, int maximize,
                         int num_threads);
+
+/* tm_adam_step that also stores in *sum_out the sum, modulo 2**64, of the param_out bytes it
+ * wrote, byte j weighted 256**((sum_phase + j) % 8) for j < sum_weighted and 1 from there on
+ * (sum_weighted may be <= 0 or beyond the output): tiermem.stream.checksums.piece_checksum of
+ * the output placed at byte offset lo of an 8-byte-aligned whole of N bytes, with
+ * sum_phase = lo % 8 and sum_weighted = N / 8 * 8 - lo. Each block of the output is summed right
+ * after it is written (from L1); needs out_dtype != TM_NONE and 0 <= sum_phase < 8, else
+ * TM_EINVAL_SUM. With sum_out NULL it is tm_adam_step. */
+TM_API int tm_adam_step_sum(float *param, const void *grad, int grad_dtype, void *exp_avg,
+                            void *exp_avg_sq, int state_dtype, void *param_out, int out_dtype,
+                            int64_t numel, int64_t step, double lr, double beta1, double beta2,
+                            double eps, double weight_decay, int adamw, int maximize,
+                            int num_threads, int64_t sum_phase, int64_t sum_weighted,
+                            uint64_t *sum_out);
 
 /* Kernel ISA in use (tm_isa); tm_adam_set_isa forces one (TM_ISA_AUTO = best supported) and
  * returns the level now in use (a level the CPU lacks falls back to the best supported). */

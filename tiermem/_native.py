@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: Must equal TM_ABI_VERSION in native/tiermem_native.h; a stale build is refused.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: dtype codes of native/tiermem_native.h (enum tm_dtype), by torch dtype name.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -42,7 +42,7 @@ DTYPE_NONE = 3
 
 #: Error codes of tm_adam_step (enum tm_err).
 ERRORS = {-1: "unsupported dtype code", -2: "negative numel", -3: "null pointer",
-          -4: "step < 1"}
+          -4: "step < 1", -5: "bad sum placement"}
 
 #: Kernel instruction-set levels (enum tm_isa).
 ISA_NAMES = {0: "default", 1: "avx2", 2: "avx512"}
@@ -80,6 +80,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         c_int, c_int, c_int,  # adamw, maximize, num_threads
     ]
     lib.tm_adam_step.restype = c_int
+    lib.tm_adam_step_sum.argtypes = lib.tm_adam_step.argtypes + [
+        c_i64, c_i64, ctypes.POINTER(ctypes.c_uint64)]  # sum_phase, sum_weighted, sum_out
+    lib.tm_adam_step_sum.restype = c_int
     lib.tm_adam_isa.argtypes = []
     lib.tm_adam_isa.restype = c_int
     lib.tm_adam_set_isa.argtypes = [c_int]

@@ -31,13 +31,16 @@ pass, and the watch of Note [param changes] only excuses HybridAdam's own bumps)
 ``ring_copy_bytes`` the ones the worker copied host to host into the ring.
 
 Note [worker phases]: where the worker's seconds go, per step, in ``step_stats()``
-(``new_stats`` in step_state.py): ``cpu_adam_s`` the kernel; ``copy_wait_s`` the waits for
+(``new_stats`` in step_state.py): ``cpu_adam_s`` the kernel (with the native kernel the sums
+of the pieces it writes in place included: Note [streamed write-back checksums]);
+``copy_wait_s`` the waits for
 gradient D2H copies (a streamed gradient's D2H event included) and param-out ring slots;
 ``grad_copy_s`` putting gradients into the ring (issuing D2H copies; host-to-host memcpys of
 streamed gradients); ``state_s`` getting a chunk's state blob from the store (an NVMe read
 not yet read ahead), the speculation's copy or restore and the read-ahead; ``write_back_s``
-issuing the param-out copies (H2D; host-to-host memcpys into a streamed weight's host copy)
-and an NVMe chunk's write-back; what ``worker_s`` has beyond them is Python bookkeeping.
+issuing the param-out copies (H2D; host-to-host memcpys into a streamed weight's host copy),
+the sums of the other written pieces of host copies (``piece_checksum``, a re-read) and an
+NVMe chunk's write-back; what ``worker_s`` has beyond them is Python bookkeeping.
 """
 
 from __future__ import annotations
@@ -329,19 +332,27 @@ class ChunkWorker:
             hp = self._step.hyperparams(g, self._param_groups)
             beta1, beta2 = hp["betas"]
             t0 = time.perf_counter()
+            sums: dict[tuple[int, int], int | None] = {}  # (local tensor, start) -> its sum
             for start, numel, step, pc in calls:
                 end = start + numel
+                sum_as = None
                 if pc is None:
                     g_in, p_out = grad[start:end], out[start:end]
                 else:  # Note [in-place host chunks]: the host gradient and host copy themselves
                     g_in = direct[pc.param][pc.start:pc.start + numel]
-                    p_out = local_view(group, pc.param)[pc.start:pc.start + numel]
-                adam_step_unchecked(master[start:end], g_in, exp_avg[start:end],
-                                    exp_avg_sq[start:end], step=step,
-                                    lr=float(hp["lr"]), beta1=beta1, beta2=beta2, eps=hp["eps"],
-                                    weight_decay=hp["weight_decay"], adamw=hp["adamw"],
-                                    maximize=hp["maximize"], param_out=p_out, offset=0,
-                                    numel=numel, num_threads=self._cpu_threads)
+                    whole = local_view(group, pc.param)
+                    p_out = whole[pc.start:pc.start + numel]
+                    # the kernel sums what it writes (Note [streamed write-back checksums])
+                    sum_as = (whole, pc.start) if layout.watch.active else None
+                s = adam_step_unchecked(master[start:end], g_in, exp_avg[start:end],
+                                        exp_avg_sq[start:end], step=step,
+                                        lr=float(hp["lr"]), beta1=beta1, beta2=beta2,
+                                        eps=hp["eps"], weight_decay=hp["weight_decay"],
+                                        adamw=hp["adamw"], maximize=hp["maximize"],
+                                        param_out=p_out, offset=0, numel=numel,
+                                        num_threads=self._cpu_threads, sum_as=sum_as)
+                if sum_as is not None:
+                    sums[(pc.param, pc.start)] = s
             adam_s = time.perf_counter() - t0
             pairs, h2d = [], 0
             for pc in chunk.pieces:
@@ -355,8 +366,9 @@ class ChunkWorker:
                                       if has_grad[pc.param]):  # Note [param changes]
                 last = self._copier.h2d_many(pairs)
             layout.watch.pieces_written(g, [(pc.param, pc.start, pc.numel) for pc in chunk.pieces
-                                            if has_grad[pc.param]])  # host copies: summed now
-            #                               (Note [streamed write-back checksums])
+                                            if has_grad[pc.param]], known=sums)
+            # host copies: in place summed by the kernel, the rest summed now
+            # (Note [streamed write-back checksums])
             self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1,
                                  state_s=state_s, write_back_s=time.perf_counter() - t0 - adam_s)
             if slot is not None:

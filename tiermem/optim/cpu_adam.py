@@ -25,6 +25,7 @@ that op is missing, to a plain torch implementation in the same operation order.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import numbers
 import warnings
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from tiermem import _native
+from tiermem.stream.checksums import placed_checksum
 
 __all__ = ["adam_step_", "adam_step_unchecked", "native_available"]
 
@@ -218,38 +220,73 @@ def adam_step_unchecked(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq
                         step: int, lr: float, beta1: float, beta2: float, eps: float,
                         weight_decay: float, adamw: bool, maximize: bool,
                         param_out: Tensor | None, offset: int, numel: int,
-                        num_threads: int | None) -> None:
+                        num_threads: int | None,
+                        sum_as: tuple[Tensor, int] | None = None) -> int | None:
     """:func:`adam_step_` without its argument checks, for callers whose buffers are valid by
     construction (HybridAdam's chunks, once per chunk and step): the same kernel and results.
 
+    With ``sum_as=(whole, start)`` it also returns what the ``numel`` params it wrote to
+    ``param_out`` add to :func:`~tiermem.stream.checksums.checksum` of ``whole`` as its
+    elements ``[start, start + numel)``: ``piece_checksum(whole, start, numel)`` once they are
+    there (None, like it, when ``whole`` does not start on an 8-byte boundary). The native
+    kernel sums each block of its output right after writing it, from L1 (Note [streamed
+    write-back checksums]); without it the written bytes are summed in torch after the step.
+
     Raises:
+        ValueError: ``sum_as`` without ``param_out``, or ``whole`` of another element size.
         RuntimeError: if the native kernel reports an error (an internal bug).
     """
+    place = None
+    if sum_as is not None:
+        place = _sum_place(sum_as, param_out)
     if numel == 0:
-        return
+        return None if place is None else 0
     native = _native_lib()
     if native is None:
         _warn_fallback()
         _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, offset, numel, step=step,
                     lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                     adamw=adamw, maximize=maximize)
-        return
+        if place is None:
+            return None
+        written = param_out.detach().reshape(-1)[offset:offset + numel].view(torch.uint8)
+        return placed_checksum(written, *place)
 
     def ptr(t: Tensor) -> int:
         return t.data_ptr() + offset * t.element_size()
 
     codes = _native.DTYPE_CODES
-    rc = native.tm_adam_step(
+    total = ctypes.c_uint64(0)
+    lo, whole_bytes = place if place is not None else (0, 0)
+    rc = native.tm_adam_step_sum(
         ptr(param), ptr(grad), codes[_dtype_name(grad.dtype)], ptr(exp_avg), ptr(exp_avg_sq),
         codes[_dtype_name(exp_avg.dtype)],
         None if param_out is None else ptr(param_out),
         _native.DTYPE_NONE if param_out is None else codes[_dtype_name(param_out.dtype)],
         int(numel), step, float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), int(bool(adamw)), int(bool(maximize)),
-        int(num_threads) if num_threads is not None else _native.num_threads())
+        int(num_threads) if num_threads is not None else _native.num_threads(),
+        lo % 8, whole_bytes // 8 * 8 - lo, None if place is None else ctypes.byref(total))
     if rc != 0:
         raise RuntimeError(f"tm_adam_step failed: {_native.ERRORS.get(rc, rc)} (arguments "
                            "passed Python validation, so this is a tiermem bug)")
+    return None if place is None else total.value
+
+
+def _sum_place(sum_as: tuple[Tensor, int], param_out: Tensor | None) -> tuple[int, int] | None:
+    """``(byte offset of the piece in the whole, the whole's bytes)`` for ``sum_as=(whole,
+    start)``, or None when ``whole`` does not start on an 8-byte boundary (no sum)."""
+    whole, start = sum_as
+    if param_out is None:
+        raise ValueError("sum_as needs param_out: the sum is of the params written there; pass "
+                         "param_out or drop sum_as")
+    if whole.element_size() != param_out.element_size():
+        raise ValueError(f"sum_as's whole has {whole.element_size()}-byte elements but "
+                         f"param_out {param_out.element_size()}-byte ones; pass the tensor "
+                         "param_out's params belong to")
+    if whole.data_ptr() % 8:
+        return None
+    return start * whole.element_size(), whole.numel() * whole.element_size()
 
 
 def _warn_fallback() -> None:

@@ -49,12 +49,17 @@ from before the write and written back over it: the change lasted one step). The
   is done) for the streamed weights stepped since their last sum (the worker's kernel writes a
   host copy in place, outside :meth:`ParamWatch.writing`, so their step counts tell) and those
   written inside ``writing()``. The stream cannot give it (its fills come before the
-  write-back), so the chunk worker sums each piece of a host copy right after it wrote it (in
-  place or from the param-out ring), while the bytes are at hand, on its own thread
-  (:meth:`ParamWatch.pieces_written`, ``piece_checksum``: each byte weighted by its place in
-  the weight's 8-byte words, so the pieces add up to the whole's checksum, exactly), and a
-  weight whose pieces written this step tile it exactly takes their total. The rest is read on
-  the host then (synchronous, no device sync): a weight with a GPU-side share
+  write-back), so each piece of a host copy is summed as it is written, on the worker's thread
+  (:meth:`ParamWatch.pieces_written`; ``piece_checksum``'s quantity: each byte weighted by its
+  place in the weight's 8-byte words, so the pieces add up to the whole's checksum, exactly):
+  a piece stepped in place (Note [in-place host chunks]) by the native kernel itself, which
+  adds up each 2048-element block of its output right after writing it, from L1
+  (``adam_step_unchecked(sum_as=...)``, tm_adam_step_sum in native/adam.c; no second pass over
+  the host copy: that re-read cost the 24-block reference GPT 0.11-0.15 s of ``write_back_s``
+  per step on the H200 host); a piece written from the param-out ring (or stepped in place by
+  torch's fallback kernel) by ``piece_checksum`` right after the write, a re-read of what was
+  just written. A weight whose pieces written this step tile it exactly takes their total.
+  The rest is read on the host then (synchronous, no device sync): a weight with a GPU-side share
   (``offload_fraction < 1``) or a piece the GPU lane stepped, a host copy not 8-byte aligned;
   a piece a rollback restored is rewritten by its re-step, whose sum replaces the first.
 - *Now*, at the comparison (the first hand-over of the step): when a pass is open, the sum of

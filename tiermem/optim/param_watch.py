@@ -142,11 +142,13 @@ class ParamWatch:
                 self._sums.written(self._streamed_steps())  # in place: no writing() block
                 self._sums.take(self._storages(), only_void=True, known=self._tiled(pieces))
 
-    def pieces_written(self, g: int, pieces: Iterable[tuple[int, int, int]]) -> None:
+    def pieces_written(self, g: int, pieces: Iterable[tuple[int, int, int]],
+                       known: dict[tuple[int, int], int | None] | None = None) -> None:
         """The chunk worker has written these pieces ``(local tensor, start, elements)`` of
-        group ``g`` (its thread): for those of streamed weights, sum what it wrote while it is
-        at hand, so the next step's sum of the host copy needs no read (Note [streamed
-        write-back checksums]).
+        group ``g`` (its thread): for those of streamed weights, take the sums of what it
+        wrote, so the next step's sum of the host copy needs no read (Note [streamed
+        write-back checksums]): ``known`` (``(local tensor, start)`` -> sum) has those the CPU
+        kernel summed as it wrote them (in place); the others are summed now, while at hand.
 
         Raises:
             Nothing beyond torch's errors.
@@ -154,7 +156,9 @@ class ParamWatch:
         group = self._layout.groups[g]
         if not self.active or not group.host_copies:
             return
-        sums = [((g, i), start, numel, piece_checksum(local_view(group, i), start, numel))
+        known = known or {}
+        sums = [((g, i), start, numel, known[(i, start)] if (i, start) in known
+                 else piece_checksum(local_view(group, i), start, numel))
                 for i, start, numel in pieces if i in group.host_copies]
         with self._lock:
             for key, start, numel, s in sums:

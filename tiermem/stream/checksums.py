@@ -120,18 +120,34 @@ def piece_checksum(whole: torch.Tensor, start: int, numel: int) -> int | None:
         return None
     size = whole.element_size()
     lo, hi = start * size, (start + numel) * size
-    words = raw.numel() // 8 * 8  # below: 8-byte words, byte k weighs 256**(k % 8); above: 1
+    return placed_checksum(raw[lo:hi], lo, raw.numel())
+
+
+def placed_checksum(piece: torch.Tensor, lo: int, whole_bytes: int) -> int:
+    """:func:`piece_checksum` of the bytes ``piece`` (a contiguous uint8 host tensor) placed at
+    byte offset ``lo`` of an 8-byte-aligned whole of ``whole_bytes`` bytes, wherever ``piece``
+    itself lies (the native CPU Adam's fused sum computes the same: tm_adam_step_sum in
+    native/adam.c, Note [streamed write-back checksums]).
+
+    Raises:
+        Nothing beyond torch's errors.
+    """
+    hi = lo + piece.numel()
+    words = whole_bytes // 8 * 8  # below: 8-byte words, byte k weighs 256**(k % 8); above: 1
     total = 0
     top = min(hi, words)
     if lo < top:
         a = min(-(-lo // 8) * 8, top)
         b = max(top // 8 * 8, a)
-        total += sum(v << (8 * (k % 8)) for k, v in enumerate(raw[lo:a].tolist(), lo))
+        total += sum(v << (8 * (k % 8)) for k, v in enumerate(piece[:a - lo].tolist(), lo))
         if b > a:
-            total += int(raw[a:b].view(torch.int64).sum())
-        total += sum(v << (8 * (k % 8)) for k, v in enumerate(raw[b:top].tolist(), b))
+            mid = piece[a - lo:b - lo]
+            mid = mid if mid.data_ptr() % 8 == 0 else mid.clone()  # int64 words need alignment
+            total += int(mid.view(torch.int64).sum())
+        total += sum(v << (8 * (k % 8))
+                     for k, v in enumerate(piece[b - lo:top - lo].tolist(), b))
     if max(lo, words) < hi:
-        total += int(raw[max(lo, words):hi].sum(dtype=torch.int64))
+        total += int(piece[max(lo, words) - lo:].sum(dtype=torch.int64))
     return total & _MASK
 
 
