@@ -105,8 +105,11 @@ def accelerate_refusal(accelerator: Any) -> str | None:
                 f"gradient all-reduce HybridAdam's hooks do not wait for; run one process, or "
                 f"HybridAdam(data_parallel=True) in a plain torch.distributed loop")
     if getattr(accelerator, "mixed_precision", "no") == "fp16":
-        return ("mixed_precision='fp16': the GradScaler unscales gradients in place after "
-                "backward, where HybridAdam has taken them; use mixed_precision='bf16'")
+        return ("mixed_precision='fp16': Accelerate's GradScaler unscales gradients in place "
+                "after backward, where HybridAdam's overlap has taken them, and this wrapper "
+                "steps HybridAdam without it; use mixed_precision='bf16' (HybridAdam takes a "
+                "torch.amp.GradScaler in a plain loop, with overlap=False or max_grad_norm: "
+                "Note [grad scaler])")
     return None
 
 

@@ -131,7 +131,9 @@ def refusal(trainer: Any, hybrid: bool, offload: bool) -> str | None:
         return None
     if getattr(args, "fp16", False):
         return ("fp16=True: Trainer's GradScaler unscales gradients in place after backward, "
-                "where HybridAdam has taken them; use bf16=True")
+                "where HybridAdam's overlap has taken them, and the tiermem trainer steps "
+                "HybridAdam without it; use bf16=True (HybridAdam takes a torch.amp.GradScaler "
+                "in a plain loop, with overlap=False or max_grad_norm: Note [grad scaler])")
     optim = getattr(args.optim, "value", args.optim)
     if optim not in ADAMW_NAMES:
         return (f"TrainingArguments.optim={optim!r} but hybrid_adam replaces the optimizer "

@@ -97,7 +97,7 @@ from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.speculate import Speculation
 from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
-                                        check_params_before_step)
+                                        check_params_before_step, shipped_mark, take_scaler)
 from tiermem.optim.step_state import StepState, new_stats
 from tiermem.optim.streamed import stand_ins, streamed_mode
 from tiermem.store.store import TierStore
@@ -127,7 +127,7 @@ class HybridAdam(torch.optim.Optimizer):
             this optimizer (``state_tier="nvme"`` then needs ``nvme_dir``).
         nvme_dir: spill directory of the private store (with ``state_tier="nvme"``).
         overlap: step offloaded chunks during backward as their gradients land (else all at
-            ``step()``).
+            ``step()``; with a ``torch.amp.GradScaler`` use False: Note [grad scaler]).
         chunk_numel: elements per offloaded chunk (the unit of the CPU step and NVMe I/O);
             ``None``: 1/32 of the offloaded elements rounded down to a power of two, within
             [2^16, 2^24] (per-chunk costs vanish in 16M chunks, while 32 chunks keep the CPU
@@ -138,8 +138,7 @@ class HybridAdam(torch.optim.Optimizer):
             that with ``max_grad_norm`` chunks step during backward and are rolled back when the
             norm clips (Note [speculative step] in ``speculate.py``); 0: they wait for the norm.
             The GPU lane's share is held in GPU memory (Note [lane rollback on the GPU]).
-        grad_accumulation_steps: backward passes per optimizer step; gradients are copied off
-            the GPU only in the last one.
+        grad_accumulation_steps: backward passes per step; gradients leave the GPU in the last.
         moments_dtype: dtype of the Adam moments, on the GPU side and the offloaded side
             alike: ``torch.float32`` (exact torch semantics) or ``torch.bfloat16`` (a deliberate
             precision trade: moments are computed in fp32 and rounded to bf16 after each update;
@@ -158,8 +157,7 @@ class HybridAdam(torch.optim.Optimizer):
             (DTensors), which are detected and stepped per local shard automatically.
         process_group: the data-parallel group (``None`` with ``data_parallel=True``: the
             default group). torch.distributed must be initialized.
-        bucket_numel: elements per gradient-reduce bucket with ``data_parallel`` (buckets are
-            reduced from the grad hooks as they fill).
+        bucket_numel: elements per gradient-reduce bucket (``data_parallel``), reduced when full.
         placement: ``"trace"`` (default): the GPU/offloaded split follows the gradient arrival
             order seen in the first backward, see Note [trace placement]; ``"given"``: the
             params' order as given (first ``1 - offload_fraction`` of the bytes on the GPU).
@@ -180,10 +178,9 @@ class HybridAdam(torch.optim.Optimizer):
         ValueError: a value out of range or not one of the choices (each argument's default and
             check are defined once in :mod:`tiermem.options`, which
             :class:`tiermem.config.OptimizerConfig` uses too), NVMe without a spill directory,
-            params on several devices
-            or on another device than ``store``, or a store without room, ``data_parallel``
-            without torch.distributed or with FSDP2 params, ranks passing different params,
-            each naming the field and the fix.
+            params on several devices or on another device than ``store``, or a store without
+            room, ``data_parallel`` without torch.distributed or with FSDP2 params, ranks
+            passing different params, each naming the field and the fix.
         TypeError: a number, int or flag of the wrong type (a bool where a number is wanted
             included), or a param that is not a floating-point leaf tensor.
     """
@@ -224,6 +221,7 @@ class HybridAdam(torch.optim.Optimizer):
         self.device = params_device(stand_ins(all_params))  # Note [streamed write-back]
         self._mode: Mode = choose_mode(all_params, data_parallel, process_group, bucket_numel)
         self._who = self._mode.who
+        self._step_supports_amp_scaling = self._mode.one_process  # Note [grad scaler]
         if param_sync == "forward" and not self._mode.one_process:
             raise ValueError(f"{self._who}: param_sync='forward' works in one process only; "
                              f"with data_parallel or FSDP2 use param_sync='step'")
@@ -413,8 +411,8 @@ class HybridAdam(torch.optim.Optimizer):
             ref = (grad.detach(), ready)
         ready_chunks = []
         with self._step.lock:
-            if self._mode.one_process and grad is not None:  # see check_grads_untouched
-                self._step.shipped_versions[(g, i)] = (grad._version, grad.data_ptr())
+            if self._mode.one_process and grad is not None:  # Note [gradient checksums]
+                self._step.shipped_versions[(g, i)] = shipped_mark(grad, ready, self._step)
             self._step.shipped.add((g, i))
             self._step.grad_refs[(g, i)] = ref
             for c in dict.fromkeys(group.plan.chunks_of_param[i]):
@@ -472,9 +470,9 @@ class HybridAdam(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: the CPU step failed (the worker's error is chained; the message
-                names the rank under torch.distributed), too many backward passes, a child
-                forked from the process that made the optimizer, or a call inside a CUDA graph
-                capture (Note [cuda graphs]).
+                names the rank under torch.distributed), too many backward passes, gradients
+                changed after backward or a GradScaler with overlap (Note [grad scaler]), a
+                forked child, or a call inside a CUDA graph capture (Note [cuda graphs]).
             TierFullError: the first step could not allocate the state (no room in the store);
                 nothing is left half-allocated, so a later step retries once there is room.
         """
@@ -492,6 +490,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._step.abandon()  # chunks shipped in backward fail rather than step
             self._begin_step()  # nothing was stepped; the next backward starts afresh
             raise
+        if take_scaler(self, self._step, self._who, self._begin_step):  # Note [grad scaler]
+            return None  # a GradScaler found an inf/NaN gradient: skipped, as torch skips it
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,9 +1,13 @@
 """What ``HybridAdam.step()`` refuses before it steps anything: more backward passes than
-``grad_accumulation_steps``, gradients changed after backward copied them off the GPU, and
-parameters changed after their gradient hook handed them over (Note [param changes])."""
+``grad_accumulation_steps``, gradients changed after backward copied them off the GPU
+(Note [gradient checksums]), a GradScaler with gradients handed over in backward
+(Note [grad scaler], ``take_scaler``), and parameters changed after their gradient hook
+handed them over (Note [param changes])."""
 
 from __future__ import annotations
 
+from tiermem.optim.amp_scaling import take_scaler  # noqa: F401 (for step())
+from tiermem.optim.grad_sums import changed_since_ship, shipped_mark  # noqa: F401 (_ship)
 from tiermem.optim.layout import Group
 from tiermem.optim.param_watch import ParamWatch
 from tiermem.optim.step_state import StepState
@@ -34,23 +38,27 @@ def check_grads_untouched(step: StepState, groups: list[Group], who: str) -> Non
     CPU) the moment it is accumulated; ``torch.nn.utils.clip_grad_norm_`` or a GradScaler's
     ``unscale_`` after backward would then change only the copy left on the GPU and the
     step would silently mix clipped and unclipped gradients. The grads' version counters
-    tell.
+    tell, and for writes that move none (``p.grad.data``, GradScaler's unscale kernel) their
+    checksums taken at the hand-over (Note [gradient checksums] in ``grad_sums.py``).
 
     Raises:
         RuntimeError: a gradient was modified in place or replaced after it was shipped.
     """
     with step.lock:
         shipped = dict(step.shipped_versions)
-    for (g, i), (version, ptr) in shipped.items():
-        grad = groups[g].params[i].grad
-        if grad is None or grad._version != version or grad.data_ptr() != ptr:
-            raise RuntimeError(
-                f"{who}: a gradient was changed after backward had already copied it "
-                f"off the GPU (overlap=True), e.g. by torch.nn.utils.clip_grad_norm_ or "
-                f"GradScaler.unscale_; clip with HybridAdam(max_grad_norm=...), which clips "
-                f"every gradient on and off the GPU, or build HybridAdam with overlap=False "
-                f"so gradients are copied in step(). This step was not applied consistently: "
-                f"restart from a checkpoint")
+    grads = {key: groups[key[0]].params[key[1]].grad for key in shipped}
+    moved = [k for k, (version, ptr, _) in shipped.items() if grads[k] is None
+             or grads[k]._version != version or grads[k].data_ptr() != ptr]
+    if moved or changed_since_ship(shipped, grads):
+        raise RuntimeError(
+            f"{who}: a gradient was changed after backward had already copied it off the "
+            f"GPU (overlap=True), e.g. by torch.nn.utils.clip_grad_norm_, "
+            f"GradScaler.unscale_ or a write through p.grad.data; clip with "
+            f"HybridAdam(max_grad_norm=...), which clips every gradient on and off the GPU, "
+            f"train fp16 with a GradScaler with overlap=False (Note [grad scaler]) or bf16 "
+            f"without a scaler, or build HybridAdam with overlap=False so gradients are "
+            f"copied in step(). This step was not applied consistently: restart from a "
+            f"checkpoint")
 
 
 def check_params_before_step(watch: ParamWatch, groups: list[Group], who: str) -> None:

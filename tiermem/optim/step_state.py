@@ -75,8 +75,9 @@ class StepState:
     """Under lock; hooks write: backward passes accumulated per ``(group, local tensor)``."""
     shipped: set[tuple[int, int]] = field(default_factory=set)
     """Under lock; hooks write: local tensors whose gradient was handed to the offloaded side."""
-    shipped_versions: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
-    """Under lock; hooks write: a shipped gradient's ``(_version, data_ptr)`` (one process)."""
+    shipped_versions: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """Under lock; hooks write: a shipped gradient's ``(_version, data_ptr, checksum)``
+    (one process; ``grad_sums.shipped_mark``, Note [gradient checksums])."""
     grad_refs: dict[tuple[int, int], tuple | None] = field(default_factory=dict)
     """Under lock; hooks write, the worker reads: ``(g, i)`` -> (flat gradient, event marking it
     complete) or None (no gradient this step)."""
