@@ -56,7 +56,6 @@ def stores(make_stream_store):
     return lambda: make_stream_store(gpu_bytes=0, cpu_bytes=8 << 20)
 
 
-
 class Run:
     """One training run of case ``cfg``; ``streamed``: the blocks' weights streamed."""
 
@@ -288,6 +287,11 @@ def test_a_failed_add_is_raised_naming_its_parameter_and_the_stream_stays_usable
     msg = str(errors[0])
     assert f".{failed[0]} failed on the gradient adder thread" in msg
     assert "injected add failure" in msg and "zero them" in msg
+    _same_loop(got, want)
+
+
+def _same_loop(got, want):
+    """``_adamw_loop``'s snapshots are bit-identical."""
     assert len(got) == len(want)
     for a, b in zip(got, want):
         if isinstance(b, tuple):
@@ -297,34 +301,72 @@ def test_a_failed_add_is_raised_naming_its_parameter_and_the_stream_stays_usable
                 assert torch.equal(a[k], b[k]), f"weight {k} differs"
 
 
+def test_a_failed_hand_off_on_the_adder_thread_is_raised_at_the_next_take():
+    """A sink that raises on the adder thread (after the add): the next take raises it on the
+    caller's thread, naming the parameter, before it changes anything; that parameter is
+    handed over no more in the pass, the others are, and flush() then ends the thread."""
+    from types import SimpleNamespace
+
+    from tiermem.stream.copies import StreamCopies
+
+    grads = HostGrads(StreamCopies(torch.device("cpu")), pin=False)
+    a, b = (SimpleNamespace(name=n, acc=None, staging=None) for n in ("a", "b"))
+    told = []
+
+    def sink(entry, passes, event):
+        if entry is a and entry.acc[0] > 1:
+            raise ValueError("sink says no")
+        told.append((entry.name, float(entry.acc[0])))
+    grads.sink = sink
+    grads.take(a, torch.ones(3))  # straight: handed at once on this thread
+    grads.take(a, torch.ones(3))  # staged: added, then handed, on the adder thread
+    grads._adder.wait_idle()
+    with pytest.raises(RuntimeError, match=r"the hand-off to the optimizer of a failed on the "
+                                           r"gradient adder thread: ValueError: sink says no"):
+        grads.take(b, torch.ones(3))
+    assert b.acc is None and torch.equal(a.acc, torch.full((3,), 2.0))
+    grads.take(b, torch.ones(3))  # usable: raised once
+    grads.take(a, torch.ones(3))  # a failed this pass: added, not handed over
+    grads.flush()
+    assert told == [("a", 1.0), ("b", 1.0)] and torch.equal(a.acc, torch.full((3,), 3.0))
+    assert grads._adder._thread is None
+    grads.raise_failed()  # nothing left to raise
+
+
 def test_the_comparison_fails_when_flush_does_not_wait_for_the_adds(
         stores, monkeypatch, one_thread):
-    """Must-fail twin: the adds are held until each step() has run and flush() waits for
-    nothing; the steps then use gradients without their later micro-batches, and the
-    comparison of the bit-identity test fails."""
-    cfg = CASES["df2-f1"]
-    want, _, _ = _train(cfg, stores, streamed=False)
+    """Must-fail twin: flush() waits for nothing, and each step's adds are held until its
+    optimizer step has run (then run before the next step begins); the steps use gradients
+    without their second micro-batch, and the comparison with the unstreamed loop fails.
+    (AdamW: no sink, so the late adds change nothing but the values.)"""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    want = _adamw_loop(make_model(seed=0), STEPS)
+    model = make_model(seed=0)
+    stream = stream_weights(model.blocks, store=stores(), prefetch_blocks=1)
+    adder = stream._grads._adder
     gate, log = threading.Event(), []
     monkeypatch.setattr(grad_adds, "add_into", _gated_add(gate, log))
     monkeypatch.setattr(GradAdder, "drain", lambda self: None)
-    real_step = Run.step
 
-    def step(self, s):
-        gate.clear()  # held until this step's optimizer step has run
-        try:
-            return real_step(self, s)
-        finally:
-            gate.set()
-    monkeypatch.setattr(Run, "step", step)
-    got, _, run = _train(cfg, stores, streamed=True)
-    gate.set()
-    adder = run.stream._grads._adder
-    thread = adder._thread
-    adder.stop()  # never drained: end its thread here
+    def after_step(opt, args, kwargs):
+        gate.set()  # the step has used the gradients: the held adds run now
+        adder.wait_idle()
+        gate.clear()
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        got = _adamw_loop(model, STEPS)
+    finally:
+        handle.remove()
+        gate.set()
+        thread = adder._thread
+        adder.stop()  # never drained: end its thread here
+        stream.close()
     thread.join(GUARD_S)
     assert ("timeout", None) not in log and not thread.is_alive()
-    with pytest.raises(AssertionError, match="differs|losses"):
-        _same(got, want, "flush without its wait")
+    assert sum(what == "added" for what, _ in log) == STEPS * len(stream._entries)
+    with pytest.raises(AssertionError, match="differ"):
+        _same_loop(got, want)
 
 
 def test_the_comparison_fails_when_a_reused_staging_tensor_is_not_waited_for(

@@ -97,7 +97,9 @@ class StreamCopies:
 
     @staticmethod
     def landed(event: torch.cuda.Event | None) -> None:
-        """Block the host until a copy has landed (nothing to do on the CPU).
+        """Block the calling thread until a copy has landed (nothing to do on the CPU); the
+        gradient adder thread waits here for each staged gradient (Note [gradient adder]),
+        with the GIL released by torch while it waits.
 
         Raises:
             nothing.

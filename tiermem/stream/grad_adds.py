@@ -265,8 +265,6 @@ class GradAdder:
 
     def _work(self, item: AddItem) -> None:
         key = id(item.entry)
-        if key in self._failed:
-            return  # an earlier add of it failed: its gradient is incomplete, never handed
         what = "the host add of a micro-batch's gradient"
         try:
             if item.staging is not None:
@@ -275,7 +273,8 @@ class GradAdder:
                 with self._cond:
                     self.counts["adds_off_thread"] += 1
             what = "the hand-off to the optimizer"
-            self.hand(item)
+            if key not in self._failed:  # else its gradient is incomplete: never handed
+                self.hand(item)
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
             with self._cond:
                 self._failed.add(key)

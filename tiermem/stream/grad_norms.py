@@ -39,10 +39,10 @@ a step such an untracked write after backward is not seen: records are taken onl
 
 A gradient accumulated on the host over depth-first micro-batches (or over several block-major
 passes) is measured in ``step()`` as before: the device never holds the sum, so its norm needs
-a pass over the whole host gradient, and the only threads that see the last add land are the
-autograd thread (whose time is the backward's: it issues the kernels and the host adds) and
-the pass end's flush (after the backward, where ``step()`` is): a host norm there moves the
-cost, it does not hide it. Such a run streams every weight once per micro-batch and is
+a pass over the whole host gradient after the last add (the gradient adder thread's, Note
+[gradient adder]), and ``step()`` runs after the pass end's flush, which waits for every add:
+a norm is never taken of a half-added gradient (a later take also forgets its gradient's
+record before its add is enqueued). Such a run streams every weight once per micro-batch and is
 PCIe-bound; block-major accumulation keeps the precomputed norms. ``step_stats`` counts both:
 ``norms_precomputed`` and ``norms_computed`` (streamed gradients measured in ``step()``).
 """

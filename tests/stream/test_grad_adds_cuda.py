@@ -1,0 +1,130 @@
+"""CUDA: the gradient adder thread adds a later micro-batch's streamed gradient only once its D2H
+copy into the pinned staging tensor has landed (Note [gradient adder] in
+tiermem/stream/grad_adds.py), and the sink gets it only after the add.
+
+Depth-first accumulation over ``N_MICRO`` micro-batches (every later one is staged and added on
+the adder thread) with HybridAdam, every weight offloaded. To make a missing wait give wrong
+numbers every step, the D2H stream sleeps ~50 ms (``torch.cuda._sleep``) after each gradient is
+produced and before its copy: the take enqueues the add long before the bytes land. The
+reference is the same model, resident, with the same HybridAdam (stepped by the same CPU
+kernel; its gradients accumulated on the GPU); params are compared by their relative update
+error after 8 steps (1e-3, the bound of tests/stream/test_hand_off_cuda.py; an add of a staging
+tensor before its copy landed adds another micro-batch's gradient: an error of order 1). The
+same comparison with the adder's wait removed must fail: the tolerance is shown to fail.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tiermem import StoreConfig, TierStore
+from tiermem.optim import HybridAdam
+from tiermem.stream import stream_weights
+from tiermem.stream.copies import StreamCopies
+
+pytestmark = pytest.mark.cuda
+
+WIDTH = 512
+BLOCKS = 4
+STEPS = 8
+N_MICRO = 3
+SLEEP_CYCLES = 100_000_000  # ~50 ms at the H200's ~2 GHz: far longer than a take
+REL_TOL = 1e-3
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(BLOCKS))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _optimizer(model):
+    return HybridAdam(model.parameters(), lr=1e-3, weight_decay=0.1, offload_fraction=1.0,
+                      chunk_numel=WIDTH * WIDTH, placement="given",
+                      grad_accumulation_steps=N_MICRO)
+
+
+def _train(model, opt):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(STEPS):
+        for _ in range(N_MICRO):  # a new batch each micro-batch
+            x = torch.randn(64, WIDTH, device="cuda", generator=gen)
+            (model(x).square().mean() / N_MICRO).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.synchronize()
+    torch.cuda.synchronize()
+
+
+def _slow_grad_out(real):
+    def grad_out(self, dst, src):
+        if self.cuda:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            self.d2h_stream.wait_event(produced)  # the sleep starts once the gradient exists
+            with torch.cuda.stream(self.d2h_stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # the copy issued next lands ~50 ms late
+        return real(self, dst, src)
+    return grad_out
+
+
+def _check(monkeypatch, wait: bool):
+    torch.manual_seed(0)
+    ref = _Net().cuda()
+    model = copy.deepcopy(ref)
+    start = [p.detach().clone() for p in ref.parameters()]
+    ref_opt = _optimizer(ref)
+    _train(ref, ref_opt)
+    ref_opt.close()
+    monkeypatch.setattr(StreamCopies, "grad_out", _slow_grad_out(StreamCopies.grad_out))
+    with TierStore(StoreConfig(device="cuda", gpu_bytes=32 << 20, cpu_bytes=64 << 20,
+                               pool_slab_bytes=4 << 20)) as store:
+        stream = stream_weights(model.blocks, store=store, prefetch_blocks=1)
+        adder = stream._grads._adder
+        if not wait:  # the twin: the adder adds without waiting for the copy
+            adder.copies = SimpleNamespace(cuda=True, landed=lambda event: None,
+                                           finished=StreamCopies.finished)
+        opt = _optimizer(model)
+        try:
+            _train(model, opt)
+            stats = stream.stats()
+        finally:
+            opt.close()
+            stream.close()
+    assert stats["adds_off_thread"] == (N_MICRO - 1) * BLOCKS * STEPS
+    assert stats["handed_in_pass"] + stats["handed_at_end"] == N_MICRO * BLOCKS * STEPS
+    worst = 0.0
+    for k, (a, b, b0) in enumerate(zip(model.parameters(), ref.parameters(), start)):
+        rel = float(torch.linalg.vector_norm(a.detach().cuda() - b)
+                    / torch.linalg.vector_norm(b - b0))
+        print(f"block {k}: relative update error {rel:.2e}")
+        worst = max(worst, rel)
+    return worst
+
+
+def test_cuda_the_adder_adds_a_staged_gradient_only_after_its_copy_landed(monkeypatch):
+    worst = _check(monkeypatch, wait=True)
+    assert worst < REL_TOL, f"relative update error {worst:.2e}"
+
+
+def test_cuda_the_comparison_fails_without_the_adders_wait(monkeypatch):
+    worst = _check(monkeypatch, wait=False)
+    assert not worst < REL_TOL, f"relative update error {worst:.2e}: the twin did not fail"
