@@ -90,6 +90,13 @@ def test_grad_scaler_with_overlap_is_refused_at_the_first_step_it_took_early(
     with pytest.raises(RuntimeError, match=r"GradScaler steps this optimizer, but backward had "
                                            r"already handed scaled gradients .*overlap=False"):
         scaled_loop(model, opt, 1, init_scale)  # the first step handed over in backward
+    assert hasattr(opt, "found_inf")  # the scaler deletes it only when step() returns
+    if init_scale < 2 ** 30:  # finite weights: the refused optimizer trains on without a scaler
+        for step in range(3):
+            idx, tgt = make_batch(100 + step)
+            model(idx, tgt)[1].backward()
+            opt.step()  # the scaler's leftover attributes are not taken again
+            opt.zero_grad(set_to_none=True)
     opt.close()
 
 

@@ -21,7 +21,10 @@ else an inf/NaN step is skipped (nothing was stepped: the step's counts are rese
 torch's scaler had not called it), and otherwise the gradients are unscaled in place by the
 kernel and the reciprocal GradScaler.unscale_ uses (computed in fp64, as torch does), so the
 step is bit-identical to torch's path (tests/optim/test_grad_scaler.py). fp16 gradients are
-refused as ``GradScaler.unscale_`` refuses them. Cost: what torch's scaler costs (one read of
+refused as ``GradScaler.unscale_`` refuses them. GradScaler deletes ``grad_scale`` and
+``found_inf`` only when ``step()`` returns, so a refused step leaves them behind: each
+``found_inf`` (a new tensor every step) is taken once, and a later plain ``step()`` ignores
+it. Cost: what torch's scaler costs (one read of
 ``found_inf`` on the host per step, as ``GradScaler._maybe_opt_step`` makes). A scale driven
 by hand (``p.grad.data.mul_(1 / s)`` after backward) moves no version either: Note [gradient
 checksums] refuses it. Left: stepping scaled chunks during backward exactly (the inverse scale
@@ -50,8 +53,9 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
         ValueError: a gradient to unscale is fp16.
     """
     found_inf = getattr(opt, "found_inf", None)
-    if found_inf is None:
-        return False
+    if found_inf is None or found_inf is getattr(opt, "_amp_found_inf_taken", None):
+        return False  # no scaler, or one whose step() raised and left its attributes behind
+    opt._amp_found_inf_taken = found_inf  # GradScaler makes a new tensor for every step
     with step.lock:
         early = bool(step.shipped)
     if early:

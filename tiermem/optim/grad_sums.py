@@ -26,7 +26,8 @@ none) and only for device gradients or CPU gradients complete at the hand-over (
 weight's host gradient still landing behind its D2H event is left to the version check).
 Cost per step, ``overlap=True``: two reads of the gradients handed over in backward (at the
 hand-over, on the backward's stream, and in ``step()``): ~0.7 ms each for 1.3B bf16 gradients
-at ~4 TB/s, a sum kernel per gradient at each, and the one host wait above. The refusal keeps
+at ~4 TB/s, a sum kernel per gradient at each, and the one host wait above (on the CPU the
+sums are taken synchronously: in the hook, a read of the gradient). The refusal keeps
 the message of ``check_grads_untouched``, which names the fixes.
 """
 
