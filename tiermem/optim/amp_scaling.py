@@ -35,7 +35,7 @@ back a clipped step).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -19,7 +19,10 @@ on the current stream right where the hook records the event the D2H copy waits 
 gradient is complete there), kept as a 0-dim device tensor: no host sync in backward. ``step()``
 sums the same gradients again and reads all the pairs at once: one host wait per step for the
 GPU to reach ``step()`` (the end of the backward and what follows it), before the GPU side is
-stepped; the worker's D2H copies wait for that backward anyway. Sums are taken only for
+stepped; the worker's D2H copies wait for that backward anyway. ``step()`` reads the sums on
+its current stream, which orders them after the hook's when backward ran on the caller's
+stream (one-stream loops; a backward on a side stream not joined before ``step()`` could be
+read early, which can only refuse wrongly, never pass a change). Sums are taken only for
 gradients handed over during backward in one process (a gradient handed over in ``step()``
 cannot have been changed behind it; ``overlap=False`` and clipping without speculation take
 none) and only for device gradients or CPU gradients complete at the hand-over (a streamed
