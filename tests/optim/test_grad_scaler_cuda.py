@@ -117,3 +117,28 @@ def test_cuda_grad_scaler_with_overlap_is_refused_at_the_first_overlapped_step(f
     with pytest.raises(RuntimeError, match=r"GradScaler steps this optimizer.*overlap=False"):
         _loop(model, opt, steps=1)
     opt.close()
+
+
+def _data_write_after_backward(device, fraction):
+    """8 plain steps (no scaler; no false alarm), the last with ``p.grad.data.mul_(0.5)`` on
+    the LM head's gradient after backward: refused in step() by the checksums taken on the
+    device at the hand-over (Note [gradient checksums])."""
+    _, (model, _, _) = _models(device)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction)
+    head = list(model.parameters())[-1]
+    for step in range(8):
+        idx, tgt = _batch(step, device)
+        model(idx, tgt)[1].backward()
+        if step < 7:
+            opt.step()
+        else:
+            head.grad.data.mul_(0.5)
+            with pytest.raises(RuntimeError, match=r"changed after backward had already copied"):
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.close()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_cuda_a_grad_data_write_after_backward_is_refused(fraction):
+    _data_write_after_backward("cuda", fraction)
