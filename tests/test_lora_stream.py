@@ -20,6 +20,7 @@ from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layer
                                        frozen_parameters, lora_batches, lora_llama)
 from tiermem.models.lora_stream import base_bytes, stream_lora_base  # noqa: E402
 from test_lora import ex  # noqa: E402, F401  (the module-scoped examples/train_lora.py fixture)
+from _lora_runs import assert_same_lora_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,12 +74,7 @@ def test_a_streamed_base_trains_bit_identical_to_the_loop_without_it(ex, hybrid,
     ref, _ = _train(ex, stream=None, hybrid=hybrid, checkpoint=ckpt, offload=offload)
     got, stats = _train(ex, stream=dict(prefetch_blocks=1), hybrid=hybrid, checkpoint=ckpt,
                         offload=offload)
-    for step in range(1, STEPS):  # the test trains: adapters and losses move every step
-        assert not torch.equal(ref[step][0], ref[step - 1][0])
-        assert all(not torch.equal(a, b) for a, b in zip(ref[step][1], ref[step - 1][1]))
-    for step, ((loss, adapters), (ref_loss, ref_adapters)) in enumerate(zip(got, ref)):
-        assert torch.equal(loss, ref_loss), f"step {step}: loss {loss} != {ref_loss}"
-        assert all(torch.equal(a, b) for a, b in zip(adapters, ref_adapters)), f"step {step}"
+    assert_same_lora_run(got, ref, STEPS)
     # every layer streamed: 6 layers, prefetch 1: the last 3 kept into the backward
     assert stats["fills"] == (2 * 6 - 3) * STEPS
     assert stats["peak_blocks"] <= 3

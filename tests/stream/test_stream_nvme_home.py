@@ -33,6 +33,7 @@ from tiermem.models.lora_llama import (SHAPES, adapter_parameters, decoder_layer
                                        lora_batches, lora_llama)
 from tiermem.models.lora_stream import stream_lora_base  # noqa: E402
 from test_lora import ex  # noqa: E402, F401  (the examples/train_lora.py fixture)
+from _lora_runs import assert_same_lora_run  # noqa: E402
 
 STEPS = 8
 SHAPE = dataclasses.replace(SHAPES["tiny"], layers=6)
@@ -49,16 +50,11 @@ def _lora_run(*, stream: dict | None, steps: int = STEPS, checkpoint: bool = Tru
         handle, store = stream_lora_base(model, device="cpu", **stream)
         if on_fill is not None:
             handle._fetcher.fault = lambda b, p, src: (on_fill(handle, store), src)[1]
-    opt = torch.optim.AdamW(adapter_parameters(model), lr=2e-3, weight_decay=0.01)
+    opt = _adamw(model)
     out = []
     try:
         for ids in lora_batches(shape.vocab, 2, 16, steps):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append((loss.detach().clone(),
-                        [p.detach().clone() for p in adapter_parameters(model)]))
+            out.append(_step(model, opt, ids))
             if between is not None:
                 between(handle, store, model)
         stats = handle.stats() if handle is not None else None
@@ -69,14 +65,17 @@ def _lora_run(*, stream: dict | None, steps: int = STEPS, checkpoint: bool = Tru
     return out, stats, model
 
 
-def _same(got, ref):
-    assert len(got) == len(ref) == STEPS
-    for step in range(1, STEPS):  # the run trains: adapters and losses move every step
-        assert not torch.equal(ref[step][0], ref[step - 1][0])
-        assert all(not torch.equal(a, b) for a, b in zip(ref[step][1], ref[step - 1][1]))
-    for step, ((loss, ad), (ref_loss, ref_ad)) in enumerate(zip(got, ref)):
-        assert torch.equal(loss, ref_loss), f"step {step}: loss {loss} != {ref_loss}"
-        assert all(torch.equal(a, b) for a, b in zip(ad, ref_ad)), f"step {step}: adapters"
+def _adamw(model):
+    return torch.optim.AdamW(adapter_parameters(model), lr=2e-3, weight_decay=0.01)
+
+
+def _step(model, opt, ids):
+    """One optimizer step on the batch ``ids``: its ``(loss, [adapters after the step])``."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach().clone(), [p.detach().clone() for p in adapter_parameters(model)]
 
 
 @pytest.mark.parametrize("prefetch,staging,ckpt", [(1, None, True), (0, 1, False), (2, 2, True)])
@@ -92,7 +91,7 @@ def test_a_lora_base_homed_on_nvme_trains_bit_identical(tmp_path, prefetch, stag
     got, stats, model = _lora_run(stream=dict(tier="nvme", nvme_dir=str(tmp_path),
                                               prefetch_blocks=prefetch, staging_blocks=staging),
                                   checkpoint=ckpt, between=between)
-    _same(got, ref)
+    assert_same_lora_run(got, ref, STEPS)
     assert stand_ins == [True] * STEPS
     k = staging if staging is not None else prefetch + 2
     assert stats["fills"] == fills_per_pass(6, prefetch) * STEPS
@@ -229,7 +228,7 @@ def test_a_failed_read_names_key_and_file_and_the_stream_stays_usable(tmp_path, 
     model = lora_llama(SHAPE, seed=0)
     handle, store = stream_lora_base(model, device="cpu", tier="nvme", nvme_dir=str(tmp_path))
     spill_file = store._spill.path
-    opt = torch.optim.AdamW(adapter_parameters(model), lr=2e-3, weight_decay=0.01)
+    opt = _adamw(model)
     real = posix_mod.os.preadv
     failures, out = [], []
 
@@ -248,19 +247,14 @@ def test_a_failed_read_names_key_and_file_and_the_stream_stays_usable(tmp_path, 
                 assert handle._home.stats["staging_peak_blocks"] >= 1
                 opt.zero_grad(set_to_none=True)
                 monkeypatch.setattr(posix_mod.os, "preadv", real)  # the disk recovers
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append((loss.detach().clone(),
-                        [p.detach().clone() for p in adapter_parameters(model)]))
+            out.append(_step(model, opt, ids))
     finally:
         handle.close()
         store.close()
     err = failures[0]
     assert err.key[:2] == ("tiermem.stream", handle._uid) and err.path == spill_file
     assert repr(err.key) in str(err) and spill_file in str(err) and err.errno == errno.EIO
-    _same(out, ref)
+    assert_same_lora_run(out, ref, STEPS)
 
 
 def test_a_truncated_spill_file_names_key_and_file_and_close_leaves_the_stream_open(tmp_path):
@@ -426,15 +420,8 @@ def test_a_base_built_layer_by_layer_into_nvme_trains_bit_identical(tmp_path):
             handle, store = stream_lora_base(model, device="cpu", tier="nvme",
                                              nvme_dir=str(tmp_path), load_block=tracked)
             assert calls == [(i, 0) for i in range(SHAPE.layers)]
-        opt = torch.optim.AdamW(adapter_parameters(model), lr=2e-3, weight_decay=0.01)
-        out = []
-        for ids in lora_batches(SHAPE.vocab, 2, 16, STEPS):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append((loss.detach().clone(),
-                        [p.detach().clone() for p in adapter_parameters(model)]))
+        opt = _adamw(model)
+        out = [_step(model, opt, ids) for ids in lora_batches(SHAPE.vocab, 2, 16, STEPS)]
         if handle is not None:
             assert handle.stats()["staging_peak_blocks"] <= 3
             handle.close()
@@ -445,7 +432,7 @@ def test_a_base_built_layer_by_layer_into_nvme_trains_bit_identical(tmp_path):
                                for q in layer.parameters()))
         return out
 
-    _same(run(True), run(False))
+    assert_same_lora_run(run(True), run(False), STEPS)
 
 
 def test_load_block_gets_one_line_errors_and_places_nothing(make_stream_store):
