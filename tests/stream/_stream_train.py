@@ -60,6 +60,28 @@ def fills_per_pass(n_streamed: int, prefetch: int) -> int:
     return 2 * n_streamed - min(prefetch + 2, n_streamed)
 
 
+def snapshot(model, opt, losses) -> tuple:
+    """``(losses, {name: weight}, {(param index, state name): tensor})``: copies of one step's
+    losses, ``model``'s weights and ``opt``'s tensor state."""
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sd = opt.state_dict()
+    state = {(i, name): t.clone() for i, st in sd["state"].items() for name, t in st.items()
+             if isinstance(t, torch.Tensor)}
+    return losses, weights, state
+
+
+def assert_same_steps(got, want, what: str) -> None:
+    """``got`` and ``want``, lists of :func:`snapshot` per step, are bit-identical."""
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a[0], b[0]), f"{what} step {step}: losses {a[0]} != {b[0]}"
+        for k in b[1]:
+            assert torch.equal(a[1][k], b[1][k]), f"{what} step {step}: weight {k} differs"
+        assert a[2].keys() == b[2].keys()
+        for k in b[2]:
+            assert torch.equal(a[2][k], b[2][k]), f"{what} step {step}: state {k} differs"
+
+
 def assert_same_run(got, want, what: str) -> None:
     """``got`` and ``want`` (``(losses per step, {name: final weight})``) are bit-identical."""
     assert len(got[0]) == len(want[0])

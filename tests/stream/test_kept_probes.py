@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _stream_train import batches
-from test_stream_hybrid import STEPS, Run, _cfg, _same, stores  # noqa: F401 - the fixture
+from _stream_train import assert_same_steps, batches
+from test_stream_hybrid import STEPS, Run, _cfg, stores  # noqa: F401 - the fixture
 
 CASES = {
     "cpu-acc2-clip": _cfg("cpu", "cpu", 1.0, 2, 0.5, False),
@@ -67,7 +67,7 @@ def test_evaluations_and_a_failed_forward_between_steps_keep_training_exact(stor
     cfg = CASES[name]
     want, want_evals, _ = _train(cfg, stores, streamed=False)
     got, got_evals, stats = _train(cfg, stores, streamed=True)
-    _same(got, want, name)
+    assert_same_steps(got, want, name)
     for step, (a, b) in enumerate(zip(got_evals, want_evals)):
         for x, y in zip(a, b):
             assert torch.equal(x, y), f"{name} step {step}: an evaluation differs"

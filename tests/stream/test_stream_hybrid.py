@@ -17,7 +17,7 @@ from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 
-from _stream_train import batches, make_model
+from _stream_train import assert_same_steps, batches, make_model, snapshot
 
 STEPS = 8
 
@@ -37,14 +37,6 @@ def _optimizer(model, cfg, store):
                       store=store if cfg["state_tier"] != "cpu" else None,
                       param_sync=cfg.get("sync", "step"),
                       gpu_step_fraction=cfg.get("lane", 0.0))
-
-
-def _snapshot(model, opt, losses):
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    sd = opt.state_dict()
-    state = {(i, name): t.clone() for i, st in sd["state"].items() for name, t in st.items()
-             if isinstance(t, torch.Tensor)}
-    return losses, weights, state
 
 
 class Run:
@@ -68,7 +60,7 @@ class Run:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.opt.synchronize()
-        return _snapshot(self.model, self.opt, torch.stack(losses).detach())
+        return snapshot(self.model, self.opt, torch.stack(losses).detach())
 
     def close(self):
         self.opt.close()
@@ -82,17 +74,6 @@ def _train(cfg, stores, streamed, steps=range(STEPS)):
         return [run.step(s) for s in steps]
     finally:
         run.close()
-
-
-def _same(got, want, what):
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a[0], b[0]), f"{what} step {step}: losses {a[0]} != {b[0]}"
-        for k in b[1]:
-            assert torch.equal(a[1][k], b[1][k]), f"{what} step {step}: weight {k} differs"
-        assert a[2].keys() == b[2].keys()
-        for k in b[2]:
-            assert torch.equal(a[2][k], b[2][k]), f"{what} step {step}: state {k} differs"
-    assert len(got) == len(want)
 
 
 def _cfg(tier, state_tier, fraction, n_micro, clip, block_major, **kw):
@@ -120,7 +101,7 @@ def test_streamed_hybrid_adam_is_bit_identical(stores, one_thread, name):
     cfg = CASES[name]
     want = _train(cfg, stores, streamed=False)
     got = _train(cfg, stores, streamed=True)
-    _same(got, want, name)
+    assert_same_steps(got, want, name)
     assert not torch.equal(want[0][1]["blocks.0.qkv.weight"],
                            want[-1][1]["blocks.0.qkv.weight"])  # the weights moved
 
@@ -144,7 +125,7 @@ def test_checkpoint_resume_continues_bit_identically(stores, one_thread, name):
         got = [second.step(s) for s in range(4, STEPS)]
     finally:
         second.close()
-    _same(got, want[4:], name + " resumed")
+    assert_same_steps(got, want[4:], name + " resumed")
 
 
 def test_stale_host_copy_is_caught(stores, one_thread, monkeypatch):
@@ -174,7 +155,7 @@ def test_stale_host_copy_is_caught(stores, one_thread, monkeypatch):
         run.close()
     assert not armed["on"]
     with pytest.raises(AssertionError, match="step 3"):
-        _same(got, want, "slip")
+        assert_same_steps(got, want, "slip")
 
 
 def test_stale_nvme_copy_is_caught(stores, one_thread, monkeypatch):
@@ -187,11 +168,11 @@ def test_stale_nvme_copy_is_caught(stores, one_thread, monkeypatch):
     cfg = CASES["nvme-f1-nvmestate"]
     want = _train(cfg, stores, streamed=False)
     monkeypatch.setattr(WeightStream, "mark_changed", lambda self, param: None)
-    _same(_train(cfg, stores, streamed=True), want, "checksummed")
+    assert_same_steps(_train(cfg, stores, streamed=True), want, "checksummed")
     monkeypatch.setattr(weights, "host_checksum", lambda t: 0)
     got = _train(cfg, stores, streamed=True)
     with pytest.raises(AssertionError, match="step 1"):
-        _same(got, want, "slip")
+        assert_same_steps(got, want, "slip")
 
 
 def test_gradients_reach_hybrid_adam_through_the_stream(stores, one_thread):
@@ -393,7 +374,7 @@ def test_the_worker_waits_for_each_streamed_gradients_own_copy(stores, one_threa
         stats = run.stream.stats()
     finally:
         run.close()
-    _same(got, want, "late copies")
+    assert_same_steps(got, want, "late copies")
     assert stats["handed_in_pass"] == STEPS * n_streamed and stats["handed_at_end"] == 0
     # step 0 records the trace (step() ships everything after the pass: landed by its end);
     # from then on the worker waited for every streamed gradient's copy itself
@@ -449,7 +430,7 @@ def test_streamed_pieces_are_stepped_in_place(stores, one_thread, monkeypatch, n
                          if pc.param in g.host_copies and (g.index, c.index) not in whole]
     finally:
         run.close()
-    _same(got, want, "in place")
+    assert_same_steps(got, want, "in place")
     assert whole and ringed_pieces  # both kinds of chunk
     in_place = [(gp, op) for gp, op in calls if any(within(op, h) for h in hosts)]
     assert len(in_place) == STEPS * len(pieces)  # one call each: every step, every such piece
