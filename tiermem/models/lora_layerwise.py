@@ -18,14 +18,13 @@ same weights, for the run without streaming to compare with). The weights are no
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
-from tiermem.models.lora_llama import (TARGET_MODULES, LlamaShape, _imports, decoder_layers,
-                                       set_checkpointing)
+from tiermem.models.lora_llama import (LlamaShape, _imports, _llama_config, _with_lora,
+                                       decoder_layers, set_checkpointing)
 from tiermem.stream.nvme_home import stand_in
 
 STD = 0.02
@@ -58,12 +57,8 @@ def layerwise_lora_llama(shape: LlamaShape, *, device: str | torch.device = "cpu
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"layerwise_lora_llama: rank={rank!r} must be an int >= 1")
     device = torch.device(device)
-    LoraConfig, get_peft_model, AutoModelForCausalLM, LlamaConfig = _imports()
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
-                         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         max_position_embeddings=max_seq, attn_implementation="sdpa",
-                         use_cache=False)
+    AutoModelForCausalLM = _imports()[2]
+    config = _llama_config(shape, max_seq)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -83,12 +78,7 @@ def layerwise_lora_llama(shape: LlamaShape, *, device: str | torch.device = "cpu
                 if p is not None:
                     module._parameters[name] = nn.Parameter(stand_in(p), requires_grad=False)
     torch.manual_seed(seed)  # peft's adapter initialisation
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                      target_modules=list(TARGET_MODULES))
-    with warnings.catch_warnings():  # peft asks transformers 5 an API it deprecates: not ours
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
-                                category=FutureWarning)
-        model = get_peft_model(base, lora)
+    model = _with_lora(base, rank, alpha)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.to(device)

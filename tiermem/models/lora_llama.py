@@ -68,6 +68,30 @@ def _imports():
     return LoraConfig, get_peft_model, AutoModelForCausalLM, LlamaConfig
 
 
+def _llama_config(shape: LlamaShape, max_seq: int):
+    """The ``LlamaConfig`` of ``shape``: ``max_seq`` positions (tokens), sdpa attention, no KV
+    cache. Raises ImportError as :func:`_imports`."""
+    LlamaConfig = _imports()[3]
+    return LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                       intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                       num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                       max_position_embeddings=max_seq, attn_implementation="sdpa",
+                       use_cache=False)
+
+
+def _with_lora(base: nn.Module, rank: int, alpha: int) -> nn.Module:
+    """``base`` wrapped by peft with LoRA adapters of rank ``rank`` and ``alpha`` on every
+    ``TARGET_MODULES`` projection (the adapters seeded by torch's global generator). Raises
+    ImportError as :func:`_imports`."""
+    LoraConfig, get_peft_model = _imports()[:2]
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                      target_modules=list(TARGET_MODULES))
+    with warnings.catch_warnings():  # peft asks transformers 5 an API it deprecates: not ours
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
+                                category=FutureWarning)
+        return get_peft_model(base, lora)
+
+
 def lora_llama(shape: LlamaShape, *, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, rank: int = 8, alpha: int = 16,
                max_seq: int = 4096, checkpoint: bool = False, seed: int = 0) -> nn.Module:
@@ -98,12 +122,8 @@ def lora_llama(shape: LlamaShape, *, device: str | torch.device = "cpu",
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora_llama: rank={rank!r} must be an int >= 1 (the LoRA rank r)")
-    LoraConfig, get_peft_model, AutoModelForCausalLM, LlamaConfig = _imports()
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
-                         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         max_position_embeddings=max_seq, attn_implementation="sdpa",
-                         use_cache=False)
+    AutoModelForCausalLM = _imports()[2]
+    config = _llama_config(shape, max_seq)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -111,12 +131,7 @@ def lora_llama(shape: LlamaShape, *, device: str | torch.device = "cpu",
     if built != dtype:
         raise ValueError(f"lora_llama: transformers built {built} weights for dtype={dtype}; "
                          f"upgrade transformers (it must accept from_config(..., dtype=...))")
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                      target_modules=list(TARGET_MODULES))
-    with warnings.catch_warnings():  # peft asks transformers 5 an API it deprecates: not ours
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
-                                category=FutureWarning)
-        model = get_peft_model(model, lora)
+    model = _with_lora(model, rank, alpha)
     if checkpoint:  # after wrapping: peft's own check calls an API transformers 5 deprecates
         set_checkpointing(model, True)
     model.train()
