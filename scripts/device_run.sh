@@ -53,7 +53,17 @@
 #                                       (default --max-grad-norm off,1.0: each row twice, 2x time)
 #   bench_stream_64k_df nvidia-h200     bench_stream_64k's HybridAdam rows, clip off, the streamed
 #                                       row depth-first (each weight 4x per pass) and block-major
-#                                       side by side (Note [bench stream schedule]); bounded 540 s
+#                                       side by side (Note [bench stream schedule]); bounded 540 s.
+#                                       Each run line of a depth-first row (resident rows too) ends
+#                                       "timed steps: pass_ms a/b/c/d" (each micro-batch's fwd+bwd,
+#                                       CUDA events at the pass boundaries: Note [pass clock]) and a
+#                                       streamed row's adder per step: adder_busy_s (adds+hand-offs),
+#                                       adder_copy_wait_s, add_wait_s, end_wait_s (pass ends waiting
+#                                       for the adds: GPU idle), added_mib, add_gb_s
+#                                       (Note [adder seconds]). b,c,d - a ~ end_wait_s / 3: the
+#                                       pass-end drain of the adds.
+#   bench_stream_64k_passes nvidia-h200  its depth-first HybridAdam rows only, 1 run: those fields
+#                                       at the least device time (~3 min estimated; bounded 300 s)
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
 #                                       (the same clip grid off,1.0: each row twice, 2x time)
@@ -216,6 +226,9 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       run "bench_stream_64k_$sched" 270 tiermem bench stream "${GPT[@]}" --batch 8 \
         --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
         --optimizers hybrid --max-grad-norm off --stream-schedule "$sched"; done ;;
+    bench_stream_64k_passes) run bench_stream_64k_passes 300 tiermem bench stream "${GPT[@]}" \
+      --batch 8 --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 1 --gpu-bytes 64GiB \
+      --optimizers hybrid --max-grad-norm off --stream-schedule depth-first ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
       --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
       --optimizers "${STREAM_OPTIMIZERS:-adamw,hybrid}" ;;

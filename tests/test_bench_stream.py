@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from tiermem.apps import cli
 from tiermem.apps.bench import stream as bench
@@ -243,3 +244,45 @@ def test_hybrid_rows_print_the_workers_phases(capsys, one_thread):
             assert float(got["in_place_mib"]) == float(got["ring_copy_mib"]) == 0, ln
         if name == bench.HYBRID_STREAMED and clip == ALWAYS:  # Note [streamed gradient norms]
             assert int(got["norms_precomputed"]) > 0 and int(got["norms_computed"]) == 0, ln
+
+
+def _run_lines(out: str) -> dict[str, str]:
+    """Each setup's ``run 1/1`` line (clip off) by setup name."""
+    return {name: ln for ln in out.splitlines() for name in NAMES
+            if ln.startswith(f"  {name}, clip off: run 1/1")}
+
+
+@pytest.mark.parametrize("schedule", ["depth-first", "block-major"])
+def test_run_lines_print_pass_times_and_the_adders_seconds(capsys, one_thread, schedule):
+    """Note [pass clock] and Note [adder seconds]: with 3 micro-batches, every row run
+    depth-first prints ``pass_ms`` with one time per micro-batch (the resident rows always;
+    a block-major streamed row has no passes of its own and prints none), and the streamed row
+    the adder's seconds per timed step and the bytes it added: (3 - 1) micro-batches x the
+    blocks' weight bytes per step (zero_grad(set_to_none=True): the first micro-batch is
+    copied, the later ones added)."""
+    m = 3
+    argv = [*TINY, "--micro-batches", str(m), "--optimizers", "adamw", "--repeats", "1",
+            "--max-grad-norm", "off", "--schedule", schedule]
+    assert cli.main(["bench", "stream", *argv]) == 0
+    lines = _run_lines("\n".join(capsys.readouterr()))
+    assert set(lines) == {bench.BASELINE, bench.AGAIN, bench.HOST_REF, bench.STREAMED}, lines
+    for name, ln in lines.items():
+        got = re.search(r"pass_ms ([\d./]+)", ln)
+        if name == bench.STREAMED and schedule == "block-major":
+            assert got is None, ln
+            continue
+        assert got is not None, ln
+        times = [float(x) for x in got.group(1).split("/")]
+        assert len(times) == m and min(times) >= 0, ln
+    ln = lines[bench.STREAMED]
+    fields = dict(re.findall(r"(\w+) (-?[\d.]+)", ln.split("timed steps: ")[1]))
+    assert set(bench.ADDER_STATS[:-1]) | {"added_mib"} <= fields.keys(), ln
+    assert min(float(fields[k]) for k in bench.ADDER_STATS[:-1]) >= 0, ln
+    assert float(fields["end_wait_s"]) <= float(fields["add_wait_s"]), ln
+    args = bench._parse_args(argv)
+    _, _, _, model, _ = bench.seeded_model(args, torch.device("cpu"))
+    weights = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    if schedule == "depth-first":  # block-major accumulates on the device: nothing to add
+        assert abs(float(fields["added_mib"]) - (m - 1) * weights / 2**20) < 1e-3, ln
+    else:
+        assert float(fields["added_mib"]) == 0, ln

@@ -428,3 +428,47 @@ def test_the_adders_seconds_and_bytes_are_counted(monkeypatch):
     assert st["adder_busy_s"] > 0 and st["adder_copy_wait_s"] >= 0
     assert torch.equal(a.acc, torch.full((3,), 2.0))
     assert torch.equal(b.acc, torch.full((5,), 2.0, dtype=torch.float64))
+
+
+def test_the_adders_seconds_and_bytes_are_counted(monkeypatch):
+    """Note [adder seconds]: takes copied straight into an empty host gradient add nothing and
+    start no thread (no bytes, no seconds); the later takes' adds are counted with their bytes,
+    and a pass end that waits for an add held on the adder thread counts that wait (its lower
+    bound is causal: the add is released 0.1 s after the drain began) as ``end_wait_s``, within
+    ``add_wait_s``."""
+    from types import SimpleNamespace
+
+    from tiermem.stream.copies import StreamCopies
+
+    grads = HostGrads(StreamCopies(torch.device("cpu")), pin=False)
+    a, b = (SimpleNamespace(name=n, acc=None, staging=None) for n in ("a", "b"))
+    gate = threading.Event()
+    real = grad_adds.add_into
+
+    def held(acc, grad):
+        assert gate.wait(GUARD_S)
+        real(acc, grad)
+    monkeypatch.setattr(grad_adds, "add_into", held)
+    grads.take(a, torch.ones(3))
+    grads.take(b, torch.ones(5, dtype=torch.float64))
+    st = grads.stats()
+    assert st["added_bytes"] == st["adds_off_thread"] == 0
+    assert st["adder_busy_s"] == st["add_wait_s"] == st["end_wait_s"] == 0.0
+    grads.take(a, torch.ones(3))
+    grads.take(b, torch.ones(5, dtype=torch.float64))
+
+    def open_gate():
+        while not grads._adder._flushing:  # the drain has begun
+            threading.Event().wait(0.001)
+        threading.Event().wait(0.1)
+        gate.set()
+    opener = threading.Thread(target=open_gate)
+    opener.start()
+    grads.flush()
+    opener.join()
+    st = grads.stats()
+    assert st["adds_off_thread"] == 2 and st["added_bytes"] == 3 * 4 + 5 * 8
+    assert st["add_waits"] == 0 and st["end_wait_s"] == st["add_wait_s"] >= 0.05
+    assert st["adder_busy_s"] > 0 and st["adder_copy_wait_s"] >= 0
+    assert torch.equal(a.acc, torch.full((3,), 2.0))
+    assert torch.equal(b.acc, torch.full((5,), 2.0, dtype=torch.float64))

@@ -43,11 +43,19 @@ On the CPU (no copies) the later micro-batches' gradients autograd made are enqu
 are (no staging tensor, nothing to wait for), so the same thread, order and hand-off rules run
 in the CPU tests; ``HostGrads.stage_on_cpu`` (tests) copies them into the staging tensor first,
 as CUDA does, so that the staging reuse rule runs there too.
+
+Note [adder seconds]: the adder's time, in ``counts`` (seconds since the stream began; a
+bench takes differences per step): ``adder_busy_s`` the adder thread's work (adds and
+hand-offs), ``adder_copy_wait_s`` its waits for D2H copies to land, ``added_bytes`` the bytes
+it added; ``add_wait_s`` the caller's (autograd thread's) waits for the adder, of which
+``end_wait_s`` at pass ends (``drain``: the GPU has no queued work then, so each such second
+is a second the GPU idles before the next pass; ``tiermem bench stream`` prints them).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -104,14 +112,18 @@ class GradAdder:
     Attributes:
         sink: ``sink(entry, passes, event)`` (Note [streamed gradient hand-off]) or None.
         counts: ``adds_off_thread`` (adds the thread made) and ``add_waits`` (takes that
-            waited for their parameter's previous add: staging reuse).
+            waited for their parameter's previous add: staging reuse); seconds and bytes
+            (Note [adder seconds]).
     """
 
     def __init__(self, copies: Any, handed: dict) -> None:
         self.copies = copies
         self.handed = handed
         self.sink: Callable[[Any, int, Any], None] | None = None
-        self.counts = {"adds_off_thread": 0, "add_waits": 0}
+        self.counts: dict[str, float] = {
+            "adds_off_thread": 0, "add_waits": 0, "added_bytes": 0,  # Note [adder seconds]
+            "adder_busy_s": 0.0, "adder_copy_wait_s": 0.0, "add_wait_s": 0.0,
+            "end_wait_s": 0.0}
         self._cond = threading.Condition()
         self._queue: deque = deque()      # AddItems not done (the first is being worked on)
         self._last: dict[int, AddItem] = {}  # id(entry) -> its last staged item of the pass
@@ -157,9 +169,11 @@ class GradAdder:
             if item is None or item.done:
                 return False
             self.counts["add_waits"] += 1
+            t0 = time.perf_counter()
             while not item.done:
                 self._check_alive()
                 self._cond.wait(1.0)  # the next copy overwrites the staging this add reads
+            self.counts["add_wait_s"] += time.perf_counter() - t0  # Note [adder seconds]
         return True
 
     def hand(self, item: AddItem) -> None:
@@ -186,7 +200,11 @@ class GradAdder:
         """
         with self._cond:
             self._flushing = True
+            t0 = time.perf_counter()
             self._wait_idle()
+            waited = time.perf_counter() - t0  # Note [adder seconds]
+            self.counts["add_wait_s"] += waited
+            self.counts["end_wait_s"] += waited
             thread, self._thread = self._thread, None
             self._last.clear()
             self._failed.clear()
@@ -266,12 +284,17 @@ class GradAdder:
     def _work(self, item: AddItem) -> None:
         key = id(item.entry)
         what = "the host add of a micro-batch's gradient"
+        t0 = time.perf_counter()
+        landed = t0  # Note [adder seconds]: busy from the copy's landing on
         try:
             if item.staging is not None:
                 self.copies.landed(item.event)  # the add reads the bytes this copy writes
+                landed = time.perf_counter()
                 add_into(item.acc, item.staging)
                 with self._cond:
                     self.counts["adds_off_thread"] += 1
+                    self.counts["added_bytes"] += item.staging.numel() * \
+                        item.staging.element_size()
             what = "the hand-off to the optimizer"
             if key not in self._failed:  # else its gradient is incomplete: never handed
                 self.hand(item)
@@ -280,3 +303,7 @@ class GradAdder:
                 self._failed.add(key)
                 if self._error is None:
                     self._error = (item.entry, what, exc)
+        done = time.perf_counter()
+        with self._cond:
+            self.counts["adder_copy_wait_s"] += landed - t0
+            self.counts["adder_busy_s"] += done - landed

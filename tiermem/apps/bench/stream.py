@@ -275,6 +275,85 @@ def make_stream(model: GPT, store: TierStore, args):
                           prefetch_blocks=args.prefetch_blocks)
 
 
+class PassClock:
+    """Note [pass clock]: the time of each micro-batch's forward + backward in a depth-first
+    step (``pass_ms``), from a mark at each micro-batch's ``model.embed`` (a pass begins there;
+    forward_backward calls it once per micro-batch, after the previous backward returned) and
+    one after the step's forward_backward returned. On CUDA a mark is an event recorded on the
+    current stream (no host sync: the events are read after the step's own sync), so a pass's
+    time is GPU time between its first kernel's launch point and the next pass's, including any
+    GPU idle while the host waits at the pass end (Note [adder seconds]); on the CPU it is
+    ``time.perf_counter``. Marks are taken only while armed (:meth:`start`), not by the final
+    no-grad batch.
+
+    Args:
+        model: the GPT whose ``embed`` is wrapped (an attribute of this instance only).
+        device: the compute device.
+    """
+
+    def __init__(self, model: GPT, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.armed = False
+        embed = model.embed
+
+        def marked(idx: torch.Tensor) -> torch.Tensor:
+            if self.armed:
+                self.mark()
+            return embed(idx)
+        model.embed = marked
+
+    def start(self) -> None:
+        """Arm the clock for one step (its earlier marks dropped)."""
+        self.marks, self.armed = [], True
+
+    def mark(self) -> None:
+        """A pass boundary (call once more after forward_backward returned)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # a pass boundary on the compute stream: read after the step's sync
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def pass_ms(self) -> list[float]:
+        """Each pass's ms (call after the device was synchronised); disarms the clock.
+
+        Raises:
+            RuntimeError: a CUDA event not yet recorded (the device was not synchronised).
+        """
+        self.armed = False
+        m = self.marks
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in zip(m, m[1:])]
+        return [1e3 * (b - a) for a, b in zip(m, m[1:])]
+
+
+ADDER_STATS = ("adder_busy_s", "adder_copy_wait_s", "add_wait_s", "end_wait_s", "added_bytes")
+"""The stream's adder counts a run line prints per timed step (Note [adder seconds])."""
+
+
+def timed_diagnosis(pass_ms: list[list[float]], adder: dict, steps: int) -> str:
+    """``pass_ms a/b/..`` (each pass's median over the timed steps: Note [pass clock]) and the
+    adder's seconds per timed step (Note [adder seconds]) with ``added_mib`` and the add rate
+    ``add_gb_s`` (bytes added over the adder's busy seconds); "" when there is neither.
+
+    Raises:
+        Nothing.
+    """
+    parts = []
+    if pass_ms:
+        per = [statistics.median(p[k] for p in pass_ms) for k in range(len(pass_ms[0]))]
+        parts.append("pass_ms " + "/".join(f"{v:.1f}" for v in per))
+    if adder and steps:
+        parts += [f"{k} {adder[k] / steps:.3f}" for k in ADDER_STATS[:-1]]
+        parts.append(f"added_mib {adder['added_bytes'] / steps / 2**20:.3f}")
+        busy = adder["adder_busy_s"]
+        parts.append(f"add_gb_s {adder['added_bytes'] / busy / 1e9:.1f}" if busy > 0
+                     else "add_gb_s -")
+    return ", ".join(parts)
+
+
 def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, args, device):
     """One run of ``setup`` on a fresh ``build()`` model loaded from ``init`` (no hook of an
     earlier run stays), clipping at ``setup.clip`` as its optimizer's users do (torch AdamW:
@@ -290,12 +369,21 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
     block_major = stream is not None and args.schedule == "block-major"
     fb_s, step_s, losses, streamed = [], [], [], 0
     spec = [0, 0] if setup.clip is not None and setup.clips_itself else None
+    # Note [pass clock]: depth-first steps of several micro-batches, resident rows too
+    clock = PassClock(model, device) if len(batches[0]) > 1 and not block_major else None
+    pass_ms: list[list[float]] = []
+    adder = dict.fromkeys(ADDER_STATS, 0) if stream is not None else {}
     try:
         for step, micro in enumerate(batches[:-1]):
             before = stream.stats()["h2d_bytes"] if stream is not None else 0
+            added = {k: stream.stats()[k] for k in ADDER_STATS} if stream is not None else {}
             sync(device)
             t0 = time.perf_counter()
+            if clock is not None:
+                clock.start()
             out = forward_backward(model, micro, block_major=block_major)
+            if clock is not None:
+                clock.mark()  # the last pass's end
             sync(device)
             t1 = time.perf_counter()
             if setup.clip is not None and not setup.clips_itself:  # as users clip
@@ -307,16 +395,26 @@ def _train(setup: Setup, build: Callable[[], GPT], init: dict, batches, store, a
             sync(device)
             t2 = time.perf_counter()
             losses.append(sum(float(x) for x in out) / len(out))
+            if clock is not None:
+                passes = clock.pass_ms()  # the events landed: the device was synchronised
             if step >= args.warmup:
                 fb_s.append(t1 - t0)
                 step_s.append(t2 - t0)
+                if clock is not None:
+                    pass_ms.append(passes)
                 if stream is not None:
-                    streamed += stream.stats()["h2d_bytes"] - before
+                    st = stream.stats()
+                    streamed += st["h2d_bytes"] - before
+                    for k in ADDER_STATS:  # Note [adder seconds]
+                        adder[k] += st[k] - added[k]
                 if spec is not None:  # as tiermem bench optim counts them
                     st = opt.step_stats()
                     spec[0] += st.get("speculated_chunks", 0)
                     spec[1] += st.get("rolled_back_chunks", 0)
         diag = _diagnosis(opt, stream)  # the last step's (Note [hand-off lag])
+        timed = timed_diagnosis(pass_ms, adder, len(step_s))
+        if timed:  # medians / means over the timed steps: Note [pass clock]
+            diag += ("; " if diag else "") + f"timed steps: {timed}"
         with torch.no_grad():  # the final weights, seen through one more batch
             losses.append(float(model(*batches[-1][0])[1]))
     finally:
