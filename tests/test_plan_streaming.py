@@ -41,6 +41,12 @@ def block_weight_bytes(d: int) -> int:
     return 2 * (12 * d * d + 13 * d)
 
 
+def block_page_bytes(d: int) -> int:
+    """The same block in the store: each of its 12 bf16 tensors in whole 4096-byte pages."""
+    numels = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    return sum(-(-2 * n // 4096) * 4096 for n in numels)
+
+
 def test_block_params_are_the_real_blocks():
     """The plan's split of a GPT into blocks and the rest is the model's own."""
     cfg = GPTConfig(n_layers=3, d_model=64, n_heads=4, vocab=100, seq_len=32)
@@ -73,7 +79,9 @@ def test_issue_13b_example_fits_with_the_last_blocks_resident():
     rows = {i.name: i for i in p.items}
     assert rows["streaming buffers"].gpu == 3 * 2 * w
     streamed = (L - resident) * w
-    assert rows["parameters"].host == streamed and rows["gradients"].host == streamed
+    # the pool gives each of a block's 12 weight tensors whole 4096-byte pages
+    assert rows["parameters"].host == (L - resident) * block_page_bytes(d)
+    assert rows["gradients"].host == streamed
     assert rows["parameters"].gpu == rows["gradients"].gpu == s.num_params() * 2 - streamed
     state = rows["optimizer state, offloaded"]
     assert state.host + state.nvme == s.num_params() * 8   # fp32 master + bf16 moments
@@ -236,24 +244,34 @@ def test_block_major_recomputes_so_it_counts_as_checkpointing():
 
 
 def test_nvme_home_reads_the_weights_at_every_fetch_and_writes_them_once():
-    """RAM too small for the streamed weights: the plan puts them on NVMe (and says so), with
-    RAM staging for prefetch + 3 blocks; NVMe time: 2·S - K read per pass (the 3 blocks kept
-    into the backward read once) + S written per step."""
+    """An NVMe home (asked for): the trained weights' RAM host copy and their NVMe copy, RAM
+    staging for prefetch + 3 blocks (Note [streamed RAM count]); NVMe time: 2·S - K read per
+    pass (the 3 blocks kept into the backward read once) + S written per step."""
     r = MachineRates()
-    p = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", state_tier="cpu")
+    p = issue_13b(host_bytes="200GiB", nvme_bytes="400GiB", state_tier="cpu",
+                  stream_tier="nvme")
     assert p.fits and p.stream.tier == "nvme"
     rows = {i.name: i for i in p.items}
     S = p.stream.streamed_bytes
-    assert rows["parameters"].nvme == S and rows["parameters"].host == 0
-    assert rows["streaming RAM staging"].host == 4 * block_weight_bytes(5120)
+    n = len(p.stream.streamed)
+    assert rows["parameters"].host == S  # the host copy HybridAdam writes, outside the store
+    assert rows["parameters"].nvme == n * block_page_bytes(5120)  # in whole pages
+    assert rows["streaming RAM staging"].host == 4 * block_page_bytes(5120)
     reads = 2 * S - 3 * block_weight_bytes(5120)
     assert p.step_time.moved["stream_nvme_read_bytes"] == reads
     assert p.step_time.seconds["nvme"] == pytest.approx(reads / r.nvme_read_bytes_per_s
                                                         + S / r.nvme_write_bytes_per_s)
     assert "streamed from NVMe" in p.table()
-    pinned = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", stream_tier="cpu",
-                       state_tier="cpu")
-    assert not pinned.fits and any(r.startswith("host needs") for r in pinned.reasons)
+    # 130 GiB of RAM cannot hold the weights in RAM; an NVMe home of trained weights holds them
+    # there too (the host copy) plus the staging, so it does not fit either (before Note
+    # [streamed RAM count] the plan left the host copy out and said it fit)
+    for home in ("cpu", "nvme", "auto"):
+        tight = issue_13b(host_bytes="130GiB", nvme_bytes="400GiB", stream_tier=home,
+                          state_tier="cpu")
+        assert not tight.fits and any(r.startswith("host needs") for r in tight.reasons), home
+    pinned = issue_13b(host_bytes="200GiB", nvme_bytes="400GiB", state_tier="cpu",
+                       stream_tier="cpu")
+    assert pinned.fits and pinned.used["host"] < p.used["host"]  # RAM home: no staging
 
 
 def test_step_time_streaming_terms_by_closed_form():

@@ -34,8 +34,9 @@ from tiermem.apps.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, 
 from tiermem.rates import MachineRates
 from tiermem.apps.plan.result import Item, Plan, add_notes, overflow
 from tiermem.shapes import GiB
-from tiermem.apps.plan.streaming import (check_stream_args, gpu_breakdown, non_block_params,
-                                    place_stream, schedule_for)
+from tiermem.apps.plan.streaming import (block_numels, block_store_bytes, check_stream_args,
+                                    gpu_breakdown, non_block_params, place_stream,
+                                    schedule_for)
 from tiermem.apps.plan.timing import step_time
 
 
@@ -425,7 +426,10 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             stream, problem = place_stream(
                 items, cap_gpu=cap["gpu"], n_layers=n_layers, block_params=block_params,
                 param_bytes=p, prefetch_blocks=prefetch_blocks, tier=home, schedule=schedule,
-                micro_batches=grad_accumulation_steps, gpu_state_params=gpu_n)
+                micro_batches=grad_accumulation_steps, gpu_state_params=gpu_n,
+                block_pages=block_store_bytes(block_params, p, block_numels(
+                    d_model=d_model, mlp_ratio=mlp_ratio, n_experts=n_experts if moe else None,
+                    d_expert=d_expert)))
         if tier == "split":  # HybridAdam state_tier="split": RAM first, the rest on NVMe
             host_free = cap["host"] - sum(i.host for i in items)
             state_item.host = max(0, min(state, host_free))

@@ -23,8 +23,9 @@ The resident set is :func:`tiermem.stream.residency.plan_residency` over blocks 
 weights + gradients, under the GPU room left after everything else: the longest suffix that
 fits (every GPT block has one size, so ``stream_weights(gpu_bytes=...)``, which counts weights
 only, takes the same set from :attr:`StreamPlan.stream_gpu_bytes`). The host holds the
-streamed weights (pinned RAM, the store's cpu tier; or on NVMe with ``prefetch_blocks + 3``
-blocks of RAM staging: the store reads one block further ahead), their gradients (one host copy
+streamed weights (pinned RAM, the store's cpu tier; with an NVMe home a RAM host copy *and*
+the NVMe copy, plus ``prefetch_blocks + 3`` blocks of RAM staging: Note [streamed RAM
+count]), their gradients (one host copy
 per streamed weight; twice with the depth-first schedule over several micro-batches, where
 phase 1 keeps a pinned staging tensor per weight beside it on CUDA, Note [host gradients]) and
 HybridAdam's state of every offloaded parameter (fp32 master + moments): a streamed weight's
@@ -53,6 +54,30 @@ only each block's input per micro-batch, all M at once, and recomputes every blo
 backward: its activations are those of checkpointing times M (the inputs the GPU keeps, or
 offloads), plus one block's recomputed activations and the M micro-batches' output gradients,
 and its GPU time is the checkpointed one (8·N·T), with or without ``checkpoint``.
+
+Note [streamed RAM count]: the plan trains every weight, so a streamed weight is a *trained*
+weight, and the library keeps a RAM host copy of each (the tensor HybridAdam writes, Note
+[streamed write-back]) whatever its home; a budget is a hard limit, so the plan counts it:
+
+- ``tier="cpu"``: the host copy is the store's pool block: the ``"parameters"`` row's host is
+  the streamed weights in whole pages (:func:`block_store_bytes`: each weight tensor takes
+  whole 4096-byte pages; exact for the blocks of tiermem's GPT and MoE, else an upper bound).
+- ``tier="nvme"``: the host copy is a plain CPU tensor outside the store (exact bytes: the
+  row's host), the NVMe copy the row's nvme (in pages), and the reads stage through the
+  store's cpu tier: the ``"streaming RAM staging"`` row, ``prefetch_blocks + 3`` blocks (in pages,
+  :data:`NVME_STAGING_EXTRA`): up to ``prefetch_blocks + 2`` fills whose reads stay held until
+  their copy lands (CUDA) and the one block read further ahead. The store's cpu tier may cache
+  more of the NVMe copy when it has room (clean reads, Note [clean reads]), never more than its
+  ``cpu_bytes``; the staging row is the room the stream needs. So an NVMe home of trained
+  weights saves no RAM (it costs the staging on top): ``stream_tier="auto"`` tries RAM first.
+- An NVMe-only home without a host copy (``stream_weights(..., staging_blocks=k)``, Note [NVMe
+  home]) holds only *frozen* weights (a LoRA base, ``examples/train_lora.py``): the plan has no
+  frozen-base mode (it plans full training), so it never plans that home; its RAM is
+  ``staging_blocks`` blocks (default ``prefetch_blocks + 2``: :func:`tiermem.stream.nvme_home.
+  staging_bytes`).
+
+tests/test_plan_stream_ram.py counts the host copies and the store's staging of a real stream
+against these rows.
 """
 
 from __future__ import annotations
@@ -64,6 +89,7 @@ from tiermem import options
 from tiermem.names import check_choice
 from tiermem.apps.plan.result import Item
 from tiermem.shapes import GiB
+from tiermem.store.pool import ALIGN_BYTES, block_bytes
 from tiermem.stream.residency import plan_residency
 
 STREAM_CHOICES = (False, True, "auto")
@@ -74,8 +100,40 @@ STREAM_SCHEDULES = ("auto", "block-major", "depth-first")
 """``plan(stream_schedule=...)``: auto is block-major (with one micro-batch the same as
 depth-first)."""
 NVME_STAGING_EXTRA = 3
-"""Blocks of RAM staging an NVMe home needs beyond ``prefetch_blocks``: the two buffers'
-blocks and the one the store reads further ahead (docs/streaming.md)."""
+"""Blocks of RAM staging an NVMe home of *trained* weights needs beyond ``prefetch_blocks``
+(Note [streamed RAM count]): the ``prefetch_blocks + 2`` fills whose reads are held until their
+copy lands and the one block the stream reads further ahead (``WeightStream._prefetch``)."""
+
+
+def block_numels(*, d_model: int, mlp_ratio: int, n_experts: int | None = None,
+                 d_expert: int | None = None) -> list[int]:
+    """Elements of each weight tensor of one block of ``tiermem.models.GPT`` (LN1, QKV, proj,
+    LN2, fc, out: each weight + bias) or, with ``n_experts``, of ``tiermem.models.moe.MoE``
+    (LN1, QKV weight, proj, LN2, router weight, each expert's fc and out).
+
+    Raises:
+        nothing: arithmetic on ints.
+    """
+    d = d_model
+    if n_experts:
+        expert = [d_expert * d, d_expert, d * d_expert, d]
+        return [d, d, 3 * d * d, d * d, d, d, d, n_experts * d] + expert * n_experts
+    h = mlp_ratio * d
+    return [d, d, 3 * d * d, 3 * d, d * d, d, d, d, h * d, h, d * h, d]
+
+
+def block_store_bytes(block_params: int, param_bytes: int, numels: list[int]) -> int:
+    """The store bytes of one block's weights: the pool and the spill space give each weight
+    tensor whole ``ALIGN_BYTES`` pages (Note [streamed RAM count]). Exact when ``numels`` (the
+    model's block, :func:`block_numels`) has ``block_params`` elements; else (a ``num_params``
+    of another model) an upper bound: one more page per tensor.
+
+    Raises:
+        nothing: arithmetic on ints.
+    """
+    if sum(numels) == block_params:
+        return sum(block_bytes(n * param_bytes) for n in numels)
+    return block_params * param_bytes + len(numels) * ALIGN_BYTES
 
 
 @dataclass
@@ -191,7 +249,8 @@ def non_block_params(*, vocab: int, seq: int, d_model: int) -> int:
 
 def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params: int,
                  param_bytes: int, prefetch_blocks: int, tier: str, schedule: str,
-                 micro_batches: int, gpu_state_params: int) -> tuple[StreamPlan, str | None]:
+                 micro_batches: int, gpu_state_params: int,
+                 block_pages: int | None = None) -> tuple[StreamPlan, str | None]:
     """Stream the blocks' weights in a placement (Note [streaming plan]): move the streamed
     blocks' weights and gradients off the GPU rows of ``items`` (named ``"parameters"`` and
     ``"gradients"``, sized for every weight on the GPU) into the home ``tier`` and pinned RAM,
@@ -206,6 +265,8 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
             ``"nvme"``, ``schedule`` ``"block-major"`` or ``"depth-first"``).
         gpu_state_params: parameters whose optimizer state stays on the GPU; only resident
             ones may.
+        block_pages: one block's weights in the store, in whole pages
+            (:func:`block_store_bytes`); None: the weights' bytes.
 
     Returns:
         ``(StreamPlan, problem)``: ``problem`` a reason the placement cannot work besides
@@ -217,7 +278,9 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
     """
     rows = {i.name: i for i in items}
     params, grads = rows["parameters"], rows["gradients"]
+    all_params = (params.gpu + params.host + params.nvme) // param_bytes  # all on the GPU yet
     w = block_params * param_bytes
+    pages = w if block_pages is None else block_pages  # Note [streamed RAM count]
     per_block = 2 * w  # weights + gradients: what a resident block or a buffer holds
     others = sum(i.gpu for i in items) - 2 * n_layers * w  # all but the blocks' weights+grads
     try:
@@ -242,7 +305,9 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
         d2h_bytes=passes * s_bytes)
     home = "RAM" if tier == "cpu" else "NVMe"
     params.gpu -= s_bytes
-    setattr(params, "host" if tier == "cpu" else "nvme", s_bytes)
+    # Note [streamed RAM count]: a trained weight keeps a RAM host copy at either home
+    params.host = n_streamed * pages if tier == "cpu" else s_bytes
+    params.nvme = n_streamed * pages if tier == "nvme" else 0
     grads.gpu -= s_bytes
     copies = 2 if schedule == "depth-first" and micro_batches > 1 else 1
     grads.host = copies * s_bytes
@@ -256,17 +321,19 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
             note=f"{res.buffer_blocks} x {per_block / GiB:.2f} GiB (prefetch {prefetch_blocks}"
                  f" + 2 blocks' weights + grads)"))
         if tier == "nvme":
-            staging = min(prefetch_blocks + NVME_STAGING_EXTRA, n_streamed) * w
+            staged = min(prefetch_blocks + NVME_STAGING_EXTRA, n_streamed)
             items.insert(items.index(grads) + 2, Item(
-                "streaming RAM staging", host=staging,
-                note=f"{staging // w} blocks: the NVMe home's reads"))
+                "streaming RAM staging", host=staged * pages,
+                note=f"{staged} blocks in the store's RAM: the NVMe copy's reads (prefetch "
+                     f"{prefetch_blocks} + {NVME_STAGING_EXTRA}); the RAM host copy is in "
+                     f"'parameters'"))
     resident_params = rows["parameters"].gpu // param_bytes
     problem = None
     if gpu_state_params > resident_params:
         problem = (f"optimizer state of {gpu_state_params / 1e9:.2f}B params kept on the GPU, but "
                    f"only {resident_params / 1e9:.2f}B params stay resident (a streamed weight "
                    f"is stepped on the host): raise offload_fraction to at least "
-                   f"{least_fraction(resident_params, sum_params(items, param_bytes)):.2f}, or "
+                   f"{least_fraction(resident_params, all_params):.2f}, or "
                    f"leave it to the plan (None / --offload-fraction auto)")
     return stream, problem
 
@@ -275,12 +342,6 @@ def least_fraction(resident_params: int, num_params: int) -> float:
     """The least offload fraction that leaves GPU-side state for at most ``resident_params``
     of ``num_params``, rounded up to 0.01 like the plan's fractions."""
     return min(1.0, math.ceil((1 - resident_params / max(1, num_params)) * 100 - 1e-9) / 100)
-
-
-def sum_params(items: list[Item], param_bytes: int) -> int:
-    """Every parameter of the placement (its ``"parameters"`` row over all tiers)."""
-    row = next(i for i in items if i.name == "parameters")
-    return (row.gpu + row.host + row.nvme) // param_bytes
 
 
 def gpu_breakdown(items: list[Item]) -> str:
