@@ -63,7 +63,9 @@
 #                                       (Note [adder seconds]). b,c,d - a ~ end_wait_s / 3: the
 #                                       pass-end drain of the adds.
 #   bench_stream_64k_passes nvidia-h200  its depth-first HybridAdam rows only, 1 run: those fields
-#                                       at the least device time (~3 min estimated; bounded 300 s)
+#                                       at the least device time (~3 min estimated; bounded 300 s),
+#                                       after add_probe.log: torch's add_ alone on pinned host
+#                                       tensors, GB/s of gradient (~20 s; bounded 120 s)
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
 #                                       (the same clip grid off,1.0: each row twice, 2x time)
@@ -126,6 +128,24 @@ GPT=(--layers 24 --d-model 2048 --heads 16 --seq 2048 --vocab 32000)
 PYTEST=(python3 -m pytest -m cuda -q -p no:cacheprovider -rA)
 PARITY=tests/test_cuda_training_parity.py
 STREAM_ROWS=(-v -s "$PARITY" -k test_streamed_training_parity)  # parity_stream's rows, no other
+# bench_stream_64k_passes: torch's in-place add on pinned host tensors alone, GB/s of gradient
+# (bf16, fp32; all threads, 8, 4): the ceiling of the adder's add_gb_s (Note [adder seconds])
+ADD_PROBE='
+import time, torch
+n = 5_600_000  # ~10.7 MB of bf16: the mean streamed gradient of the reference GPT
+for k in (torch.get_num_threads(), 8, 4):
+    torch.set_num_threads(k)
+    for dt in (torch.bfloat16, torch.float32):
+        acc = [torch.zeros(n, dtype=dt, pin_memory=True) for _ in range(8)]
+        g = [torch.ones(n, dtype=dt, pin_memory=True) for _ in range(8)]
+        for r in range(6):
+            if r == 1:
+                t0 = time.perf_counter()
+            for a, b in zip(acc, g):
+                a.add_(b)
+        s = time.perf_counter() - t0
+        print(f"add_probe threads {k} {dt}: {40 * g[0].nbytes / s / 1e9:.1f} GB/s of gradient")
+'
 
 run() {  # run NAME SECONDS CMD...: one stage, its own log, bounded in time
   local name=$1 secs=$2; shift 2
@@ -226,7 +246,9 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       run "bench_stream_64k_$sched" 270 tiermem bench stream "${GPT[@]}" --batch 8 \
         --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
         --optimizers hybrid --max-grad-norm off --stream-schedule "$sched"; done ;;
-    bench_stream_64k_passes) run bench_stream_64k_passes 300 tiermem bench stream "${GPT[@]}" \
+    bench_stream_64k_passes)
+      run add_probe 120 python3 -c "$ADD_PROBE"
+      run bench_stream_64k_passes 300 tiermem bench stream "${GPT[@]}" \
       --batch 8 --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 1 --gpu-bytes 64GiB \
       --optimizers hybrid --max-grad-norm off --stream-schedule depth-first ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
