@@ -60,9 +60,14 @@ def fills_per_pass(n_streamed: int, prefetch: int) -> int:
     return 2 * n_streamed - min(prefetch + 2, n_streamed)
 
 
-def snapshot(model, opt, losses) -> tuple:
-    """``(losses, {name: weight}, {(param index, state name): tensor})``: copies of one step's
-    losses, ``model``'s weights and ``opt``'s tensor state."""
+def step_snapshot(model, opt, losses: list, set_to_none: bool = True) -> tuple:
+    """Step the HybridAdam ``opt``, zero its gradients (``set_to_none``) and wait for it; then
+    ``(losses, {name: weight}, {(param index, state name): tensor})``: copies of the step's
+    micro-batch ``losses`` (stacked), ``model``'s weights and ``opt``'s tensor state."""
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    opt.synchronize()
+    losses = torch.stack(losses).detach()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sd = opt.state_dict()
     state = {(i, name): t.clone() for i, st in sd["state"].items() for name, t in st.items()
@@ -71,7 +76,7 @@ def snapshot(model, opt, losses) -> tuple:
 
 
 def assert_same_steps(got, want, what: str) -> None:
-    """``got`` and ``want``, lists of :func:`snapshot` per step, are bit-identical."""
+    """``got`` and ``want``, lists of :func:`step_snapshot` per step, are bit-identical."""
     assert len(got) == len(want)
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a[0], b[0]), f"{what} step {step}: losses {a[0]} != {b[0]}"

@@ -31,7 +31,7 @@ from tiermem.stream import stream_weights
 from tiermem.stream.grad_adds import GradAdder
 from tiermem.stream.grads import HostGrads
 
-from _stream_train import assert_same_steps, batches, make_model, snapshot
+from _stream_train import assert_same_steps, batches, make_model, step_snapshot
 
 STEPS = 8
 GUARD_S = 60  # deadlock guard of the held adds (never reached when the code is right)
@@ -75,10 +75,7 @@ class Run:
         for k in range(passes):
             losses += forward_backward(self.model, batches(step * passes + k, n_micro),
                                        block_major=major)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=to_none)
-        self.opt.synchronize()
-        return snapshot(self.model, self.opt, torch.stack(losses).detach())
+        return step_snapshot(self.model, self.opt, losses, set_to_none=to_none)
 
     def close(self):
         self.opt.close()
@@ -384,50 +381,6 @@ def test_the_comparison_fails_when_a_reused_staging_tensor_is_not_waited_for(
     assert ("timeout", None) not in log
     with pytest.raises(AssertionError, match="differs|losses"):
         _same(got, want, "staging reused before its add")
-
-
-def test_the_adders_seconds_and_bytes_are_counted(monkeypatch):
-    """Note [adder seconds]: takes copied straight into an empty host gradient add nothing and
-    start no thread (no bytes, no seconds); the later takes' adds are counted with their bytes,
-    and a pass end that waits for an add held on the adder thread counts that wait (its lower
-    bound is causal: the add is released 0.1 s after the drain began) as ``end_wait_s``, within
-    ``add_wait_s``."""
-    from types import SimpleNamespace
-
-    from tiermem.stream.copies import StreamCopies
-
-    grads = HostGrads(StreamCopies(torch.device("cpu")), pin=False)
-    a, b = (SimpleNamespace(name=n, acc=None, staging=None) for n in ("a", "b"))
-    gate = threading.Event()
-    real = grad_adds.add_into
-
-    def held(acc, grad):
-        assert gate.wait(GUARD_S)
-        real(acc, grad)
-    monkeypatch.setattr(grad_adds, "add_into", held)
-    grads.take(a, torch.ones(3))
-    grads.take(b, torch.ones(5, dtype=torch.float64))
-    st = grads.stats()
-    assert st["added_bytes"] == st["adds_off_thread"] == 0
-    assert st["adder_busy_s"] == st["add_wait_s"] == st["end_wait_s"] == 0.0
-    grads.take(a, torch.ones(3))
-    grads.take(b, torch.ones(5, dtype=torch.float64))
-
-    def open_gate():
-        while not grads._adder._flushing:  # the drain has begun
-            threading.Event().wait(0.001)
-        threading.Event().wait(0.1)
-        gate.set()
-    opener = threading.Thread(target=open_gate)
-    opener.start()
-    grads.flush()
-    opener.join()
-    st = grads.stats()
-    assert st["adds_off_thread"] == 2 and st["added_bytes"] == 3 * 4 + 5 * 8
-    assert st["add_waits"] == 0 and st["end_wait_s"] == st["add_wait_s"] >= 0.05
-    assert st["adder_busy_s"] > 0 and st["adder_copy_wait_s"] >= 0
-    assert torch.equal(a.acc, torch.full((3,), 2.0))
-    assert torch.equal(b.acc, torch.full((5,), 2.0, dtype=torch.float64))
 
 
 def test_the_adders_seconds_and_bytes_are_counted(monkeypatch):

@@ -17,7 +17,7 @@ from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 
-from _stream_train import assert_same_steps, batches, make_model, snapshot
+from _stream_train import assert_same_steps, batches, make_model, step_snapshot
 
 STEPS = 8
 
@@ -57,10 +57,7 @@ class Run:
         cfg = self.cfg
         losses = forward_backward(self.model, batches(step, cfg["n_micro"]),
                                   block_major=cfg["block_major"])
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.opt.synchronize()
-        return snapshot(self.model, self.opt, torch.stack(losses).detach())
+        return step_snapshot(self.model, self.opt, losses)
 
     def close(self):
         self.opt.close()
