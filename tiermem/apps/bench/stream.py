@@ -42,7 +42,11 @@ a streamed row also against the baseline itself (its reference's precision trade
 outside the noise). A streamed row whose losses are not its reference's is ``WRONG`` and the
 command exits 1: a fast wrong row cannot pass. Below the table, one line per optimizer and
 clip: the streamed row's step and fwd+bwd times over the resident row's with the same
-optimizer at the same clip (issue 29's 1.15x / 1.05x targets).
+optimizer at the same clip (issue 29's 1.15x / 1.05x targets). Each run's line ends with
+where the time went: a HybridAdam row's last step (:func:`worker_diagnosis`), a streamed row's
+hand-offs and adds, and over the timed steps each micro-batch's fwd+bwd of a depth-first row
+(``pass_ms``, Note [pass clock]) and a streamed row's gradient adder per step (Note [adder
+seconds] in tiermem/stream/grad_adds.py).
 
 ``--gpu SIZE`` caps this process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``,
 the name and meaning of ``tiermem plan --gpu``). ``--micro-batches M`` runs M micro-batches per
