@@ -159,13 +159,22 @@ def check_streaming(cfg: dict, where: str) -> None:
     """Refuse what the ``streaming`` section cannot run with (one line each).
 
     Raises:
-        ValueError: with streaming, breadth-first blocks (block-major is their streamed form)
+        ValueError: ``staging_blocks`` set (an NVMe-only home holds frozen weights; this loop
+            trains them: Note [NVMe home]); with streaming, breadth-first blocks (block-major
+            is their streamed form)
             or a GPU lane (not planned with streamed weights), ``tier: nvme`` without a store
             nvme tier; ``optimizer: torch`` with bf16 moments (torch's AdamW keeps the
             parameters' dtype) or GPU-side state (``offload_fraction`` below 1 keeps none: the
             torch optimizer steps each parameter where it lives).
     """
     st, t, o, s = cfg["streaming"], cfg["train"], cfg["optimizer"], cfg["store"]
+    if st.staging_blocks is not None:  # Note [NVMe home]: frozen weights only
+        raise ValueError(f"{where}: streaming.staging_blocks={st.staging_blocks}: a home on "
+                         f"NVMe only (no RAM copy) holds frozen weights only, and this loop "
+                         f"trains every streamed weight (the optimizer writes each update into "
+                         f"its RAM host copy); fix: streaming.staging_blocks=null "
+                         f"(streaming.tier=nvme then keeps a RAM host copy beside the NVMe "
+                         f"copy), or examples/train_lora.py --staging-blocks for a frozen base")
     if st.optimizer == "torch" and o.moments_dtype != "float32":
         raise ValueError(f"{where}: streaming.optimizer=torch keeps torch AdamW's moments in the "
                          f"parameters' dtype, not optimizer.moments_dtype={o.moments_dtype}; fix: "

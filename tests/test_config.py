@@ -16,6 +16,7 @@ import yaml
 from models import TinyGPT, make_batch
 from _examples import load_example
 from tiermem.config import (ActivationConfig, BudgetConfig, OptimizerConfig, StoreConfig,
+                            StreamingConfig,
                             TrainConfig, apply_overrides, from_dict, from_tree, from_yaml,
                             load_config, parse_bytes)
 from tiermem.names import check_bool, check_int, dtype_name, parse_dtype
@@ -175,7 +176,8 @@ def test_configuration_doc_lists_every_parameter():
     from tiermem.optim import HybridAdam
     text = (DOCS / "configuration.md").read_text()
     names = {f.name for cls in (StoreConfig, OptimizerConfig, ActivationConfig, TrainConfig,
-                                BudgetConfig, GPTConfig) for f in dataclasses.fields(cls)}
+                                BudgetConfig, StreamingConfig, GPTConfig)
+             for f in dataclasses.fields(cls)}
     names |= set(inspect.signature(HybridAdam).parameters) - {"params"}
     names |= set(inspect.signature(offload_activations).parameters) - {"blocks"}
     missing = sorted(n for n in names if f"`{n}`" not in text)
@@ -372,3 +374,44 @@ def test_train_large_takes_dotted_overrides_last(capsys):
     capsys.readouterr()
     assert example.main(["--config", preset, "optimizer.offload_fractoin=1"]) == 2
     assert "unknown field(s) optimizer.offload_fractoin" in capsys.readouterr().err
+
+
+def test_streaming_staging_blocks_loads_checks_and_overrides(tmp_path):
+    """``streaming.staging_blocks`` (Note [NVMe home]): null by default (a RAM host copy of
+    every streamed weight), an int >= 1 with ``tier: nvme`` from YAML or a dotted override;
+    a bad value or ``tier: cpu`` is a one-line error naming the field, the value and the fix."""
+    assert StreamingConfig().staging_blocks is None
+    path = tmp_path / "s.yaml"
+    path.write_text("streaming: {enabled: true, tier: nvme, staging_blocks: 3}\n")
+    assert from_yaml(str(path), {"streaming": StreamingConfig})["streaming"].staging_blocks == 3
+    tree = apply_overrides({"streaming": {"tier": "nvme"}}, ["streaming.staging_blocks=4"])
+    assert from_tree(tree, {"streaming": StreamingConfig})["streaming"].staging_blocks == 4
+    for value, error, words in ((0, ValueError, "streaming.staging_blocks=0 must be an int >= 1"),
+                                (True, TypeError, "got bool True"),
+                                ("3", TypeError, "got str '3'"), (2.0, TypeError, "got float")):
+        with pytest.raises(error, match=re.escape(words)) as info:
+            StreamingConfig(tier="nvme", staging_blocks=value)
+        assert "\n" not in str(info.value) and "prefetch_blocks + 2" in str(info.value)
+    with pytest.raises(ValueError, match=r"^streaming\.staging_blocks=2 bounds the RAM staging "
+                                         r".*streaming\.tier='cpu'.*fix: streaming\.tier=nvme, "
+                                         r"or streaming\.staging_blocks=null$"):
+        StreamingConfig(staging_blocks=2)
+
+
+def test_train_large_refuses_staging_blocks_for_its_trained_weights(capsys):
+    """train_large trains every streamed weight, and an NVMe-only home holds frozen weights
+    only: ``streaming.staging_blocks`` is refused at load (naming what to use instead), from
+    the preset's YAML path and from a dotted override alike; exit 2 on the command line."""
+    example = _train_large()
+    preset = str(ROOT / "examples" / "configs" / "large" / "h200_70b_stream_nvme.yaml")
+    assert example.load(preset).get("streaming").staging_blocks is None
+    with pytest.raises(ValueError, match=r"streaming\.staging_blocks=3: a home on NVMe only .*"
+                                         r"holds frozen weights only.*fix: streaming\."
+                                         r"staging_blocks=null .*train_lora\.py "
+                                         r"--staging-blocks") as info:
+        example.load(preset, overrides=["streaming.staging_blocks=3"])
+    assert "\n" not in str(info.value)
+    capsys.readouterr()
+    assert example.main(["--config", preset, "--dry-run", "streaming.staging_blocks=3"]) == 2
+    err = capsys.readouterr().err
+    assert "streaming.staging_blocks=3" in err and "frozen weights only" in err

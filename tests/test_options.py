@@ -55,6 +55,7 @@ SAMPLE = {  # a good value for the fields whose default is None, "auto" or a gri
     "budgets.nvme_bytes": "1GiB", "budgets.gpu_reserve_bytes": "1GiB",
     "train.seq_len": 8, "streaming.enabled": True, "streaming.tier": "cpu",
     "streaming.schedule": "block-major", "streaming.gpu_bytes": "1GiB",
+    "streaming.staging_blocks": 2,
 }
 
 

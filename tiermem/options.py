@@ -476,6 +476,17 @@ _FIELDS = [
            doc="GPU bytes for the blocks' weights: the resident blocks (the last ones that fit) "
            "plus the streaming buffers (Note [resident blocks]); null: the plan's choice "
            "(``tiermem plan``'s ``stream_weights(..., gpu_bytes=...)``)."),
+    # Note [NVMe home] in tiermem/stream/nvme_home.py: frozen weights only (a LoRA base);
+    # examples/train_large.py trains its streamed weights and refuses it (check_streaming)
+    Option(_W, "staging_blocks", None, _int(1, "blocks", "e.g. prefetch_blocks + 2, or {none} "
+                                            "for a RAM host copy of every weight"),
+           users=("loop",), bad=0, type="int",
+           doc="With ``tier: nvme``, keep no RAM copy of the streamed weights: their only home "
+           "is NVMe and RAM stages at most this many blocks, read ahead in execution order "
+           "(``stream_weights(..., staging_blocks=k)``, Note [NVMe home]); frozen weights "
+           "only (a LoRA base: ``examples/train_lora.py --staging-blocks``, whose default is "
+           "``prefetch_blocks + 2``). null: a RAM host copy of every streamed weight beside "
+           "its NVMe copy (what trained weights need)."),
     Option(_W, "schedule", "block-major", _choice(STREAM_SCHEDULES, "block-major fetches each "
                                                   "streamed block once per pass"),
            {"plan": "auto"}, users=_LOOP_PLAN, bad="random", type=_lit(STREAM_SCHEDULES),
@@ -565,9 +576,20 @@ def _lookahead_rule(who: Who, v: dict) -> None:
                          f"or prefetch_lookahead=0")
 
 
+def _staging_rule(who: Who, v: dict) -> None:
+    k, tier = v.get("staging_blocks"), v.get("tier", "cpu")
+    if k is not None and tier != "nvme":
+        raise ValueError(f"{who.prefix}staging_blocks={k} bounds the RAM staging of weights "
+                         f"whose only home is NVMe, but {who.name(_W, 'tier')}="
+                         f"{short_repr(tier)} keeps every weight in RAM; fix: "
+                         f"{who.name(_W, 'tier')}=nvme, or "
+                         f"{who.prefix}staging_blocks={who.none}")
+
+
 RULES: dict[str, dict[str, Callable[[Who, dict], None]]] = {
     _A: {"double_buffering": _double_buffering_rule, "max_kept_bytes": _kept_bytes_rule},
     _S: {"nvme_dir": _spill_dir_rule, "prefetch_lookahead": _lookahead_rule},
+    _W: {"staging_blocks": _staging_rule},
 }
 """Section -> its cross-field rules by name, each ``rule(who, values)`` (values: field ->
 normalized value; a rule reads only the fields it names, with their defaults when absent)."""
