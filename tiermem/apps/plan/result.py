@@ -258,5 +258,6 @@ def stream_host_hint(pl: Plan, moments_dtype: str) -> str:
         if moments_dtype == "float32" else ""
     return (f"with streamed weights the host side holds {held} (the streamed blocks' weights "
             f"and gradients, every offloaded parameter's state): more RAM or NVMe (the state "
-            f"splits RAM + NVMe, the weights may live on NVMe: --stream-tier nvme){bf16}, or a "
+            f"splits RAM + NVMe; trained weights keep a RAM host copy even on an NVMe home: "
+            f"Note [streamed RAM count]){bf16}, or a "
             f"larger --gpu-bytes (more blocks stay resident)")
