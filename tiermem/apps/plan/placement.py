@@ -198,7 +198,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         stream_tier: the streamed weights' home: ``"cpu"`` (pinned RAM), ``"nvme"``, or
             ``"auto"``: RAM if the run fits so (the optimizer state may split RAM + NVMe
             first: a byte of state on NVMe costs one read and one write per step, a weight
-            two reads and a write), else NVMe.
+            two reads and a write), else NVMe (which keeps a RAM host copy of each trained
+            weight too: Note [streamed RAM count] in tiermem/apps/plan/streaming.py).
         prefetch_blocks: the stream's blocks fetched ahead (GPU buffers: this + 2).
         stream_schedule: ``"block-major"``, ``"depth-first"`` or ``"auto"`` (block-major; with
             one micro-batch the same as depth-first): the PCIe traffic per step and,
