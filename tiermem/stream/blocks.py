@@ -70,11 +70,6 @@ class Block:
         """Bytes of the block's streamed weights."""
         return sum(p.nbytes for p in self.params)
 
-    @property
-    def n_trainable(self) -> int:
-        """Streamed parameters that get gradients."""
-        return sum(p.trainable for p in self.params)
-
 
 class Fetcher:
     """Fills, readies and releases streamed blocks' device weights.
@@ -232,7 +227,8 @@ class Fetcher:
             if victim is not None:
                 home.unstage(victim)
             elif self._holding:
-                self._unhold(self._holding.pop(0))  # waits for the copy to land (a host sync)
+                # a host sync: its copy must land before its staging block can be given back
+                self._unhold(self._holding.pop(0))
             else:
                 raise RuntimeError("weight streaming: the NVMe staging is full with no block to "
                                    "give back (a stream bug: Note [NVMe home])")

@@ -49,7 +49,7 @@ placement, calls ``f(i)`` for each streamed block in order: it builds or loads b
 weights (a dict by parameter name, e.g. on the device), which are written to NVMe and dropped
 before the next block is asked for; at most one block's tensors live at once. Such weights
 never existed anywhere else, so ``close()`` leaves the stand-ins (it reads nothing back) and
-deletes the keys. :func:`tiermem.models.lora_stream.layerwise_lora_llama` builds a LoRA Llama
+deletes the keys. :func:`tiermem.models.lora_layerwise.layerwise_lora_llama` builds a LoRA Llama
 so.
 """
 
@@ -159,6 +159,8 @@ class NvmeHome:
         staging_blocks: blocks staged at once (>= 1, checked by :func:`home_for`).
         bound_bytes: what they may hold (:func:`staging_bytes`); the placement's writes in
             flight are kept within it too.
+        load_block: None, or ``load_block(i)`` -> block ``i``'s weights by name, placed
+            instead of the parameters' data (Note [layer-wise NVMe base]).
 
     Raises:
         nothing at construction.
@@ -329,8 +331,9 @@ class NvmeHome:
                 if self.store.tier_of(p.key) != "nvme":
                     self.store.evict(p.key, "nvme")
             except SpillError as exc:  # a read-ahead failed: the key stays on NVMe, and the
+                # fill that needs it raises, naming the key and file
                 logger.debug("weight streaming: read-ahead of %r failed: %s", p.key, exc)
-        del self._staged[block.index]  # fill that needs it raises, naming the key and file
+        del self._staged[block.index]
 
     def read_ahead(self, blocks: Sequence[Any]) -> None:
         """Read the released ``blocks`` (streamed, in execution order) into RAM while fewer
