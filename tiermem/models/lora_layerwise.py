@@ -88,7 +88,12 @@ def layerwise_lora_llama(shape: LlamaShape, *, device: str | torch.device = "cpu
     layers = decoder_layers(model)
 
     def layer_weights(i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s base weights, made on ``device`` (Note [layer-wise LoRA Llama])."""
+        """Layer ``i``'s base weights by parameter name, made on ``device`` in the base's
+        dtype (Note [layer-wise LoRA Llama]).
+
+        Raises:
+            IndexError: ``i`` is not a decoder layer's index.
+        """
         g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (i + 1))
         out = {}
         for name, p in layers[i].named_parameters():

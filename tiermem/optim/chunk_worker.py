@@ -365,10 +365,10 @@ class ChunkWorker:
             with layout.watch.writing((g, pc.param) for pc in chunk.pieces
                                       if has_grad[pc.param]):  # Note [param changes]
                 last = self._copier.h2d_many(pairs)
-            layout.watch.pieces_written(g, [(pc.param, pc.start, pc.numel) for pc in chunk.pieces
-                                            if has_grad[pc.param]], known=sums)
             # host copies: in place summed by the kernel, the rest summed now
             # (Note [streamed write-back checksums])
+            layout.watch.pieces_written(g, [(pc.param, pc.start, pc.numel) for pc in chunk.pieces
+                                            if has_grad[pc.param]], known=sums)
             self._step.add_stats(cpu_adam_s=adam_s, copy_wait_s=wait_s, h2d_bytes=h2d, chunks=1,
                                  state_s=state_s, write_back_s=time.perf_counter() - t0 - adam_s)
             if slot is not None:

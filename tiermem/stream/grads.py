@@ -80,17 +80,22 @@ class HostGrads:
     def __init__(self, copies: StreamCopies, pin: bool) -> None:
         self.copies = copies
         self.pin = pin
-        # Note [hand-off lag]: gradients handed to the sink during the pass / by flush()
+        # gradients handed to the sink during the pass / by flush() (Note [hand-off lag])
         self.handed = {"handed_in_pass": 0, "handed_at_end": 0}
         self._adder = GradAdder(copies, self.handed)  # Note [gradient adder]
         weakref.finalize(self, self._adder.stop)
         self._straight: list[Any] = []  # D2H events of copies straight into a host gradient
-        # Note [streamed gradient norms]: norms of whole gradients, taken as they leave
+        # norms of whole gradients, taken as they leave (Note [streamed gradient norms])
         self.norms = GradNorms()
 
     @property
     def sink(self) -> Any:
-        """``sink(entry, passes, event)`` or None (Note [streamed gradient hand-off])."""
+        """``sink(entry, passes, event)`` or None (Note [streamed gradient hand-off]); set by
+        the connected optimizer.
+
+        Raises:
+            nothing.
+        """
         return self._adder.sink
 
     @sink.setter
