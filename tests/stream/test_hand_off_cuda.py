@@ -49,7 +49,7 @@ def _train(model, opt):
     torch.cuda.synchronize()
 
 
-def _check(monkeypatch, tmp_path, chunk_numel):
+def _check(monkeypatch, chunk_numel):
     ref, model, start = twin_nets()
     ref_opt = _optimizer(ref, chunk_numel)
     _train(ref, ref_opt)
@@ -76,12 +76,12 @@ def _check(monkeypatch, tmp_path, chunk_numel):
 
 @pytest.mark.parametrize("chunk_numel", CHUNKS)
 def test_cuda_worker_steps_a_streamed_chunk_only_after_its_gradient_landed(monkeypatch,
-                                                                           tmp_path, chunk_numel):
-    _check(monkeypatch, tmp_path, chunk_numel)
+                                                                           chunk_numel):
+    _check(monkeypatch, chunk_numel)
 
 
 @pytest.mark.parametrize("chunk_numel", CHUNKS)
-def test_cuda_the_comparison_fails_without_the_workers_wait(monkeypatch, tmp_path, chunk_numel):
+def test_cuda_the_comparison_fails_without_the_workers_wait(monkeypatch, chunk_numel):
     """The tolerance is shown to fail: the worker reads each host gradient at once. The
     stream's refill checksums (Note [streamed weight checksums]) are silenced here: they catch
     the same fault first (the next test), and this one is about the tolerance."""
@@ -91,12 +91,11 @@ def test_cuda_the_comparison_fails_without_the_workers_wait(monkeypatch, tmp_pat
     monkeypatch.setattr(chunk_worker, "host_grads_landed", lambda refs, block=True: True)
     monkeypatch.setattr(BufferChecks, "raise_changed", lambda self, wait=False: None)
     with pytest.raises(AssertionError, match="relative update error"):
-        _check(monkeypatch, tmp_path, chunk_numel)
+        _check(monkeypatch, chunk_numel)
 
 
 @pytest.mark.parametrize("chunk_numel", CHUNKS)
-def test_cuda_a_step_before_the_gradient_landed_is_never_silent(monkeypatch, tmp_path,
-                                                                 chunk_numel):
+def test_cuda_a_step_before_the_gradient_landed_is_never_silent(monkeypatch, chunk_numel):
     """Without the worker's wait and with every guard on, training never ends silently wrong:
     either the refill checksum refuses a pass (a chunk stepped, and its weights' host copy
     written, while a block the pass still refills was in flight: both chunkings on the H200 in
@@ -109,4 +108,4 @@ def test_cuda_a_step_before_the_gradient_landed_is_never_silent(monkeypatch, tmp
     monkeypatch.setattr(chunk_worker, "host_grads_landed", lambda refs, block=True: True)
     with pytest.raises((RuntimeError, AssertionError),
                        match="filled with other values than earlier in the same|relative update"):
-        _check(monkeypatch, tmp_path, chunk_numel)
+        _check(monkeypatch, chunk_numel)
