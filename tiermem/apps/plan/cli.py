@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "weight streaming", "issue 29: the blocks' weights live on the host and reach the GPU "
         "block by block (docs/streaming.md; Note [streaming plan] in "
         "tiermem/apps/plan/streaming.py); "
-        "predictions: no streaming run has been measured on a GPU yet")
+        "predictions, checked once against an H200 run in docs/benchmarks.md")
     add_s = functools.partial(flags.add, stream, "plan")
     add_s("--stream-weights", choices=sorted(_STREAM),
           help="stream the blocks' weights: on, off, or auto: only when the GPU "

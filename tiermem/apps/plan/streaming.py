@@ -2,7 +2,8 @@
 where the streamed weights and their gradients live on the host, and what they move per step
 (Note [streaming plan]). :func:`tiermem.apps.plan.plan` calls :func:`place_stream` for every
 placement it tries with ``stream_weights``; :func:`tiermem.apps.plan.timing.step_time` times the
-traffic. Predictions: no weight-streaming run has been measured on a GPU yet.
+traffic. Predictions: the 8B preset's H200 run (docs/benchmarks.md, session 15) took 5.88 s
+a step against a predicted 5.18-5.63 s.
 
 Note [streaming plan]
 ~~~~~~~~~~~~~~~~~~~~~

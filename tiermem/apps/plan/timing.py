@@ -588,5 +588,4 @@ def stream_line(st: StepTime) -> str:
                f"step{per} (each micro-batch fetches every streamed block twice, {kept})")
     home = " from NVMe (read at every fetch)" if st.stream_tier == "nvme" else ""
     return (f"weights streamed{home}, {how}; during forward + backward, so fwd+bwd is the "
-            f"longer of the GPU's time and this traffic's (a prediction: no streaming run "
-            f"measured yet)")
+            f"longer of the GPU's time and this traffic's (a prediction)")
