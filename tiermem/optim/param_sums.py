@@ -94,10 +94,9 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from tiermem._log import logger
-from tiermem.stream.checksums import checksum
+from tiermem.stream.checksums import MASK_64, checksum, sums_to_host
 
 Key = Hashable
-_MASK = (1 << 64) - 1  # checksums are compared modulo 2**64
 
 
 class ParamSums:
@@ -210,7 +209,7 @@ class ParamSums:
             self.stats["read_sums"] += len(keys)
         moved = set()
         for key, s in now.items():
-            if (s - self._base[key][1]) & _MASK:  # mod 2**64: int64 from torch, or not
+            if (s - self._base[key][1]) & MASK_64:  # mod 2**64: int64 from torch, or not
                 moved.add(key)
             self._base[key] = (self._base[key][0], s)
         return moved
@@ -228,11 +227,4 @@ def _by_device(tensors: dict[Key, torch.Tensor]) -> list[tuple[list[Key], list[t
 def _sums(ts: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
     """The checksums of ``ts`` (one device) as an int64 host tensor and, on CUDA, the event on
     the current stream after which they have landed in it (pinned); None on the CPU."""
-    sums = torch.stack([checksum(t) for t in ts])
-    if not sums.is_cuda:
-        return sums, None
-    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-    host.copy_(sums, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(sums.device))  # the sums have landed in host after it
-    return host, event
+    return sums_to_host(torch.stack([checksum(t) for t in ts]))

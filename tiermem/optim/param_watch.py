@@ -42,7 +42,7 @@ import torch
 
 from tiermem.optim.layout import StateLayout, local_view, state_views
 from tiermem.optim.param_sums import ParamSums
-from tiermem.stream.checksums import piece_checksum
+from tiermem.stream.checksums import MASK_64, piece_checksum
 from tiermem.stream.weights import stream_of
 
 
@@ -178,7 +178,7 @@ class ParamWatch:
                 at, total = at + numel, total + s
             else:
                 if at == local_view(self._layout.groups[g], i).numel():
-                    out[(g, i)] = total & ((1 << 64) - 1)
+                    out[(g, i)] = total & MASK_64
         return out
 
     @contextmanager

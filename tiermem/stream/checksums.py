@@ -82,7 +82,7 @@ from typing import Any, Sequence
 
 import torch
 
-_MASK = (1 << 64) - 1
+MASK_64 = (1 << 64) - 1  # checksums are sums modulo 2**64: ints compared after ``& MASK_64``
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ def placed_checksum(piece: torch.Tensor, lo: int, whole_bytes: int) -> int:
                      for k, v in enumerate(piece[b - lo:top - lo].tolist(), b))
     if max(lo, words) < hi:
         total += int(piece[max(lo, words) - lo:].sum(dtype=torch.int64))
-    return total & _MASK
+    return total & MASK_64
 
 
 def host_checksum(t: torch.Tensor) -> int:
@@ -160,10 +160,14 @@ def host_checksum(t: torch.Tensor) -> int:
     return int(checksum(t))
 
 
-def _to_host(sums: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, Any]:
-    """``sums`` on the host: on CUDA a pinned copy issued on the current stream and the event
-    after which it has landed; on the CPU ``sums`` itself and None."""
-    if not cuda:
+def sums_to_host(sums: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Checksums ``sums`` on the host without a host sync: on CUDA a pinned copy issued on the
+    current stream and the event after which it has landed; on the CPU ``sums`` itself and None.
+
+    Raises:
+        Nothing beyond torch's errors.
+    """
+    if not sums.is_cuda:
         return sums, None
     host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
     host.copy_(sums, non_blocking=True)
@@ -179,18 +183,10 @@ class _Compare:
     refill: bool         # row 1 is a later fill of the same pass, not a release
 
 
-def _compare(block: Any, before: torch.Tensor, now: torch.Tensor, cuda: bool,
-             refill: bool) -> _Compare:
+def _compare(block: Any, before: torch.Tensor, now: torch.Tensor, refill: bool) -> _Compare:
     """Both rows of sums, on CUDA copied to pinned memory behind an event on the current
     stream."""
-    both = torch.stack([before, now])
-    event = None
-    if cuda:
-        stream = torch.cuda.current_stream(both.device)
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        host.copy_(both, non_blocking=True)
-        event = stream.record_event()  # the sums have landed in ``host`` after it
-        both = host
+    both, event = sums_to_host(torch.stack([before, now]))
     return _Compare(block.index, [p.name for p in block.params], both, event, refill)
 
 
@@ -251,9 +247,9 @@ class BufferChecks:
             return
         if block.first_sums is None:
             block.first_sums = block.sums
-            self._first_host[block.index] = _to_host(block.sums, self.cuda)
+            self._first_host[block.index] = sums_to_host(block.sums)
         else:  # both made on the copy stream, compared there
-            self._pending.append(_compare(block, block.first_sums, block.sums, self.cuda,
+            self._pending.append(_compare(block, block.first_sums, block.sums,
                                           refill=True))
 
     def released(self, block: Any, views: Sequence[torch.Tensor]) -> None:
@@ -271,7 +267,7 @@ class BufferChecks:
             sums.record_stream(torch.cuda.current_stream(sums.device))  # made on the copy
             #                                                             stream, read here
         now = torch.stack([checksum(v) for v in views])
-        self._pending.append(_compare(block, sums, now, self.cuda, refill=False))
+        self._pending.append(_compare(block, sums, now, refill=False))
         self.stats["checked_blocks"] += 1
 
     def raise_changed(self, wait: bool = False) -> None:
@@ -293,7 +289,7 @@ class BufferChecks:
                 fill, now = r.sums.tolist()
                 bad = [k for k, (a, b) in enumerate(zip(fill, now)) if a != b]
                 if bad:
-                    found = (r, bad[0], fill[bad[0]] & _MASK, now[bad[0]] & _MASK)
+                    found = (r, bad[0], fill[bad[0]] & MASK_64, now[bad[0]] & MASK_64)
         self._pending = keep
         if found is None:
             return
