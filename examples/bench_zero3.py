@@ -68,6 +68,7 @@ from tiermem.apps.bench.deepspeed_env import import_deepspeed as _import_deepspe
 from tiermem.apps.bench.optim_base import HP, _GpuMasters
 from tiermem.apps.bench.parity import BaselineParity
 from tiermem.config import StoreConfig
+from tiermem.gpu_cap import cap_gpu, uncap_gpu
 from tiermem.models.gpt import GPT
 from tiermem.names import gib, parse_bytes
 from tiermem.optim.layout import chunk_state_bytes
@@ -261,10 +262,9 @@ def _store(model: GPT, device: torch.device) -> TierStore:
 def run(args, log=print) -> list[Row]:
     """Every row, repeat-major within ``args.budget_s``."""
     device = bench_device()
-    cap = None  # the fraction of --gpu-bytes; the docstring: The cap
-    if args.gpu_bytes is not None and device.type == "cuda":  # as tiermem bench stream caps
+    cap = args.gpu_bytes is not None and device.type == "cuda"  # the docstring: The cap
+    if cap:  # as tiermem bench stream caps: tiermem.gpu_cap
         total = torch.cuda.get_device_properties(device).total_memory
-        cap = min(1.0, args.gpu_bytes / total)
         log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu-bytes) for "
             f"{TIERMEM!r} and {ZERO3!r}; the resident baseline runs uncapped")
     cfg, dtype, build, model, init = bench_stream.seeded_model(args, device)
@@ -315,10 +315,10 @@ def run(args, log=print) -> list[Row]:
                 if row.missing:
                     continue
                 if device.type == "cuda":
-                    if cap is not None:  # the baseline uncapped (the docstring: The cap)
-                        uncapped = row.name in (BASELINE, AGAIN)
-                        torch.cuda.set_per_process_memory_fraction(1.0 if uncapped else cap,
-                                                                   device)
+                    if cap and row.name in (BASELINE, AGAIN):  # the docstring: The cap
+                        uncap_gpu(device)
+                    elif cap:
+                        cap_gpu(device, args.gpu_bytes)  # Note [GPU cap device index]
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
                 diag, spec = "", None
