@@ -102,21 +102,24 @@ def _same(got, want, what):
 
 
 def _expected_adds(cfg, n_params):
-    """Host adds the schedule makes (Note [host gradients], Note [block-major passes]): per
-    pass, a take into a host gradient that is not None is an add; depth-first takes once per
-    micro-batch, block-major once per pass when the pass begins with no host gradient (device
-    accumulation) else once per micro-batch."""
+    """Host adds and device sums the schedule makes (Note [host gradients], Note [block-major
+    passes], Note [last pass sums on the device]): per pass, a take into a host gradient that
+    is not None is an add; depth-first takes once per micro-batch, block-major once per pass
+    when the pass begins with no host gradient (device accumulation) else once per
+    micro-batch; a depth-first take that completes the step into a held host gradient is
+    summed on the device instead (HybridAdam is connected)."""
     n_micro, passes, major, *_, to_none, _ = cfg
-    adds = 0
+    adds = sums = 0
     for step in range(STEPS):
         held = step > 0 and not to_none  # zero_grad(set_to_none=False) keeps host gradients
         for _ in range(passes):
             if major:
                 adds += n_micro if held else 0
             else:
-                adds += n_micro if held else n_micro - 1
+                adds += n_micro - 1 if held else n_micro - 2
+                sums += 1  # every depth-first case has n_micro >= 2: the last take is held
             held = True
-    return adds * n_params
+    return adds * n_params, sums * n_params
 
 
 @pytest.fixture
@@ -136,7 +139,7 @@ def test_adds_on_the_adder_thread_are_bit_identical(name, stores, staged, one_th
                              check=lambda run: left.append(run.stream._grads._adder._thread))
     _same(got, want, name)
     n_params = sum(1 for b in run.model.blocks for _ in b.parameters())
-    assert stats["adds_off_thread"] == _expected_adds(cfg, n_params)
+    assert (stats["adds_off_thread"], stats["device_sums"]) == _expected_adds(cfg, n_params)
     if not cfg[-1]:
         assert stats["add_waits"] == 0  # no staging tensor on the CPU: nothing is reused
     assert left == [None] * STEPS  # the thread ends with each pass

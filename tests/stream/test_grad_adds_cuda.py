@@ -12,6 +12,12 @@ error after 8 steps (1e-3, the bound of tests/stream/test_hand_off_cuda.py; an a
 tensor before its copy landed adds another micro-batch's gradient: an error of order 1). The
 same run with the adder's wait removed must go red (the comparison or the refill checksum):
 the tolerance is shown to fail.
+
+The step's last micro-batch is summed on the device (Note [last pass sums on the device] in
+tiermem/stream/grads.py): its host gradient is uploaded beside the block's backward fill and
+the new gradient added there. With the copy stream sleeping ~50 ms before every fill (uploads
+included: ``StreamCopies.sleep_cycles``) the add must wait for its upload; the twin that drops
+that wait adds to memory the upload has not written yet and must go red the same way.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import torch
 from tiermem.optim import HybridAdam
 from tiermem.stream import stream_weights
 from tiermem.stream.copies import StreamCopies
+from tiermem.stream.grads import HostGrads
 
-from _cuda_nets import (BLOCKS, REL_TOL, STEPS, WIDTH, slow_grad_out, stream_store, twin_nets,
-                        update_errors)
+from _cuda_nets import (BLOCKS, REL_TOL, SLEEP_CYCLES, STEPS, WIDTH, slow_grad_out, stream_store,
+                        twin_nets, update_errors)
 
 pytestmark = pytest.mark.cuda
 
@@ -51,14 +58,23 @@ def _train(model, opt):
     torch.cuda.synchronize()
 
 
-def _check(monkeypatch, wait: bool):
+def _check(monkeypatch, wait: bool, upload_wait: bool = True, slow_fills: bool = False):
     ref, model, start = twin_nets()
     ref_opt = _optimizer(ref)
     _train(ref, ref_opt)
     ref_opt.close()
     monkeypatch.setattr(StreamCopies, "grad_out", slow_grad_out(StreamCopies.grad_out))
+    if not upload_wait:  # the twin: the last micro-batch's add does not wait for its upload
+        real = HostGrads._sum_on_device
+
+        def no_wait(self, entry, grad, tell):
+            entry.dev_event = None
+            real(self, entry, grad, tell)
+        monkeypatch.setattr(HostGrads, "_sum_on_device", no_wait)
     with stream_store() as store:
         stream = stream_weights(model.blocks, store=store, prefetch_blocks=1)
+        if slow_fills:
+            stream._copies.sleep_cycles = SLEEP_CYCLES  # each fill and upload lands ~50 ms late
         adder = stream._grads._adder
         if not wait:  # the twin: the adder adds without waiting for the copy
             adder.copies = SimpleNamespace(cuda=True, landed=lambda event: None,
@@ -70,7 +86,8 @@ def _check(monkeypatch, wait: bool):
         finally:
             opt.close()
             stream.close()
-    assert stats["adds_off_thread"] == (N_MICRO - 1) * BLOCKS * STEPS
+    assert stats["adds_off_thread"] == (N_MICRO - 2) * BLOCKS * STEPS
+    assert stats["device_sums"] == BLOCKS * STEPS  # Note [last pass sums on the device]
     assert stats["handed_in_pass"] + stats["handed_at_end"] == N_MICRO * BLOCKS * STEPS
     return max([0.0, *update_errors(model, ref, start)])
 
@@ -89,6 +106,22 @@ def test_cuda_without_the_adders_wait_training_is_never_silently_wrong(monkeypat
     as in tests/stream/test_hand_off_cuda.py; the test asks for one of them, never neither."""
     try:
         worst = _check(monkeypatch, wait=False)
+    except RuntimeError as err:
+        assert "filled with other values than earlier in the same" in str(err), err
+        return
+    assert not worst < REL_TOL, f"relative update error {worst:.2e}: the twin did not fail"
+
+
+def test_cuda_the_last_micro_batch_is_added_on_the_device_only_after_its_upload(monkeypatch):
+    worst = _check(monkeypatch, wait=True, slow_fills=True)
+    assert worst < REL_TOL, f"relative update error {worst:.2e}"
+
+
+def test_cuda_without_the_uploads_wait_training_is_never_silently_wrong(monkeypatch):
+    """The twin: the last micro-batch's add reads a sum whose upload lands ~50 ms later
+    (uninitialised device memory): the comparison or the refill checksum must fire."""
+    try:
+        worst = _check(monkeypatch, wait=True, upload_wait=False, slow_fills=True)
     except RuntimeError as err:
         assert "filled with other values than earlier in the same" in str(err), err
         return

@@ -210,6 +210,22 @@ class Link:
         if opt is not None and item is not None:
             on_host_grad(opt, *item, grad, passes, event)
 
+    def completing(self, param: torch.Tensor) -> int | None:
+        """The backward passes ``param``'s gradient will hold after one more take, when that
+        take completes its step (reaches ``grad_accumulation_steps``), else None: the stream
+        then sums that take on the device (Note [last pass sums on the device] in
+        tiermem/stream/grads.py).
+
+        Raises:
+            nothing.
+        """
+        opt = self._ref()
+        item = self._where.get(id(param))
+        if opt is None or item is None:
+            return None
+        passes = opt._step.acc_count.get(item, 0) + 1
+        return passes if passes >= opt.grad_accumulation_steps else None
+
     def wants_norm(self, passes: int) -> bool:
         """Whether a gradient taken whole into an empty host gradient, covering ``passes``
         backward passes, completes it for the step and its norm is wanted: HybridAdam clips,

@@ -35,6 +35,11 @@ class Param:
     home_device: torch.device      # where the parameter was before streaming (close() returns it)
     acc: torch.Tensor | None = None      # host gradient during a pass (Note [host gradients])
     staging: torch.Tensor | None = None  # pinned staging of a later micro-batch's gradient
+    # the step's last pass: ``acc`` uploaded to the device, that upload's event and the
+    # backward passes the sum will hold (Note [last pass sums on the device])
+    dev_sum: torch.Tensor | None = None
+    dev_event: Any = None
+    dev_passes: int = 0
     pass_version: int = 0          # param._version when the pass began
     written_version: int | None = None   # nvme: param._version when the store copy was written
     # nvme: the host copy's checksum then (Note [streamed weight checksums])

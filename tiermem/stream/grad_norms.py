@@ -37,14 +37,16 @@ a step such an untracked write after backward is not seen: records are taken onl
 (``check_grads_untouched`` refuses a changed one: through the same version counters); with
 ``overlap=False``, where gradients may be changed before ``step()``, none are taken.
 
-A gradient accumulated on the host over depth-first micro-batches (or over several block-major
-passes) is measured in ``step()`` as before: the device never holds the sum, so its norm needs
-a pass over the whole host gradient after the last add (the gradient adder thread's, Note
-[gradient adder]), and ``step()`` runs after the pass end's flush, which waits for every add:
-a norm is never taken of a half-added gradient (a later take also forgets its gradient's
-record before its add is enqueued). Such a run streams every weight once per micro-batch and is
-PCIe-bound; block-major accumulation keeps the precomputed norms. ``step_stats`` counts both:
-``norms_precomputed`` and ``norms_computed`` (streamed gradients measured in ``step()``).
+A gradient accumulated over depth-first micro-batches is measured where its last micro-batch
+is summed on the device (Note [last pass sums on the device] in tiermem/stream/grads.py: the
+host gradient is uploaded, the last gradient added there, the sum copied back and measured
+beside that copy, with ``passes`` the sum's). Only where no optimizer that counts the passes is
+connected (the adder thread then adds the last micro-batch on the host too, and ``step()``
+runs after the pass end's flush, which waits for every add: a norm is never taken of a
+half-added gradient; a later take also forgets its gradient's record before its add is
+enqueued) or several block-major passes accumulate on the host is a norm measured in
+``step()``. ``step_stats`` counts both: ``norms_precomputed`` and ``norms_computed`` (streamed
+gradients measured in ``step()``).
 """
 
 from __future__ import annotations

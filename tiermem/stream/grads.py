@@ -49,6 +49,27 @@ over depth-first passes) is handed over by the adder thread as soon as it is add
 poll (Note [gradient adder]); only those whose adds are still queued when the backward ends
 are handed over at the end. ``stats()`` of the stream counts them (``handed_in_pass``,
 ``handed_at_end``) and the adds (``adds_off_thread``, ``add_waits``).
+
+Note [last pass sums on the device]: with gradient accumulation over depth-first passes the
+host adds of the step's last pass are on the step's critical path: a parameter is handed to
+HybridAdam only after its add, and in that pass the adds compete with HybridAdam's CPU step
+for the host's cores and memory. On the H200 the 64k-token bench's last pass took 581 ms
+against 262-268 ms for the others (``end_wait_s`` 0.48 s: the adder added 11.1 GB/s;
+docs/results/bench_stream_64k_passes.log). So in the pass whose take completes a parameter's
+step (the connected optimizer says so: ``completes(entry)`` returns the backward passes the
+sum will then hold, HybridAdam's count + 1 when it reaches ``grad_accumulation_steps``), the
+stream uploads the host gradient ``acc`` to the device beside the block's backward fill
+(:meth:`HostGrads.upload`, on the H2D stream, for the blocks whose backward fill is issued),
+the take adds the new gradient to it there (``dev.add_(grad)``: ``acc + grad``, the add
+autograd makes, in the same dtype; a bf16 add is the fp32 sum rounded to nearest even on either
+device, so the sum is bit-identical to the host add's) and copies the sum straight into
+``acc``, handed over at once with the copy's event like a first take, with its norm taken on
+the device (Note [streamed gradient norms]): no host add is left in that pass. The cost: the
+sums' bytes once more over PCIe (H2D) in the last pass, and up to ``prefetch_blocks + 2``
+blocks of sums on the device during that backward (counted by ``tiermem plan``). A sum
+uploaded but never taken (the pass failed, or the parameter had no gradient) is dropped at the
+pass end; ``acc`` is unchanged then. Without a connected optimizer, or in a pass that does not
+complete the step, the adder thread adds as before.
 """
 
 from __future__ import annotations
@@ -82,9 +103,15 @@ class HostGrads:
         self.pin = pin
         # gradients handed to the sink during the pass / by flush() (Note [hand-off lag])
         self.handed = {"handed_in_pass": 0, "handed_at_end": 0}
+        # takes summed on the device (Note [last pass sums on the device])
+        self.sums = {"device_sums": 0}
         self._adder = GradAdder(copies, self.handed)  # Note [gradient adder]
         weakref.finalize(self, self._adder.stop)
         self._straight: list[Any] = []  # D2H events of copies straight into a host gradient
+        # completes(entry): the passes a take would complete the step with, else None (Note
+        # [last pass sums on the device]); set by the connected optimizer
+        self.completes: Any = None
+        self._uploaded: list[Any] = []  # entries whose dev_sum is on the device this pass
         # norms of whole gradients, taken as they leave (Note [streamed gradient norms])
         self.norms = GradNorms()
 
@@ -103,13 +130,14 @@ class HostGrads:
         self._adder.sink = sink
 
     def stats(self) -> dict:
-        """The hand-off counts (Note [hand-off lag]) and the adder's (``adds_off_thread``,
-        ``add_waits``: Note [gradient adder]), since the stream began.
+        """The hand-off counts (Note [hand-off lag]), the adder's (``adds_off_thread``,
+        ``add_waits``: Note [gradient adder]) and ``device_sums`` (Note [last pass sums on the
+        device]), since the stream began.
 
         Raises:
             nothing.
         """
-        return dict(self.handed, **self._adder.counts)
+        return dict(self.handed, **self._adder.counts, **self.sums)
 
     def take(self, entry: Any, grad: torch.Tensor, passes: int = 1) -> None:
         """Accumulate the device gradient ``grad`` of ``entry`` (whose ``acc`` is its host
@@ -126,6 +154,9 @@ class HostGrads:
         """
         self._adder.raise_failed()
         tell = self.sink is not None
+        if getattr(entry, "dev_sum", None) is not None:  # (tests' entries may lack it)
+            self._sum_on_device(entry, grad, tell)
+            return
         if entry.acc is None:
             if self.copies.cuda:
                 entry.acc = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pin)
@@ -155,6 +186,58 @@ class HostGrads:
             staged, event = grad, None
         self._adder.put(AddItem(entry, entry.acc, staged, event, passes, tell=tell))
 
+    def upload(self, entries: list[Any]) -> None:
+        """Start copying the host gradient of each of ``entries`` whose next take completes
+        its step to the device (Note [last pass sums on the device]); nothing without a
+        connected optimizer that says so.
+
+        Raises:
+            RuntimeError: torch's allocation and copy errors (nothing is uploaded then).
+        """
+        completes = self.completes
+        if completes is None:
+            return
+        todo = []
+        for e in entries:
+            if e.acc is None or e.dev_sum is not None or not e.trainable:
+                continue
+            passes = completes(e)
+            if passes is not None:
+                todo.append((e, passes))
+        if not todo:
+            return
+        sums = [torch.empty(e.acc.shape, dtype=e.acc.dtype, device=self.copies.device)
+                for e, _ in todo]
+        event = self.copies.fill([(dev, e.acc) for dev, (e, _) in zip(sums, todo)])
+        for dev, (e, passes) in zip(sums, todo):
+            if self.copies.cuda:  # the allocator keeps dev until the upload wrote it, even
+                dev.record_stream(self.copies.h2d_stream)  # if the pass drops it unread
+            e.dev_sum, e.dev_event, e.dev_passes = dev, event, passes
+            self._uploaded.append(e)
+
+    def _sum_on_device(self, entry: Any, grad: torch.Tensor, tell: bool) -> None:
+        """The step's last take of ``entry``: add ``grad`` to its uploaded sum on the device,
+        copy the sum straight into ``entry.acc`` and hand it over with the copy's event (Note
+        [last pass sums on the device])."""
+        dev = entry.dev_sum
+        entry.dev_sum = None
+        self.copies.use(entry.dev_event)  # the add reads the sum this upload writes
+        entry.dev_event = None
+        with torch.no_grad():
+            dev.add_(grad)  # acc + grad: autograd's accumulation, in the same dtype
+        self.norms.forget(entry.acc)
+        event = self.copies.grad_out(entry.acc, dev)
+        self._straight.append(event)
+        self.sums["device_sums"] += 1
+        # beside the copy, on the caller's stream: Note [streamed gradient norms]
+        self.norms.record(entry.acc, self.norms.measure(dev, entry.dev_passes))
+        if tell:
+            item = AddItem(entry, entry.acc, None, event, 1, tell=True)
+            if self._adder.idle():  # nothing taken before it is still being added
+                self._adder.hand(item)
+            else:
+                self._adder.put(item)
+
     def flush(self) -> None:
         """Wait until every gradient copy and add of the pass is done and every hand-off made
         (the adder thread then ends, Note [gradient adder]). An error of the adder thread is
@@ -164,6 +247,9 @@ class HostGrads:
             RuntimeError: the adder thread ended with adds not done (a bug).
         """
         self._adder.drain()
+        for e in self._uploaded:  # taken, or dropped unread: acc unchanged
+            e.dev_sum = e.dev_event = None
+        self._uploaded = []
         straight, self._straight = self._straight, []
         for event in straight:
             self.copies.landed(event)  # the next pass and step() read what this copy writes

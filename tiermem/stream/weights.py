@@ -348,6 +348,8 @@ class WeightStream:
         self._link = link
         self._grads.sink = None if link is None else (
             lambda entry, passes, event: link.take(entry.param, entry.acc, passes, event))
+        self._grads.completes = None if link is None else (  # Note [last pass sums on the
+            lambda entry: link.completing(entry.param))      # device]
 
     def _entry(self, param: nn.Parameter) -> Param:
         p = self._entries.get(id(param)) if not self._closed else None
@@ -725,8 +727,11 @@ class WeightStream:
             if self._blocks[i].streamed:
                 self._fetcher.ready(self._blocks[i])
                 ps.release.reached(self._blocks[i])
-            self._prefetch([j for j in reversed(ps.grad_blocks)
-                            if j < i and self._blocks[j].streamed])
+            upcoming = [j for j in reversed(ps.grad_blocks) if j < i]
+            self._prefetch([j for j in upcoming if self._blocks[j].streamed])
+            # beside the fills: Note [last pass sums on the device]
+            self._grads.upload([p for j in [i] + upcoming[:self.prefetch_blocks]
+                                for p in self._blocks[j].params])
         except BaseException:
             self._end_pass()  # the backward fails: the pass is over, the stream stays usable
             raise
