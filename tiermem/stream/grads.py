@@ -55,7 +55,7 @@ host adds of the step's last pass are on the step's critical path: a parameter i
 HybridAdam only after its add, and in that pass the adds compete with HybridAdam's CPU step
 for the host's cores and memory. On the H200 the 64k-token bench's last pass took 581 ms
 against 262-268 ms for the others (``end_wait_s`` 0.48 s: the adder added 11.1 GB/s;
-docs/results/bench_stream_64k_passes.log). So in the pass whose take completes a parameter's
+docs/results/bench_stream_64k_passes_s16.log). So in the pass whose take completes a parameter's
 step (the connected optimizer says so: ``completes(entry)`` returns the backward passes the
 sum will then hold, HybridAdam's count + 1 when it reaches ``grad_accumulation_steps``), the
 stream uploads the host gradient ``acc`` to the device beside the block's backward fill

@@ -458,7 +458,8 @@ def _diagnosis(opt, stream) -> str:
     """Where a row's optimizer tail goes (Note [hand-off lag] in tiermem/stream/grads.py):
     HybridAdam's last step (``step_stats``: :func:`worker_diagnosis`) and the gradients the
     stream handed over during the passes / at their end and its host adds on the adder thread
-    / waited for (Note [gradient adder]; totals since the stream began); "" for a row with
+    / waited for (Note [gradient adder]) and summed on the device (Note [last pass sums on the
+    device]; totals since the stream began); "" for a row with
     neither."""
     parts = []
     if hasattr(opt, "step_stats"):
@@ -466,7 +467,7 @@ def _diagnosis(opt, stream) -> str:
     if stream is not None:
         st = stream.stats()
         parts += [f"{k} {st[k]}" for k in ("handed_in_pass", "handed_at_end",
-                                              "adds_off_thread", "add_waits")]
+                                              "adds_off_thread", "add_waits", "device_sums")]
     return ", ".join(parts)
 
 
