@@ -66,8 +66,8 @@
 #                                       at the least device time (~3 min estimated; bounded 300 s),
 #                                       after add_probe.log: torch's add_ alone on pinned host
 #                                       tensors, GB/s of gradient (~20 s; bounded 120 s)
-#   bench_stream_64k_sums nvidia-h200   64k depth-first HybridAdam rows, clip off and 1.0, 3 runs
-#                                       each (the last micro-batch summed on the device: Note [last
+#   bench_stream_64k_sums nvidia-h200   64k depth-first HybridAdam rows, clip off, 3 runs
+#                                       (the last micro-batch summed on the device: Note [last
 #                                       pass sums on the device]; device_sums per row), bounded 330 s
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
@@ -256,7 +256,7 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --optimizers hybrid --max-grad-norm off --stream-schedule depth-first ;;
     bench_stream_64k_sums) run bench_stream_64k_sums 330 tiermem bench stream "${GPT[@]}" \
       --batch 8 --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
-      --optimizers hybrid --max-grad-norm off,1.0 --stream-schedule depth-first ;;
+      --optimizers hybrid --max-grad-norm off --stream-schedule depth-first ;;
     bench_stream_64k) run bench_stream_64k 420 tiermem bench stream "${GPT[@]}" --batch 8 \
       --grad-accumulation-steps 4 --steps 3 --warmup 1 --repeats 3 --gpu-bytes 64GiB \
       --optimizers "${STREAM_OPTIMIZERS:-adamw,hybrid}" ;;
