@@ -153,11 +153,14 @@ class StreamRow(NamedTuple):
     resident: tuple[int, ...] = ()  # blocks kept on the GPU (the rest streamed)
     stale: bool = False  # blocks[1] filled with the weights of the step before: must go red
     hybrid: bool = False  # HybridAdam (offload_fraction 1) steps the streamed weights
+    major: bool = True  # micro > 1: block-major (False: depth-first, the last micro-batch
+    # summed on the device: Note [last pass sums on the device])
 
     @property
     def reference_key(self) -> tuple:
         """What the reference depends on (not the tier, not the fault)."""
-        return ("stream", self.micro, self.ckpt, self.clip, self.resident, self.hybrid)
+        return ("stream", self.micro, self.ckpt, self.clip, self.resident, self.hybrid,
+                self.major)
 
 
 STREAM_MICRO = 4
@@ -171,7 +174,9 @@ STREAM = {
     "hybrid_cpu": StreamRow(hybrid=True),
     "hybrid_nvme": StreamRow(tier="nvme", hybrid=True),
     "hybrid_block_major_clip": StreamRow(micro=STREAM_MICRO, clip=1.0, hybrid=True),
-}  # 6 references (tier and fault share one): 27 eight-step runs (scripts/device_run.sh)
+    "hybrid_depth_first_clip": StreamRow(micro=STREAM_MICRO, clip=1.0, hybrid=True,
+                                         major=False),
+}  # 7 references (tier and fault share one): 31 eight-step runs (scripts/device_run.sh)
 STREAM_ROWS = sorted(STREAM, key=lambda n: str(STREAM[n].reference_key))  # grouped (host memory)
 
 
@@ -444,7 +449,7 @@ def _train_streamed(row: StreamRow, spill_dir, stream: bool) -> tuple[Run, dict]
             loss.backward()
         else:
             loss = torch.stack(forward_backward(model, _micro_batches(step, row.micro),
-                                                block_major=True)).mean()
+                                                block_major=row.major)).mean()
         for p in model.parameters():  # the reference's gradients go to the host masters
             if id(p) in masters:
                 masters[id(p)].grad = p.grad.to("cpu")
