@@ -41,6 +41,9 @@
 #                                       max_grad_norm 1e6 (never clips) and 1e-3 (always clips),
 #                                       HybridAdam waiting vs speculating (rollback 4GiB); 16 rows
 #                                       x 3 runs (bounded 540 s; not yet timed)
+#   bench_optim_clip_lane nvidia-h200   bench_optim_clip's GPU-lane rows only (lane 1.0), clip off and
+#                                       1e6, waiting vs speculating: issue 30's lane target (the 1e6
+#                                       spec row within 1.05x of off), bounded 330 s
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
@@ -230,6 +233,9 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --setups gpu,naive,0.25,0.5,0.5+fwd,1.0,1.0+gpu=1.0,1.0+bf16+gpu=1.0 --max-grad-norm off ;;
     bench_optim_clip) run bench_optim_clip 540 tiermem bench optim --steps 3 \
       --grad-accumulation-steps 1 --repeats 3 --setups gpu,1.0,1.0+gpu=1.0 --max-grad-norm off,1e6,1e-3 --rollback-bytes 4GiB ;;
+    bench_optim_clip_lane) run bench_optim_clip_lane 330 tiermem bench optim --steps 3 \
+      --grad-accumulation-steps 1 --repeats 3 --setups gpu,1.0+gpu=1.0 --max-grad-norm off,1e6 \
+      --rollback-bytes 4GiB ;;
     bench_basics)
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
       run bench_adam 90 tiermem bench adam --numel 200000000
