@@ -73,6 +73,7 @@ from tiermem.stream.checks import (STREAMED_BLOCKS, block_params, check_composit
                                    check_grad_flags, check_options, placeholder,
                                    select_frozen, unpinned_warning)
 from tiermem.stream.checksums import host_checksum
+from tiermem.stream.closing import end_params, read_back
 from tiermem.stream.compose import eager as _eager
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
@@ -348,8 +349,9 @@ class WeightStream:
         self._link = link
         self._grads.sink = None if link is None else (
             lambda entry, passes, event: link.take(entry.param, entry.acc, passes, event))
-        self._grads.completes = None if link is None else (  # Note [last pass sums on the
-            lambda entry: link.completing(entry.param))      # device]
+        # Note [last pass sums on the device]
+        self._grads.completes = None if link is None else (
+            lambda entry: link.completing(entry.param))
 
     def _entry(self, param: nn.Parameter) -> Param:
         p = self._entries.get(id(param)) if not self._closed else None
@@ -378,7 +380,7 @@ class WeightStream:
         return dict(self._fetcher.stats, **self._grads.stats(), **self._fetcher.checks.stats,
                     **home)
 
-    def close(self, *, force: bool = False) -> None:
+    def close(self, *, force: bool = False, restore: bool = True) -> None:
         """Stop streaming: every streamed parameter becomes an ordinary parameter on the device
         it had before (data and gradient copied there), the hooks go and the store keys are
         deleted. Idempotent.
@@ -386,13 +388,20 @@ class WeightStream:
         Args:
             force: end an open pass even if its graph is alive (a later backward through that
                 graph raises); leaving the ``with`` block on an exception does this.
+            restore: False: drop the streamed weights instead (each parameter's data an empty
+                placeholder, its gradient None): nothing is copied, so closing at the end of a
+                run takes no memory (Note [closing without a copy]).
 
         Raises:
+            TypeError: ``restore`` is not a bool.
             RuntimeError: a pass is open with a live graph and ``force`` is False (run its
                 backward first).
             SpillError, SpillCorruption: reading back a weight homed on NVMe failed (the
                 stream stays open, nothing changed; Note [NVMe home]).
         """
+        if not isinstance(restore, bool):
+            raise TypeError(f"WeightStream.close(): restore={restore!r} is not a bool; fix: "
+                            f"True (copy the weights back) or False (drop them)")
         if self._closed:
             return
         self._settle_idle_pass()
@@ -407,20 +416,11 @@ class WeightStream:
             raise RuntimeError("WeightStream.close(): a HybridAdam steps these weights' host "
                                "copies; close() the optimizer first")
         entries = [p for b in self._blocks for p in b.params]
-        back = self._home.restore(entries) if self._home is not None else None  # reads first
+        back = read_back(entries, self._home, restore)  # reads first
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for block in self._blocks:
-            for p in block.params:
-                p.param.data = back.pop(0) if back is not None else \
-                    p.host.detach().to(p.home_device, copy=True)
-                grad = p.param.grad
-                if grad is not None:
-                    p.param.grad = grad.to(p.home_device, copy=True)
-                if self.tier == "cpu":
-                    self.store.release(p.key)
-                self.store.delete(p.key)
+        end_params(self._blocks, back, self.store, self.tier, restore)
         for module in self._modules:
             STREAMED_BLOCKS.pop(module, None)
         for p in self._entries.values():
