@@ -70,8 +70,8 @@
 #                                       after add_probe.log: torch's add_ alone on pinned host
 #                                       tensors, GB/s of gradient (~20 s; bounded 120 s)
 #   bench_stream_64k_sums nvidia-h200   64k depth-first HybridAdam rows, clip off, 3 runs
-#                                       (the last micro-batch summed on the device: Note [last
-#                                       pass sums on the device]; device_sums per row), bounded 330 s
+#                                       (the last micro-batch summed on the device, device_sums
+#                                       per row: Note [last pass sums on the device]), bounded 330 s
 #   bench_stream_64k   nvidia-h200      the same at 64k tokens per step (4 micro-batches; the
 #                                       streamed rows block-major), bounded 420 s, not yet timed
 #                                       (the same clip grid off,1.0: each row twice, 2x time)
