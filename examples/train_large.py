@@ -644,8 +644,8 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
           + ", ".join(f"{t} {store.stats()[t]['peak_bytes'] / 2**30:.1f} GiB" for t in ("cpu", "nvme")),
           flush=True)
     opt.close()
-    if stream is not None:
-        stream.close()
+    if stream is not None:  # the model is dropped: no copy of its streamed weights
+        stream.close(restore=False)  # (Note [closing without a copy]: it OOM-killed the 13B)
     store.close()
     return 0
 
