@@ -300,7 +300,7 @@ def test_a_failed_hand_off_on_the_adder_thread_is_raised_at_the_next_take():
     from tiermem.stream.copies import StreamCopies
 
     grads = HostGrads(StreamCopies(torch.device("cpu")), pin=False)
-    a, b = (SimpleNamespace(name=n, acc=None, staging=None) for n in ("a", "b"))
+    a, b = (SimpleNamespace(name=n, acc=None, staging=None, dev_sum=None) for n in ("a", "b"))
     told = []
 
     def sink(entry, passes, event):
@@ -397,7 +397,7 @@ def test_the_adders_seconds_and_bytes_are_counted(monkeypatch):
     from tiermem.stream.copies import StreamCopies
 
     grads = HostGrads(StreamCopies(torch.device("cpu")), pin=False)
-    a, b = (SimpleNamespace(name=n, acc=None, staging=None) for n in ("a", "b"))
+    a, b = (SimpleNamespace(name=n, acc=None, staging=None, dev_sum=None) for n in ("a", "b"))
     gate = threading.Event()
     real = grad_adds.add_into
 

@@ -296,7 +296,7 @@ def test_a_gradient_reaches_the_optimizer_at_its_take_with_its_copy_event():
     grads = HostGrads(copies, pin=False)
     told = []
     grads.sink = lambda entry, passes, event: told.append((entry.name, event))
-    entries = [SimpleNamespace(name=f"w{k}", acc=None, staging=None) for k in range(3)]
+    entries = [SimpleNamespace(name=f"w{k}", acc=None, staging=None, dev_sum=None) for k in range(3)]
     grads.take(entries[0], torch.ones(4))
     grads.take(entries[1], torch.ones(4))
     assert told == [("w0", copies.events[0]), ("w1", copies.events[1])]  # in flight

@@ -247,7 +247,7 @@ class _Copies:
 
 class _Entry:
     def __init__(self, name):
-        self.name, self.acc, self.staging = name, None, None
+        self.name, self.acc, self.staging, self.dev_sum = name, None, None, None
 
 
 def test_cuda_hand_off_is_at_once_with_the_copy_event_and_keeps_backward_order():

@@ -154,7 +154,7 @@ class HostGrads:
         """
         self._adder.raise_failed()
         tell = self.sink is not None
-        if getattr(entry, "dev_sum", None) is not None:  # (tests' entries may lack it)
+        if entry.dev_sum is not None:  # Note [last pass sums on the device]
             self._sum_on_device(entry, grad, tell)
             return
         if entry.acc is None:
