@@ -18,11 +18,22 @@ it keeps, the activations, the head and the reserve:
   each counted with its weights *and* its gradient: the block in backward produces its
   gradient there before it leaves, so a buffer holds both (the ``prefetch_blocks`` blocks in
   flight hold only weights: an overcount of ``prefetch_blocks`` blocks' gradients, on the safe
-  side). No gradient of a streamed block stays on the GPU after its backward.
+  side). No gradient of a streamed block stays on the GPU after its backward;
+- with the depth-first schedule over M > 1 micro-batches, the last pass's gradient sums (Note
+  [last pass sums on the device] in ``tiermem/stream/grads.py``: HybridAdam, which the plan
+  always assumes, is connected, so in the step's last pass each streamed weight's host
+  gradient is uploaded beside its block's backward fill and the last micro-batch's gradient
+  added there): as many blocks of sums as there are buffers (``prefetch_blocks + 2``: the
+  block in backward, the ``prefetch_blocks`` blocks uploaded ahead with their fills, and the
+  block before, whose sums' copies back may still read them), each a block's weights' bytes
+  (the gradients' dtype is the weights'); the ``"last-pass gradient sums"`` row.
+  Block-major passes upload no sums. Their upload, ``S`` more host to device per step, is
+  not in the step time's PCIe terms (``h2d_bytes`` counts the weights' fetches only).
 
 The resident set is :func:`tiermem.stream.residency.plan_residency` over blocks costing their
-weights + gradients, under the GPU room left after everything else: the longest suffix that
-fits (every GPT block has one size, so ``stream_weights(gpu_bytes=...)``, which counts weights
+weights + gradients, under the GPU room left after everything else (and, with the sums, after
+the sums of the buffers it needs: :func:`resident_blocks`): the longest suffix that fits
+(every GPT block has one size, so ``stream_weights(gpu_bytes=...)``, which counts weights
 only, takes the same set from :attr:`StreamPlan.stream_gpu_bytes`). The host holds the
 streamed weights (pinned RAM, the store's cpu tier; with an NVMe home a RAM host copy *and*
 the NVMe copy, plus ``prefetch_blocks + 3`` blocks of RAM staging: Note [streamed RAM
@@ -91,7 +102,7 @@ from tiermem.names import check_choice
 from tiermem.apps.plan.result import Item
 from tiermem.shapes import GiB
 from tiermem.store.pool import ALIGN_BYTES, block_bytes
-from tiermem.stream.residency import plan_residency
+from tiermem.stream.residency import ResidencyPlan, plan_residency
 
 STREAM_CHOICES = (False, True, "auto")
 """``plan(stream_weights=...)``: off, on, or only when the resident plan overflows the GPU."""
@@ -152,6 +163,9 @@ class StreamPlan:
         buffer_blocks: streamed blocks on the GPU at once (``prefetch_blocks + 2``, at most
             the streamed ones).
         buffer_bytes: the GPU buffers: ``buffer_blocks`` x (weights + gradients) of a block.
+        sum_bytes: the GPU bytes of the last pass's gradient sums (depth-first over M > 1
+            micro-batches: ``buffer_blocks`` x a block's weights; else 0: Note [streaming
+            plan]).
         stream_gpu_bytes: ``stream_weights(gpu_bytes=...)``: the resident blocks' and the
             buffers' weights (what the stream counts).
         tier: the streamed weights' home, ``"cpu"`` (pinned RAM) or ``"nvme"``.
@@ -185,6 +199,7 @@ class StreamPlan:
     kept_bytes: int
     h2d_bytes: int
     d2h_bytes: int
+    sum_bytes: int = 0
 
 
 def check_stream_args(stream_weights, stream_tier, stream_schedule, prefetch_blocks, *,
@@ -248,6 +263,38 @@ def non_block_params(*, vocab: int, seq: int, d_model: int) -> int:
     return 2 * vocab * d_model + seq * d_model + 2 * d_model
 
 
+def resident_blocks(n_layers: int, per_block: int, *, room: int, prefetch_blocks: int,
+                    sum_bytes: int) -> ResidencyPlan:
+    """The longest resident suffix of ``n_layers`` blocks of ``per_block`` bytes whose cost,
+    :func:`plan_residency`'s (resident blocks + buffers) plus ``sum_bytes`` per buffer (the
+    last pass's gradient sums, Note [streaming plan]), fits ``room``; every block streamed
+    (and overflowing) when not even the buffers fit. With ``sum_bytes`` 0, ``plan_residency``'s
+    own choice.
+
+    The buffers a plan needs depend on the blocks it streams, so each count of buffers the
+    sums may be paid for (0 to ``prefetch_blocks + 2``) is tried: a plan whose buffers are at
+    most that count fits with its sums, and the optimum is found at its own count (a longer
+    suffix under the same room never needs more buffers).
+
+    Raises:
+        nothing: arithmetic on checked values.
+    """
+    sizes = [per_block] * n_layers
+    best = None
+    for paid in range(min(prefetch_blocks + 2, n_layers) + 1 if sum_bytes else 1):
+        try:
+            res = plan_residency(sizes, gpu_bytes=max(0, room - paid * sum_bytes),
+                                 prefetch_blocks=prefetch_blocks)
+        except ValueError:  # not even the buffers fit under this room
+            continue
+        if res.buffer_blocks <= paid or not sum_bytes:
+            if best is None or len(res.resident) > len(best.resident):
+                best = res
+    if best is None:  # stream every block (and overflow)
+        best = plan_residency(sizes, gpu_bytes=None, prefetch_blocks=prefetch_blocks)
+    return best
+
+
 def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params: int,
                  param_bytes: int, prefetch_blocks: int, tier: str, schedule: str,
                  micro_batches: int, gpu_state_params: int,
@@ -284,12 +331,10 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
     pages = w if block_pages is None else block_pages  # Note [streamed RAM count]
     per_block = 2 * w  # weights + gradients: what a resident block or a buffer holds
     others = sum(i.gpu for i in items) - 2 * n_layers * w  # all but the blocks' weights+grads
-    try:
-        res = plan_residency([per_block] * n_layers, gpu_bytes=max(0, cap_gpu - others),
-                             prefetch_blocks=prefetch_blocks)
-    except ValueError:  # not even the buffers fit: stream every block (and overflow)
-        res = plan_residency([per_block] * n_layers, gpu_bytes=None,
-                             prefetch_blocks=prefetch_blocks)
+    # the last pass's gradient sums, a block's weights per buffer: Note [streaming plan]
+    sum_per_buffer = w if schedule == "depth-first" and micro_batches > 1 else 0
+    res = resident_blocks(n_layers, per_block, room=cap_gpu - others,
+                          prefetch_blocks=prefetch_blocks, sum_bytes=sum_per_buffer)
     n_streamed = len(res.streamed)
     s_params = n_streamed * block_params
     s_bytes = s_params * param_bytes
@@ -303,7 +348,7 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
         stream_gpu_bytes=(len(res.resident) + res.buffer_blocks) * w, tier=tier,
         schedule=schedule, micro_batches=micro_batches, passes=passes, kept=res.kept,
         kept_bytes=kept_bytes, h2d_bytes=passes * (2 * s_bytes - kept_bytes),
-        d2h_bytes=passes * s_bytes)
+        d2h_bytes=passes * s_bytes, sum_bytes=res.buffer_blocks * sum_per_buffer)
     home = "RAM" if tier == "cpu" else "NVMe"
     params.gpu -= s_bytes
     # Note [streamed RAM count]: a trained weight keeps a RAM host copy at either home
@@ -321,9 +366,14 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
             "streaming buffers", gpu=res.buffer_bytes,
             note=f"{res.buffer_blocks} x {per_block / GiB:.2f} GiB (prefetch {prefetch_blocks}"
                  f" + 2 blocks' weights + grads)"))
+        if stream.sum_bytes:
+            items.insert(items.index(grads) + 2, Item(
+                "last-pass gradient sums", gpu=stream.sum_bytes,
+                note=f"{res.buffer_blocks} x {w / GiB:.2f} GiB (depth-first over "
+                     f"{micro_batches} micro-batches: the last one added on the GPU)"))
         if tier == "nvme":
             staged = min(prefetch_blocks + NVME_STAGING_EXTRA, n_streamed)
-            items.insert(items.index(grads) + 2, Item(
+            items.insert(items.index(grads) + 2 + bool(stream.sum_bytes), Item(
                 "streaming RAM staging", host=staged * pages,
                 note=f"{staged} blocks in the store's RAM: the NVMe copy's reads (prefetch "
                      f"{prefetch_blocks} + {NVME_STAGING_EXTRA}); the RAM host copy is in "
