@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grad-accumulation-steps", type=int, metavar="N",
         help="micro-batches per optimizer step, for the time per step: tokens per "
         "step = batch x seq x N (default %(default)s; the memory depends on it only with "
-        "--breadth-first-blocks)")
+        "--breadth-first-blocks and with streamed weights: block-major keeps every "
+        "micro-batch's block inputs, depth-first over N > 1 the last pass's gradient sums)")
     add("--param-sync", choices=PARAM_SYNCS,
         help="HybridAdam's param_sync (optimizer.param_sync), for the time per "
         "step: with 'forward' and --max-grad-norm the next forward runs beside "
