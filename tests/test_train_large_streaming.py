@@ -103,9 +103,9 @@ def test_streaming_refusals_are_one_line_exit_2(capsys, override, message):
     ("h200_8b_stream_24gib", ["27 of 32 blocks streamed", "23.6 of 24.0 GiB of GPU",
                               "step 5.18 s", "to 5.63 s", "6,324 to 5,816 tokens/s"]),
     ("h200_13b_stream_24gib", ["28 of 40 blocks streamed", "22.9 of 24.0 GiB of GPU",
-                               "step 29.71 s", "to 33.48 s", "69 to 61 tokens/s"]),
+                               "step 36.90 s", "to 40.67 s", "55 to 50 tokens/s"]),
     ("h200_20b_stream_80gib", ["16 of 48 blocks streamed", "79.5 of 80.0 GiB of GPU",
-                               "step 77.74 s", "to 83.42 s", "422 to 393 tokens/s"]),
+                               "step 88.62 s", "to 94.30 s", "370 to 347 tokens/s"]),
 ])
 def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
     """The streamed presets plan as their comments say (a change to the planner must be
@@ -132,7 +132,7 @@ def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
 def test_70b_nvme_preset_is_refused_for_the_host_copies_it_needs():
     """h200_70b_stream_nvme.yaml: trained weights streamed from NVMe keep a RAM host copy
     (Note [streamed RAM count]), so 125 GiB cannot hold the plan and it is refused naming the
-    host side; at the 200 GiB its comment names it fits. The comment quotes the plan."""
+    host side; at the 210 GiB its comment names it fits. The comment quotes the plan."""
     example = _example()
     path = ROOT / "examples" / "configs" / "large" / "h200_70b_stream_nvme.yaml"
     comment = " ".join(ln.lstrip("# ").strip() for ln in path.read_text().splitlines()
@@ -145,7 +145,7 @@ def test_70b_nvme_preset_is_refused_for_the_host_copies_it_needs():
     params = next(i for i in pl.items if i.name == "parameters")
     assert params.host == pl.stream.streamed_bytes  # the host copies, beside the NVMe copy
     assert f"RAM host copy ({params.host / gib:.1f} GiB" in comment
-    fits = example.make_plan(example.load(str(path), overrides=["budgets.host_bytes=200GiB"]))
+    fits = example.make_plan(example.load(str(path), overrides=["budgets.host_bytes=210GiB"]))
     t = fits.step_time
     assert fits.fits
     assert f"predicted {t.overlapped_s:.0f} to {t.serial_s:.0f} s per step" in comment

@@ -32,6 +32,7 @@ from tiermem.apps.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, 
                                  rollback_slots,
                                  moe_activation_bytes_per_block, short_dtype)
 from tiermem.rates import MachineRates
+from tiermem.apps.plan.pinned import block_pinned_bytes
 from tiermem.apps.plan.result import Item, Plan, add_notes, overflow
 from tiermem.shapes import GiB
 from tiermem.apps.plan.streaming import (block_numels, block_store_bytes, check_stream_args,
@@ -424,13 +425,15 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                           note="CUDA context/workspace/fragmentation; OS + Python"))
         stream = problem = None
         if home is not None:  # Note [streaming plan]
+            # the store pages of a block, its gradients pinned: Note [pinned rounding]
+            numels = block_numels(d_model=d_model, mlp_ratio=mlp_ratio,
+                                  n_experts=n_experts if moe else None, d_expert=d_expert)
             stream, problem = place_stream(
                 items, cap_gpu=cap["gpu"], n_layers=n_layers, block_params=block_params,
                 param_bytes=p, prefetch_blocks=prefetch_blocks, tier=home, schedule=schedule,
                 micro_batches=grad_accumulation_steps, gpu_state_params=gpu_n,
-                block_pages=block_store_bytes(block_params, p, block_numels(
-                    d_model=d_model, mlp_ratio=mlp_ratio, n_experts=n_experts if moe else None,
-                    d_expert=d_expert)))
+                block_pages=block_store_bytes(block_params, p, numels),
+                block_grads_pinned=block_pinned_bytes(block_params, p, numels))
         if tier == "split":  # HybridAdam state_tier="split": RAM first, the rest on NVMe
             host_free = cap["host"] - sum(i.host for i in items)
             state_item.host = max(0, min(state, host_free))

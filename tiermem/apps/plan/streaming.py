@@ -298,7 +298,8 @@ def resident_blocks(n_layers: int, per_block: int, *, room: int, prefetch_blocks
 def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params: int,
                  param_bytes: int, prefetch_blocks: int, tier: str, schedule: str,
                  micro_batches: int, gpu_state_params: int,
-                 block_pages: int | None = None) -> tuple[StreamPlan, str | None]:
+                 block_pages: int | None = None,
+                 block_grads_pinned: int | None = None) -> tuple[StreamPlan, str | None]:
     """Stream the blocks' weights in a placement (Note [streaming plan]): move the streamed
     blocks' weights and gradients off the GPU rows of ``items`` (named ``"parameters"`` and
     ``"gradients"``, sized for every weight on the GPU) into the home ``tier`` and pinned RAM,
@@ -315,6 +316,8 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
             ones may.
         block_pages: one block's weights in the store, in whole pages
             (:func:`block_store_bytes`); None: the weights' bytes.
+        block_grads_pinned: one block's host gradients as torch pins them, one tensor per
+            weight (Note [pinned rounding] in tiermem/apps/plan/pinned.py); None: the bytes.
 
     Returns:
         ``(StreamPlan, problem)``: ``problem`` a reason the placement cannot work besides
@@ -356,7 +359,8 @@ def place_stream(items: list[Item], *, cap_gpu: int, n_layers: int, block_params
     params.nvme = n_streamed * pages if tier == "nvme" else 0
     grads.gpu -= s_bytes
     copies = 2 if schedule == "depth-first" and micro_batches > 1 else 1
-    grads.host = copies * s_bytes
+    # Note [pinned rounding]: each host gradient (and staging tensor) pinned on its own
+    grads.host = copies * n_streamed * (w if block_grads_pinned is None else block_grads_pinned)
     if n_streamed:
         params.note += (f"; {n_streamed} of {n_layers} blocks streamed from {home}, "
                         f"{len(res.resident)} resident")
