@@ -268,8 +268,8 @@ def run(args: argparse.Namespace, device: torch.device, offload: bool, log=print
             offloader.close()
         if capped:
             uncap_gpu(device)
-        if handle is not None:
-            handle.close()
+        if handle is not None:  # the model is dropped: no copy of the base back to the
+            handle.close(restore=False)  # device (Note [closing without a copy])
             store.close()
 
 
