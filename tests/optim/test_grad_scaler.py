@@ -70,33 +70,45 @@ def test_grad_scaler_steps_as_with_adamw_through_skipped_steps(tmp_path, fractio
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("placement,init_scale", [("trace", 2.0 ** 12), ("given", 2.0 ** 40)])
-def test_grad_scaler_with_overlap_is_refused_at_the_first_step_it_took_early(
+def test_grad_scaler_with_overlap_holds_the_chunks_for_the_verdict(
         fraction, placement, init_scale):
-    """overlap=True hands scaled gradients to the CPU step during backward; scaler.step then
-    reaches step() (Note [grad scaler]) and is refused there, with the fixes named. With
-    placement="trace" the first backward hands nothing over, so step 1 is AdamW's exactly and
-    step 2 is refused; with placement="given" and an overflowing scale, step 1 is (before: no
-    error at all -- the CPU side stepped scaled gradients, 0.04 off AdamW + GradScaler after 10
-    steps, or an overflow's inf, leaving NaN weights while the scaler skipped every step())."""
+    """overlap=True with a scaler from the first step and no rollback budget: the chunks are
+    handed over in backward and wait for step()'s verdict (Note [grad scaler overlap]), so the
+    12 steps, skipped ones included, are AdamW + GradScaler's bit for bit; with
+    placement="given" and an overflowing scale the very first step is skipped (before: step 2,
+    or with "given" step 1, was refused -- "backward had already handed scaled gradients")."""
     ref, model = models()
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    want = scaled_loop(ref, torch.optim.AdamW(ref.parameters(), **HP, fused=True), STEPS,
+                       init_scale)
+    assert any(want) and (want[0] == (init_scale > 2 ** 30))
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, chunk_numel=1024,
                      placement=placement)
-    if placement == "trace":
-        assert scaled_loop(model, opt, 1, init_scale) == scaled_loop(ref, ref_opt, 1,
-                                                                     init_scale)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.equal(p, q)
+    assert scaled_loop(model, opt, STEPS, init_scale) == want
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    opt.close()
+
+
+def test_a_refused_scaler_step_leaves_the_optimizer_usable():
+    """A scaler first seen after steps that stepped chunks during backward is refused (Note
+    [grad scaler]); the scaler's leftover attributes are not taken again: the optimizer trains
+    on without a scaler."""
+    _, model = models()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024)
+    for step in range(3):  # the first traces; then chunks step during backward
+        idx, tgt = make_batch(step)
+        model(idx, tgt)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match=r"GradScaler steps this optimizer, but backward had "
                                            r"already handed scaled gradients .*overlap=False"):
-        scaled_loop(model, opt, 1, init_scale)  # the first step handed over in backward
+        scaled_loop(model, opt, 1, 2.0 ** 12)
     assert hasattr(opt, "found_inf")  # the scaler deletes it only when step() returns
-    if init_scale < 2 ** 30:  # finite weights: the refused optimizer trains on without a scaler
-        for step in range(3):
-            idx, tgt = make_batch(100 + step)
-            model(idx, tgt)[1].backward()
-            opt.step()  # the scaler's leftover attributes are not taken again
-            opt.zero_grad(set_to_none=True)
+    for step in range(3):
+        idx, tgt = make_batch(100 + step)
+        model(idx, tgt)[1].backward()
+        opt.step()  # the scaler's leftover attributes are not taken again
+        opt.zero_grad(set_to_none=True)
     opt.close()
 
 

@@ -1,6 +1,6 @@
 """HybridAdam in a CUDA fp16 loop with torch.amp.GradScaler (Note [grad scaler]): refused
-clearly with overlap, and with gradients handed over in ``step()`` (``overlap=False``, or
-``max_grad_norm``) as AdamW + GradScaler.
+clearly when a scaler appears after overlapped steps, and with gradients handed over in
+``step()`` (``overlap=False``, or ``max_grad_norm``) as AdamW + GradScaler.
 
 Reference: ``torch.optim.AdamW(fused=True)`` with its own GradScaler on a copy of the same fp32
 model (autocast fp16 forward, ``growth_interval=1`` so the scale doubles until gradients
@@ -108,12 +108,18 @@ def test_cuda_grad_scaler_steps_as_adamw_with_its_skipped_steps(fraction, kw):
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_cuda_grad_scaler_with_overlap_is_refused_at_the_first_overlapped_step(fraction):
-    """The first (traced) step hands nothing over in backward and is stepped; the second
-    would have stepped scaled gradients on the CPU during backward: refused, naming the fix."""
+def test_cuda_grad_scaler_first_seen_after_overlapped_steps_is_refused(fraction):
+    """Three plain steps (the first traces, the next two step chunks during backward:
+    Note [grad scaler overlap]), then a scaler: the CPU side has stepped scaled gradients with
+    no way back, refused naming the fix. (A scaler from the first step is exact:
+    tests/optim/test_grad_scaler_overlap_cuda.py.)"""
     _, (model, _, _) = _models("cuda")
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction)
-    assert _loop(model, opt, steps=1) == [False]
+    for step in range(3):
+        idx, tgt = _batch(100 + step, "cuda")
+        model(idx, tgt)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match=r"GradScaler steps this optimizer.*overlap=False"):
         _loop(model, opt, steps=1)
     opt.close()

@@ -1,5 +1,7 @@
 """HybridAdam under ``torch.amp.GradScaler``: torch's protocol for optimizers that take the
-scale themselves, so that ``scaler.step(opt)`` always reaches ``step()`` (Note [grad scaler]).
+scale themselves, so that ``scaler.step(opt)`` always reaches ``step()`` (Note [grad scaler]),
+and the CPU step during backward under a scaler, speculating that the step is finite (Note
+[grad scaler overlap]).
 
 Note [grad scaler]: ``scaler.step(opt)`` unscales every ``p.grad`` in place and calls
 ``opt.step()`` only when none is inf/NaN. Both went wrong with HybridAdam:
@@ -14,73 +16,290 @@ Note [grad scaler]: ``scaler.step(opt)`` unscales every ``p.grad`` in place and 
 HybridAdam (one process) sets ``_step_supports_amp_scaling``: ``scaler.step(opt)`` then checks
 the gradients for inf/NaN without unscaling them, sets ``opt.grad_scale`` (the scale; None when
 the caller already ran ``scaler.unscale_(opt)``) and ``opt.found_inf``, and calls ``step()``
-whatever it found. :func:`take_scaler` in ``step()``: when backward has handed any gradient
-over this step, the step is refused (the CPU side has the scaled values; a one-line error
-naming the fixes; the step is abandoned like a refused one, chunks not yet stepped are not);
-else an inf/NaN step is skipped (nothing was stepped: the step's counts are reset, as if
-torch's scaler had not called it), and otherwise the gradients are unscaled in place by the
-kernel and the reciprocal GradScaler.unscale_ uses (computed in fp64, as torch does), so the
-step is bit-identical to torch's path (tests/optim/test_grad_scaler.py). fp16 gradients are
-refused as ``GradScaler.unscale_`` refuses them. GradScaler deletes ``grad_scale`` and
-``found_inf`` only when ``step()`` returns, so a refused step leaves them behind: each
-``found_inf`` (a new tensor every step) is taken once, and a later plain ``step()`` ignores
-it. Cost: what torch's scaler costs (one read of
-``found_inf`` on the host per step, as ``GradScaler._maybe_opt_step`` makes). A scale driven
+whatever it found. :func:`take_scaler` in ``step()``: an inf/NaN step is skipped (nothing is
+applied: chunks stepped speculatively are put back, Note [grad scaler overlap]; the step's
+counts are reset, as if torch's scaler had not called it); otherwise :func:`settle_step`
+unscales the gradients in place by the kernel and the reciprocal GradScaler.unscale_ uses
+(computed in fp64, as torch does), so the step is bit-identical to torch's path
+(tests/optim/test_grad_scaler.py, tests/optim/test_grad_scaler_overlap.py). A step whose
+backward let the CPU side step scaled gradients with no way back (a scaler first seen after
+steps without one, or streamed weights, whose chunks are never held: not ``"local"``) is
+refused (a one-line error naming the fixes; the step is abandoned like a refused one, chunks
+not yet stepped are not). fp16 gradients are refused as ``GradScaler.unscale_`` refuses them.
+GradScaler deletes ``grad_scale`` and ``found_inf`` only when ``step()`` returns, so a refused
+step leaves them behind: each ``found_inf`` (a new tensor every step) is taken once, and a later
+plain ``step()`` ignores it. Cost: what torch's scaler costs (one read of ``found_inf`` on the
+host per step, as ``GradScaler._maybe_opt_step`` makes, and one of the scale). A scale driven
 by hand (``p.grad.data.mul_(1 / s)`` after backward) moves no version either: Note [gradient
-checksums] refuses it. Left: stepping scaled chunks during backward exactly (the inverse scale
-inside the CPU kernel and a rollback of every chunk on inf, as Note [speculative step] rolls
-back a clipped step).
+checksums] refuses it, as it refuses ``scaler.unscale_(opt)`` after an overlapped backward
+(clip with ``max_grad_norm`` instead: the norm is that of the unscaled gradients).
+
+Note [grad scaler overlap]: how the CPU step keeps overlapping backward under a GradScaler, in
+one process (``"local"`` mode) with ``overlap=True``. The rule for learning of the scaler:
+until the first ``step()``, no chunk is stepped before ``step()`` (they are handed over in
+backward and wait, as with ``placement="trace"``, whose first backward hands nothing over);
+the first ``scaler.step(opt)`` registers its scaler (found on the call stack: the
+``GradScaler.step`` frame that called ``step()``; kept weakly), and from then on every chunk
+waits for ``step()``'s verdict -- or, with ``rollback_bytes > 0``, is stepped speculatively,
+as Note [speculative step] steps chunks before the clip: it takes a rollback slot (chunks
+beyond the budget wait, Note [held chunks]), the worker copies the scaler's current scale with
+the chunk's gradients (the D2H that waits for backward reads it: the scale the loss was scaled
+with, ``scaler.update()`` having run before this backward) and multiplies the chunk's
+gradient copy in place by ``1 / scale`` exactly as ``GradScaler.unscale_`` does (the fp64
+reciprocal rounded to fp32; torch's ``_amp_foreach_non_finite_check_and_unscale_``: an fp32
+multiply rounded to the gradient's dtype, which the ring has) before the kernel reads it. The
+GPU lane's chunks are never admitted (held for the verdict). In ``step()``:
+- inf/NaN (``found_inf``, the scaler's own check of every gradient): admission closes, every
+  admitted chunk is put back (``Speculation.undo``: state from its copy, params from the
+  restored masters) and the step is skipped, as torch's scaler skips it;
+- finite: admission closes, ``step()`` waits until every admitted chunk has read its
+  gradients, compares the scale each one unscaled by with the scale ``step()`` was given
+  (``opt.grad_scale``; none on a plain ``opt.step()``), unscales every ``p.grad`` in place as
+  before (the GPU side, the norm of ``max_grad_norm`` and every chunk stepped after the
+  verdict read the unscaled gradients; on CUDA their copies wait for the unscale's event) and
+  lets the speculative steps stand -- unless a scale differed (a scaler not yet known, or one
+  changed by hand between backward and ``step()``) or the clip coefficient is not 1: then the
+  admitted chunks are rolled back and stepped again from the unscaled (clipped) gradients, as
+  Note [speculative step] does. Either way the result is torch's AdamW + GradScaler's bit for
+  bit (the unscale is elementwise: the same bits on the host copy as in place). ``step_stats()``
+  counts ``speculated_chunks`` and ``rolled_back_chunks`` (a skipped step: all of them).
+Cost: with ``rollback_bytes=0`` the CPU step no longer overlaps backward under a scaler (it
+waits for the verdict, as with clipping); with it, a pass over each speculated chunk's gradient
+copy (the unscale) and what Note [speculative step] costs.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from tiermem.optim.step_state import StepState
+from tiermem.optim.step_state import StepState, new_stats
+
+_ANY = object()
+"""A speculated chunk that read no gradient through the ring: any scale will do."""
+
+_SCALER_FRAMES = 16
+"""How far up the call stack :func:`_calling_scaler` looks for ``GradScaler.step``."""
+
+
+class ScalerState:
+    """What HybridAdam knows of the GradScaler that drives it (Note [grad scaler overlap]).
+
+    Threads: the caller (``take_scaler``, ``settle_step``, ``holds``), the worker
+    (``scale_to_copy``, ``unscale_copies``); ``_used`` is under ``_lock``.
+
+    Attributes:
+        supported: the mode can hold and speculate under a scaler (one process, overlap).
+        stepped: a ``step()`` has run (until then every chunk waits for ``step()``).
+        pending: the scale of this step's gradients, to unscale in place (None: none).
+        expected: its value (None: the gradients are not scaled this step).
+    """
+
+    def __init__(self, spec: Any, supported: bool) -> None:
+        """Args: the optimizer's Speculation and whether the mode is supported.
+
+        Raises:
+            Nothing.
+        """
+        self._spec = spec
+        self.supported = supported
+        self.stepped = False
+        self.pending: torch.Tensor | None = None
+        self.expected: float | None = None
+        self._scaler: weakref.ref | None = None
+        self._used: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()
+
+    def scaler(self) -> Any:
+        """The registered GradScaler, or None (none yet, or collected).
+
+        Raises:
+            Nothing.
+        """
+        return self._scaler() if self._scaler is not None else None
+
+    def holds(self) -> bool:
+        """Whether chunks wait for ``step()``'s verdict this step (caller's thread, when a step
+        begins): before the first ``step()`` and while a scaler is registered.
+
+        Raises:
+            Nothing.
+        """
+        return self.supported and (not self.stepped or self.scaler() is not None)
+
+    def scale_to_copy(self, item: tuple[int, int]) -> tuple | None:
+        """For chunk ``item`` about to have its gradients copied (worker thread): when it was
+        admitted to a speculative step and a scaler is registered, ``(a host scalar, the
+        scaler's scale)`` to copy with the gradients; else None. Records what it read under.
+
+        Raises:
+            Nothing beyond torch's errors.
+        """
+        if not self._spec.admitted_early(item):
+            return None
+        scaler = self.scaler()
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        with self._lock:
+            self._used[item] = None if scale is None else _ANY
+        if scale is None:
+            return None
+        return torch.empty((), dtype=torch.float32, pin_memory=scale.is_cuda), scale
+
+    def unscale_copies(self, item: tuple[int, int], grads: list[torch.Tensor],
+                       scale_host: torch.Tensor) -> None:
+        """Unscale chunk ``item``'s gradient copies ``grads`` (the ring's) in place by
+        ``scale_host`` (copied, and landed, with them): :func:`unscale_copy_`. Worker thread.
+
+        Raises:
+            Nothing beyond torch's errors.
+        """
+        value = float(scale_host)
+        if grads:
+            unscale_copy_(grads, value)
+        with self._lock:
+            self._used[item] = value
+
+    def differs(self, admitted: list[tuple[int, int]]) -> bool:
+        """Whether an admitted chunk read its gradients under another scale than
+        ``expected`` (caller's thread, every admitted chunk issued).
+
+        Raises:
+            Nothing.
+        """
+        with self._lock:
+            used = [self._used.get(item) for item in admitted]
+        return any(u is not _ANY and u != self.expected for u in used)
+
+    def forget(self) -> None:
+        """Drop the scales recorded (caller's thread, the worker idle: a step begins).
+
+        Raises:
+            Nothing.
+        """
+        with self._lock:
+            self._used.clear()
+
+
+def unscale_copy_(grads: list[torch.Tensor], scale: float) -> None:
+    """Multiply host gradient copies ``grads`` (one dtype) in place by ``1 / scale`` exactly as
+    ``GradScaler.unscale_`` multiplies ``p.grad``: the fp64 reciprocal rounded to fp32, then
+    torch's unscale kernel (fp32 product rounded to the gradient's dtype).
+
+    Raises:
+        Nothing beyond torch's errors.
+    """
+    inv_scale = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+    found = torch.zeros((), dtype=torch.float32)  # step() has the scaler's own verdict
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+
+
+def _calling_scaler() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step()`` called this ``step()``, or None."""
+    code = torch.amp.GradScaler.step.__code__
+    frame = sys._getframe(1)
+    for _ in range(_SCALER_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            scaler = frame.f_locals.get("self")
+            return scaler if isinstance(scaler, torch.amp.GradScaler) else None
+        frame = frame.f_back
+    return None
 
 
 def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
                 begin_step: Callable[[], None]) -> bool:
     """In ``step()``: whether a GradScaler found an inf/NaN gradient (skip the step, after
-    ``begin_step()``); unscales the gradients in place when it passed the scale
-    (Note [grad scaler]). False without a scaler.
+    putting back the chunks stepped speculatively and ``begin_step()``); registers the scaler
+    and keeps its scale for :func:`settle_step` (Note [grad scaler], Note [grad scaler
+    overlap]). False without a scaler.
 
     Raises:
-        RuntimeError: gradients were handed to the CPU step during backward (``overlap=True``).
+        RuntimeError: the CPU side stepped scaled gradients during backward with no way back.
         ValueError: a gradient to unscale is fp16.
     """
+    spec = step.speculation
+    amp: ScalerState = spec.amp
+    amp.stepped, amp.pending, amp.expected = True, None, None
     found_inf = getattr(opt, "found_inf", None)
     if found_inf is None or found_inf is getattr(opt, "_amp_found_inf_taken", None):
         return False  # no scaler, or one whose step() raised and left its attributes behind
     opt._amp_found_inf_taken = found_inf  # GradScaler makes a new tensor for every step
     with step.lock:
         early = bool(step.shipped)
-    if early:
+    if early and (not amp.supported or step.compute_allowed.is_set()):
         step.abandon()  # chunks not yet stepped are not
         begin_step()
         raise RuntimeError(
             f"{who}: torch.amp.GradScaler steps this optimizer, but backward had already "
-            f"handed scaled gradients to the CPU step (overlap=True), which cannot unscale "
-            f"them or skip an inf/NaN step (Note [grad scaler]); build HybridAdam with "
-            f"overlap=False (a GradScaler then works as with torch's optimizers), or "
-            f"HybridAdam(max_grad_norm=...) with rollback_bytes=0, or train bf16 without a "
-            f"scaler. This step was not applied consistently: restart from a checkpoint")
+            f"handed scaled gradients to the CPU step, which stepped them with no way back "
+            f"(a scaler first seen after steps without one, or streamed weights; "
+            f"Note [grad scaler]); use the scaler from the first step(), build HybridAdam "
+            f"with overlap=False, or train bf16 without a scaler. This step was not applied "
+            f"consistently: restart from a checkpoint")
+    scaler = _calling_scaler()
+    if scaler is not None and amp.supported:
+        amp._scaler = weakref.ref(scaler)
+        spec.enable_scaler()  # from the next step on: Note [grad scaler overlap]
     if found_inf.item():  # the host decides, as GradScaler._maybe_opt_step does
-        begin_step()  # nothing was handed over or stepped: the next backward starts afresh
+        admitted = spec.close(None, wait=False)[0] if spec.active else []
+        spec.undone = 0
+        if early:
+            step.abandon()  # waiting chunks fail, admitted ones are put back
+        opt._last_stats = dict(new_stats(), speculated_chunks=len(admitted),
+                               rolled_back_chunks=spec.undone, speculating=int(spec.active))
+        amp.forget()
+        begin_step()  # the next backward starts afresh
         return True
     scale = getattr(opt, "grad_scale", None)
     grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
     if scale is not None and any(grad.dtype == torch.float16 for grad in grads):
-        begin_step()  # nothing was handed over or stepped
+        if early:
+            step.abandon()
+        begin_step()
         raise ValueError(f"{who}: GradScaler: a gradient is fp16, which cannot be unscaled "
                          f"exactly (torch's GradScaler.unscale_ refuses it too); keep the "
                          f"params fp32 under torch.autocast, or train bf16")
-    if scale is not None:
-        _unscale(grads, scale)
+    amp.expected = None if scale is None else float(scale)
+    if scale is not None and not early:
+        _unscale(grads, scale)  # nothing handed over: no chunk reads them yet
+    elif scale is not None:  # the chunks wait (compute_allowed is clear): after the checks
+        amp.pending = scale
     return False
+
+
+def settle_step(opt: Any) -> None:
+    """In ``step()``, after its checks and before ``compute_allowed`` is set: close the
+    speculative step under a scaler (waiting for the admitted chunks' reads), unscale the
+    gradients in place, then clip or keep or roll back the speculative steps (Note
+    [speculative step], Note [grad scaler overlap]).
+
+    Raises:
+        Nothing of its own.
+    """
+    spec, step = opt._spec, opt._step
+    amp: ScalerState = spec.amp
+    consumer = opt._copier.consumer_stream()
+    redo = False
+    if spec.active and (amp.pending is not None or amp.scaler() is not None):
+        admitted, _ = spec.close(consumer, wait=True)
+        redo = amp.differs(admitted)
+    if amp.pending is not None:
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        _unscale(grads, amp.pending)
+        if opt._copier.cuda:
+            event = torch.cuda.Event()
+            event.record(consumer)  # the copies of chunks stepped after it read unscaled grads
+            step.clip_event = event
+    if opt.max_grad_norm is not None or spec.active:
+        spec.settle(opt._mode, opt._groups, opt.device, opt.max_grad_norm, opt._copier,
+                    opt._worker.enqueue, redo=redo)
+    amp.forget()
 
 
 def _unscale(grads: list[torch.Tensor], scale: torch.Tensor) -> None:

@@ -255,8 +255,9 @@ class ChunkWorker:
 
         Returns ``(the chunk's gradient ring slot or None, {local tensor: has a gradient}, the
         last copy's event or None, {local tensor: flat host gradient} of the pieces stepped in
-        place: Note [in-place host chunks])``, or None when ``block`` is False and the
-        gradients may not be read yet. Timed: Note [worker phases].
+        place: Note [in-place host chunks], the host copy of the GradScaler's scale to unscale
+        the ring by or None: Note [grad scaler overlap] in amp_scaling.py)``, or None when
+        ``block`` is False and the gradients may not be read yet. Timed: Note [worker phases].
         """
         key = (g, c, self._step.is_restep((g, c)))
         done = self._copies.get(key)
@@ -270,13 +271,15 @@ class ChunkWorker:
         if got is None:
             return None
         refs, waits = got
+        amp = getattr(self._step.speculation, "amp", None)  # Note [grad scaler overlap]
+        scale = amp.scale_to_copy((g, c)) if amp is not None else None
         t_wait = time.perf_counter()
         if not host_grads_landed(refs, block):
             return None  # a streamed gradient's D2H is in flight: copied when this chunk steps
         t_copy = time.perf_counter()
         has_grad = {p: ref is not None for p, ref in refs.items()}
         direct = in_place_grads(group, chunk, refs, native_available())
-        buf, last, nbytes, ring_bytes = None, None, 0, 0
+        buf, last, nbytes, ring_bytes, scale_host = None, None, 0, 0, None
         if len(direct) < sum(has_grad.values()):  # some pieces go through the ring
             slot = group.grad_next
             group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
@@ -294,13 +297,16 @@ class ChunkWorker:
                     continue
                 pairs.append((buf[rel:rel + pc.numel], grad))
                 nbytes += pc.numel * buf.element_size()
+            if pairs and scale is not None:
+                pairs.append(scale)  # the scale the loss was scaled by, read with the grads
+                scale_host = scale[0]
             last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
         in_place = sum(grad[0].element_size() * pc.numel for pc in chunk.pieces
                        if (grad := refs[pc.param]) is not None and pc.param in direct)
         self._step.add_stats(d2h_bytes=nbytes, copy_wait_s=t_copy - t_wait,
                              clip_wait_s=clip_wait_s, grad_copy_s=time.perf_counter() - t_copy,
                              ring_copy_bytes=ring_bytes, in_place_bytes=in_place)
-        done = (buf, has_grad, last, direct)
+        done = (buf, has_grad, last, direct, scale_host)
         self._copies[key] = done
         return done
 
@@ -310,7 +316,7 @@ class ChunkWorker:
         layout = self._layout
         group = layout.groups[g]
         chunk: Chunk = group.plan.chunks[c]
-        grad, has_grad, copied, direct = copies
+        grad, has_grad, copied, direct, scale = copies
         t_wait = time.perf_counter()
         if copied is not None:
             copied.synchronize()  # the CPU reads the gradient bytes of this chunk's D2H
@@ -324,6 +330,10 @@ class ChunkWorker:
             self._read_ahead.after(g, c)
             state_s = time.perf_counter() - t_state
             calls = kernel_calls(group, chunk, has_grad, direct)
+            if scale is not None:  # Note [grad scaler overlap]: as GradScaler.unscale_ would
+                self._step.speculation.amp.unscale_copies(
+                    (g, c), [grad[start:start + n] for start, n, _, pc in calls if pc is None],
+                    scale)
             out, slot = None, None
             if any(pc is None for *_, pc in calls):  # some pieces go through the rings
                 t_wait = time.perf_counter()

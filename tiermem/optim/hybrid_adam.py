@@ -82,6 +82,7 @@ import torch
 
 from tiermem import options
 from tiermem._graphs import refuse_capture
+from tiermem.optim.amp_scaling import settle_step, take_scaler
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
 from tiermem.optim.forward_sync import wait_for_module
@@ -97,7 +98,7 @@ from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.speculate import Speculation
 from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
-                                        check_params_before_step, shipped_mark, take_scaler)
+                                        check_params_before_step, shipped_mark)
 from tiermem.optim.step_state import StepState, new_stats
 from tiermem.optim.streamed import stand_ins, streamed_mode
 from tiermem.store.store import TierStore
@@ -127,7 +128,7 @@ class HybridAdam(torch.optim.Optimizer):
             this optimizer (``state_tier="nvme"`` then needs ``nvme_dir``).
         nvme_dir: spill directory of the private store (with ``state_tier="nvme"``).
         overlap: step offloaded chunks during backward as their gradients land (else all at
-            ``step()``; with a ``torch.amp.GradScaler`` use False: Note [grad scaler]).
+            ``step()``; under a GradScaler with ``rollback_bytes``: Note [grad scaler overlap]).
         chunk_numel: elements per offloaded chunk (the unit of the CPU step and NVMe I/O);
             ``None``: 1/32 of the offloaded elements rounded down to a power of two, within
             [2^16, 2^24] (per-chunk costs vanish in 16M chunks, while 32 chunks keep the CPU
@@ -427,10 +428,10 @@ class HybridAdam(torch.optim.Optimizer):
         self._watch.begin_step()
         self._worker.begin_step()
         self._mode.begin_step()
-        if self.max_grad_norm is None:
+        if self.max_grad_norm is None and not self._spec.amp.holds():
             self._step.compute_allowed.set()
-        else:
-            self._step.compute_allowed.clear()  # the CPU step needs the global norm first
+        else:  # the CPU step needs the global norm or the GradScaler's verdict first
+            self._step.compute_allowed.clear()  # (Note [grad scaler overlap])
             self._spec.begin_step(self._state_ready)  # or speculates: Note [speculative step]
         with self._step.stats_lock:
             self._step.stats = new_stats()
@@ -514,9 +515,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._begin_step()
             raise
         self._mode.ship_rest(self, self._ship_rest)
-        if self.max_grad_norm is not None:  # clip, or keep or roll back the speculative steps
-            self._spec.settle(self._mode, self._groups, self.device, self.max_grad_norm,
-                              self._copier, self._worker.enqueue)  # Note [speculative step]
+        # unscale, clip; keep or roll back the speculative steps (Note [speculative step])
+        settle_step(self)  # Note [grad scaler overlap]
         self._step.compute_allowed.set()
         with self._watch.writing((g.index, pc.param) for g in self._groups  # Note [param changes]
                                  for pc in g.plan.gpu_pieces):

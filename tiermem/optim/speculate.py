@@ -112,6 +112,7 @@ from typing import Any, Callable
 import torch
 
 from tiermem._log import logger
+from tiermem.optim.amp_scaling import ScalerState
 from tiermem.optim.layout import (StateLayout, chunk_state_bytes, local_view, state_numel,
                                   state_views)
 from tiermem.optim.step_state import StepState
@@ -211,6 +212,10 @@ class Speculation:
             layout.backward_order = True
         self.active = False
         self._mode = mode
+        self._overlap = overlap
+        self.scaler = False  # a GradScaler drives the steps (Note [grad scaler overlap])
+        self.amp = ScalerState(self, supported=overlap and mode == "local")
+        self.undone = 0  # chunks the last undo() restored
         self.switch = SpeculationSwitch()
         self._slots: list[torch.Tensor] = []  # host slots
         self._allocated = False  # _alloc ran (at the first step with state)
@@ -233,6 +238,50 @@ class Speculation:
             Nothing.
         """
         self._lane = lane
+
+    def enable_scaler(self) -> None:
+        """A GradScaler drives the steps (caller's thread, in ``step()``): from the next step
+        on, chunks are admitted before ``step()`` has its verdict also without clipping, and
+        the GPU lane's chunks are never admitted (Note [grad scaler overlap] in
+        ``amp_scaling.py``); one process (``"local"``) only.
+
+        Raises:
+            Nothing.
+        """
+        if self.budget_bytes > 0 and self._overlap and self._mode == "local":
+            self.enabled = self.scaler = True
+
+    def admitted_early(self, item: tuple[int, int]) -> bool:
+        """Whether chunk ``item`` reads its gradients now as an admitted chunk of a speculative
+        step, before ``step()`` decided (not stepped again after a rollback); worker thread.
+
+        Raises:
+            Nothing.
+        """
+        with self._step.lock:
+            return item in self._admitted and item not in self._restore
+
+    def close(self, consumer: Any, wait: bool) -> tuple[list, list]:
+        """Close admission (caller's thread, in ``step()``): no chunk is admitted after. With
+        ``wait``, wait until every admitted chunk has been issued (its gradients read) and make
+        ``consumer`` (the caller's CUDA stream, None on the CPU) wait for its copies, so that
+        the gradients may then be written in place. Returns ``(admitted, issued)`` chunks.
+
+        Raises:
+            Nothing.
+        """
+        step = self._step
+        with step.idle:
+            self._decided = True
+            admitted = list(self._admitted) + list(self._admitted_gpu)
+            while wait and any(i not in step.chunk_h2d for i in admitted) and not step.errors:
+                step.idle.wait()  # an admitted chunk is still reading its gradients
+            issued = [i for i in admitted if i in step.chunk_h2d]
+            events = [step.chunk_h2d[i] for i in issued]
+        for event in events if wait and consumer is not None else ():
+            if event is not None:
+                consumer.wait_event(event)  # the speculative reads precede in-place writes
+        return admitted, issued
 
     def _gpu_slots(self) -> list[torch.Tensor]:
         """The lane's device rollback slots (none without a lane)."""
@@ -351,6 +400,8 @@ class Speculation:
             return True
         if not self.active or self._decided:
             return False
+        if self.scaler and self._lane is not None and item in self._lane.chunks:
+            return False  # the lane reads scaled gradients: Note [grad scaler overlap]
         if (self._lane is not None and item in self._lane.chunks
                 and len(self._admitted_gpu) < len(self._gpu_slots())):
             self._admitted_gpu[item] = len(self._admitted_gpu)  # Note [lane rollback on the GPU]
@@ -374,6 +425,9 @@ class Speculation:
         if item in self._held:
             return False
         lane = self._lane is not None and item in self._lane.chunks
+        if lane and self.scaler:  # never admitted under a scaler: Note [grad scaler overlap]
+            self._held.append(item)
+            return False
         if lane and self._claimed[1] < len(self._gpu_slots()):
             self._claimed[1] += 1
             return True
@@ -466,7 +520,12 @@ class Speculation:
                       if item in self._saved]
                      + [(item, self._gpu_slots()[k]) for item, k in self._admitted_gpu.items()
                         if item in self._saved])
+            h2d = list(self._step.h2d_events)
         layout = self._layout
+        if items and layout.device.type == "cuda":
+            for event in h2d:
+                if event is not None:  # the speculative params' copies precede the restore
+                    torch.cuda.current_stream(layout.device).wait_event(event)
         for (g, c), saved in items:
             group = layout.groups[g]
             chunk, key = group.plan.chunks[c], group.chunk_keys[c]
@@ -485,13 +544,18 @@ class Speculation:
                 layout.store.release(key)
             if (g, c) in layout.nvme_chunks:
                 layout.store.evict(key, "nvme").wait()
+        self.undone = len(items)
         return len(items)
 
-    def settle(self, mode: Any, groups: list, device: torch.device, max_norm: float,
-               copier: Any, enqueue: Callable[[tuple[int, int]], None]) -> int | None:
+    def settle(self, mode: Any, groups: list, device: torch.device, max_norm: float | None,
+               copier: Any, enqueue: Callable[[tuple[int, int]], None],
+               redo: bool = False) -> int | None:
         """Clip like ``torch.nn.utils.clip_grad_norm_`` by the global norm (on the caller's
         stream), or let the speculative steps stand (Note [speculative step]); with a rollback,
-        re-queue the admitted chunks. Caller's thread, in ``step()``; ``compute_allowed`` is
+        re-queue the admitted chunks. ``max_norm`` None: no clipping (a step speculating under
+        a GradScaler); ``redo``: roll back even when nothing clips (the speculative steps read
+        their gradients under another scale than ``step()`` was given: Note [grad scaler
+        overlap] in amp_scaling.py). Caller's thread, in ``step()``; ``compute_allowed`` is
         set by the caller afterwards. Returns the chunks rolled back (None: the step did not
         speculate).
 
@@ -502,44 +566,40 @@ class Speculation:
         if self.enabled:  # held on every step, also one the switch keeps from speculating
             step.add_stats(rollback_held_bytes=self.held_bytes(),
                            rollback_gpu_bytes=self.gpu_held_bytes(), speculating=int(self.active))
-        grads, total = mode.grads_and_norm(groups, device)
-        counts = getattr(mode, "norm_counts", None)  # Note [streamed gradient norms]
-        if counts:
-            with step.stats_lock:
-                step.stats.update(counts)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = None
+        if max_norm is not None:
+            grads, total = mode.grads_and_norm(groups, device)
+            counts = getattr(mode, "norm_counts", None)  # Note [streamed gradient norms]
+            if counts:
+                with step.stats_lock:
+                    step.stats.update(counts)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         consumer = copier.consumer_stream()
         items: list[tuple[int, int]] = []
         if self.active:
-            clipped = float(coef) != 1.0  # a host sync: waits for the end of backward
-            self.switch.record(clipped)
-            with step.idle:
-                self._decided = True
-                admitted = list(self._admitted) + list(self._admitted_gpu)
-                while clipped and any(i not in step.chunk_h2d for i in admitted) \
-                        and not step.errors:
-                    step.idle.wait()  # an admitted chunk is still reading unclipped gradients
-                items = [i for i in admitted if i in step.chunk_h2d] if clipped else []
-                events = [step.chunk_h2d[i] for i in items]
+            clipped = coef is not None and float(coef) != 1.0  # a host sync: end of backward
+            if coef is not None:
+                self.switch.record(clipped)
+            again = clipped or redo
+            admitted, items = self.close(consumer, wait=again)
+            items = items if again else []
             step.add_stats(speculated_chunks=len(admitted), rolled_back_chunks=len(items))
-            if not clipped:
+            if not again:
                 self._release_held(enqueue)  # Note [held chunks]
                 return 0  # the coefficient is 1: clipping would change no gradient
-            for event in events if consumer is not None else ():
-                if event is not None:
-                    consumer.wait_event(event)  # the speculative reads precede the scaling
-        elif self.enabled:  # the switch learns this step's outcome at the next step
+        elif self.enabled and coef is not None:  # the switch learns it at the next step
             event = None
             host = coef.detach().to("cpu", non_blocking=True)
             if copier.cuda:
                 event = torch.cuda.Event()
                 event.record(consumer)  # the coefficient's copy to the host
             self._outcome = (host, event)
-        clip_(grads, coef)  # after the admitted chunks' reads: Note [streamed rollback]
-        if copier.cuda:
-            clip_event = torch.cuda.Event()
-            clip_event.record(consumer)  # D2H copies and the lane read clipped grads
-            step.clip_event = clip_event
+        if coef is not None:
+            clip_(grads, coef)  # after the admitted chunks' reads: Note [streamed rollback]
+            if copier.cuda:
+                clip_event = torch.cuda.Event()
+                clip_event.record(consumer)  # D2H copies and the lane read clipped grads
+                step.clip_event = clip_event
         self._release_held(enqueue)  # Note [held chunks]: before the rolled-back ones
         if not items:
             return 0 if self.active else None
