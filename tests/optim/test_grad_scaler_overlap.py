@@ -67,8 +67,9 @@ def _model(dtype):
     return TinyGPT().to(dtype)
 
 
-def _loop(model, opt, dtype, clip_regime, infs, hybrid=False):
-    """``STEPS`` steps under a GradScaler; returns (skipped, unscaled norms or None, stats)."""
+def _loop(model, opt, dtype, clip_regime, infs, hybrid=False, accum=1):
+    """``STEPS`` steps of ``accum`` micro-batches under a GradScaler; returns (skipped,
+    unscaled norms or None, stats)."""
     max_norm, factor = CLIPS[clip_regime]
     init = 2.0 ** 12 if dtype == torch.float32 else 3.0 * 2 ** 8
     scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=2)
@@ -79,23 +80,27 @@ def _loop(model, opt, dtype, clip_regime, infs, hybrid=False):
             lambda g, n=name: g * float("inf") if poison["on"] == n.split(".")[0] else g)
     skipped, norms, stats = [], [], []
     for step in range(STEPS):
-        poison["on"] = infs.get(step)
-        idx, tgt = make_batch(step)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=dtype == torch.float32):
-            _, loss = model(idx, tgt)
-        scaler.scale(loss * factor(step)).backward()
+        for micro in range(accum):
+            poison["on"] = infs.get(step) if micro == accum - 1 else None
+            idx, tgt = make_batch(step * accum + micro)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=dtype == torch.float32):
+                _, loss = model(idx, tgt)
+            scaler.scale(loss * factor(step) / accum).backward()
         if hybrid and opt._spec.active:
             _admitted_done(opt)  # every chunk that may speculate has: the counts are exact
         if max_norm is not None and not hybrid:  # the reference clips as torch's docs show
             scaler.unscale_(opt)
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if hybrid and step:  # the last step's (param_sync="forward": complete by now)
+            stats.append(opt.step_stats())
         scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
         skipped.append(scaler.get_scale() < scale)
-        if hybrid:
-            stats.append(opt.step_stats())
         opt.zero_grad(set_to_none=True)
+    if hybrid:
+        opt.synchronize()
+        stats.append(opt.step_stats())
     return skipped, norms, stats
 
 
@@ -115,14 +120,14 @@ def _bits(t):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(dtype, clip_regime, inf_key):
+def _reference(dtype, clip_regime, inf_key, accum=1):
     """The reference run: (params, [(exp_avg, exp_avg_sq, step)] per param, skipped, norms)."""
     model = _model(dtype)
     if dtype == torch.float32:
         opt = torch.optim.AdamW(model.parameters(), **HP, fused=True)
     else:
         opt = MasterAdamW(model.parameters(), **HP)
-    skipped, norms, _ = _loop(model, opt, dtype, clip_regime, dict(inf_key))
+    skipped, norms, _ = _loop(model, opt, dtype, clip_regime, dict(inf_key), accum=accum)
     inner = opt if dtype == torch.float32 else opt.inner
     keys = list(model.parameters()) if dtype == torch.float32 else opt.masters
     state = [tuple(inner.state[k][n].clone() for n in ("exp_avg", "exp_avg_sq", "step"))
@@ -148,18 +153,23 @@ def _decisions(n_chunks, slots, skipped, norms, max_norm):
     return out
 
 
-def _check(dtype, fraction, budget, clip_regime, infs, tmp_path=None, expect_red=False):
-    """Train HybridAdam and compare with the reference; returns whether it matched (asserting
-    when ``expect_red`` is False)."""
-    params, state, skipped, norms = _reference(dtype, clip_regime, tuple(sorted(infs.items())))
+def _check(dtype, fraction, budget, clip_regime, infs, tmp_path=None, expect_red=False,
+           **extra):
+    """Train HybridAdam (``extra``: more of its arguments) and compare with the reference;
+    returns whether it matched (asserting when ``expect_red`` is False)."""
+    accum = extra.get("grad_accumulation_steps", 1)
+    params, state, skipped, norms = _reference(dtype, clip_regime, tuple(sorted(infs.items())),
+                                               accum)
     max_norm = CLIPS[clip_regime][0]
     model = _model(dtype)
     kw = dict(state_tier="nvme", nvme_dir=str(tmp_path)) if tmp_path is not None else {}
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=fraction, chunk_numel=1024,
-                     rollback_bytes=budget, max_grad_norm=max_norm, **kw)
-    got_skipped, _, stats = _loop(model, opt, dtype, clip_regime, infs, hybrid=True)
+                     rollback_bytes=budget, max_grad_norm=max_norm, **kw, **extra)
+    got_skipped, _, stats = _loop(model, opt, dtype, clip_regime, infs, hybrid=True,
+                                  accum=accum)
     sd = opt.state_dict()
-    n_chunks = sum(opt.chunk_tiers().values())
+    # the GPU lane's chunks are never admitted under a scaler (Note [grad scaler overlap])
+    n_chunks = sum(opt.chunk_tiers().values()) - len(opt._lane.chunks)
     opt.close()
     same = got_skipped == skipped
     same = same and all(torch.equal(_bits(p), _bits(q)) for p, q in zip(model.parameters(),
@@ -209,6 +219,16 @@ def test_clipping_under_a_scaler_speculates_exactly(clip_regime, fraction, one_t
     torch's clip after ``scaler.unscale_``: never / always / alternately clipping, with an inf
     step; the clipped steps roll back and the switch decides which steps speculate."""
     _check(torch.float32, fraction, BIG, clip_regime, INF_STEPS)
+
+
+@pytest.mark.parametrize("extra", [dict(param_sync="forward"), dict(grad_accumulation_steps=2),
+                                   dict(gpu_step_fraction=0.5)],
+                         ids=["forward", "accumulation", "lane"])
+def test_forward_sync_accumulation_and_the_lane_under_a_scaler(extra, one_thread):
+    """``param_sync="forward"``, two micro-batches per step, and the GPU lane (on the CPU
+    here), whose chunks are held for the verdict and never speculate, with clipping
+    alternating and injected infs."""
+    _check(torch.float32, 1.0, BIG, "alternate", INF_STEPS, **extra)
 
 
 def test_clipping_under_a_scaler_with_no_budget_waits(one_thread):

@@ -333,7 +333,8 @@ class Speculation:
         slot_bytes = chunk_state_bytes(max(c.numel for c in chunks), layout.moments_dtype)
         n = min(len(chunks), self.budget_bytes // slot_bytes)
         order = [(g.index, c) for g in layout.groups for c in range(len(g.plan.chunks))][::-1]
-        lane = self._lane.chunks if self._lane is not None else set()
+        # under a scaler no lane chunk is admitted (Note [grad scaler overlap]): no device slot
+        lane = self._lane.chunks if self._lane is not None and not self.scaler else set()
         n_gpu = sum(1 for item in order[:n] if item in lane)  # backward order: admitted first
         if n_gpu:
             try:
