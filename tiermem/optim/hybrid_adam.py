@@ -691,14 +691,14 @@ class HybridAdam(torch.optim.Optimizer):
         on any world size and by a single-process optimizer.
 
         Raises:
-            RuntimeError: called in a child forked from the process that made the optimizer.
+            RuntimeError: a forked child; chunks stepped before step() (Note [state between steps]).
             TierFullError: the state could not be allocated yet (first use) and the store has
                 no room; nothing is left half-allocated, so it can be retried.
         """
         self._check_process()
         self.synchronize()
         self._ensure_state()
-        self._step.drain()
+        self._step.drain(f"{self._who}.state_dict()")  # Note [state between steps]
         for g in self._groups:  # Note [param changes]: the masters of changed params
             for i in range(g.n_local):
                 self._watch.sync(g.index, i, mark=False)
@@ -713,12 +713,12 @@ class HybridAdam(torch.optim.Optimizer):
 
         Raises:
             ValueError: the number of groups or params, or a tensor's shape, does not match.
-            RuntimeError: called in a child forked from the process that made the optimizer.
+            RuntimeError: a forked child; chunks stepped before step() (Note [state between steps]).
         """
         self._check_process()
         self.synchronize()
         self._ensure_state()
-        self._step.drain()
+        self._step.drain(f"{self._who}.load_state_dict()")
         groups = state_dict["param_groups"]
         check_loadable(state_dict, self._groups, self._who)
         for saved, hp in zip(groups, self.param_groups):

@@ -57,7 +57,7 @@ def param_states(layout: StateLayout,
         group_out = []
         for i, st in enumerate(states):
             p = g.params[i]
-            shape = local_of(p).shape
+            shape = param_shape(g, i, local_of(p))
             full = {"step": torch.tensor(float(st["step"]))}
             for name in ("exp_avg", "exp_avg_sq", "master"):
                 if name in st:
@@ -175,15 +175,29 @@ def check_loadable(state_dict: dict, layout_groups: list[Group], who: str) -> No
             raise ValueError(f"{who}.load_state_dict: param group {gi} has "
                              f"{len(saved['params'])} params in the state but "
                              f"{len(g.params)} here")
-        for sid, p in zip(saved["params"], g.params):
+        for k, (sid, p) in enumerate(zip(saved["params"], g.params)):
             st = state_dict["state"].get(sid)
             if st is None:
                 continue
+            shape = tuple(param_shape(g, k, p))
             for name in ("exp_avg", "exp_avg_sq", "master"):
-                if name in st and tuple(st[name].shape) != tuple(p.shape):
+                if name in st and tuple(st[name].shape) != shape:
                     raise ValueError(f"{who}.load_state_dict: {name} of param {sid} "
                                      f"has shape {tuple(st[name].shape)} but the param has "
-                                     f"{tuple(p.shape)}; the state is for another model")
+                                     f"{shape}; the state is for another model")
+
+
+def param_shape(g: Group, i: int, t: torch.Tensor) -> torch.Size:
+    """The shape of param ``i`` of ``g`` as ``t`` (the param or its local tensor) has it; a
+    streamed weight's is its host copy's, whatever ``.data`` is during a pass (an empty
+    placeholder: Note [weight streaming]), so a state saved or loaded during a pass is exact
+    (Note [streamed state dicts] in tiermem/stream/state_dicts.py).
+
+    Raises:
+        Nothing.
+    """
+    host = g.host_copies.get(i)
+    return t.shape if host is None else host.shape
 
 
 def torch_format(states: list[list[dict]], param_groups: list[dict]) -> dict:

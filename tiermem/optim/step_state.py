@@ -276,12 +276,34 @@ class StepState:
             self.chunk_h2d[item] = event
             self.idle.notify_all()  # a forward may wait for this chunk (Note [forward sync])
 
-    def drain(self) -> None:
-        """Wait until the worker has finished every queued chunk (caller's thread).
+    def drain(self, what: str | None = None) -> None:
+        """Wait until the worker has finished every queued chunk (caller's thread); with
+        ``what`` (reading or loading the state, named so), first refuse it while chunks of a
+        step that ``step()`` has not taken yet were handed to the worker.
+
+        Note [state between steps]: with ``overlap=True`` the CPU side steps an offloaded chunk
+        as soon as the step's last backward pass has handed over its gradients (or, clipping,
+        speculatively: Note [speculative step]), before ``step()``; the chunk's moments and
+        its parameters (a streamed weight's host copy) are then updated while the step counts,
+        the GPU side and the other chunks are not. A ``state_dict()`` taken there mixes two
+        steps (a checkpoint that resumes differently from torch's, whose state between
+        ``backward()`` and ``step()`` is the one before the step), and a ``load_state_dict()``
+        would be overwritten in part by the step, so both are refused until ``step()`` (with
+        ``param_sync="forward"`` completed, as they do themselves) has taken them. Before the
+        step's last backward pass (between micro-batches, during a forward) nothing is handed
+        over and the state is the one before the step: exact.
 
         Raises:
-            Nothing.
+            RuntimeError: with ``what``, chunks of the coming step are with the worker.
         """
+        with self.lock:
+            stepped = len(self.queued)
+        if what is not None and stepped:
+            raise RuntimeError(
+                f"{what} between backward() and step(): {stepped} offloaded chunks of this "
+                f"step were already stepped during the backward (overlap=True), so the state "
+                f"is half updated (Note [state between steps]); call it after step() or "
+                f"before the step's last backward")
         with self.idle:
             while self.outstanding:
                 self.idle.wait()  # state must not change while it is read or written

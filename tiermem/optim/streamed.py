@@ -257,6 +257,21 @@ class Link:
                 if stream_of(p) is self._stream:
                     self._stream.mark_changed(p)  # HybridAdam wrote its host copy
 
+    def between_steps(self, what: str) -> None:
+        """Before ``what`` reads or loads the host copies (``model.state_dict()`` /
+        ``load_state_dict()``, Note [streamed state dicts] in tiermem/stream/state_dicts.py):
+        complete a pending step (its worker may still write them), and refuse while chunks of
+        a step ``step()`` has not taken yet were stepped (Note [state between steps]).
+
+        Raises:
+            RuntimeError: the CPU step failed, or ``what`` falls between backward and step.
+        """
+        opt = self._ref()
+        if opt is None:
+            return
+        self.before_pass()
+        opt._step.drain(f"{what} over weights HybridAdam steps")
+
     def remove(self) -> None:
         """Disconnect from the stream (HybridAdam's close or finalizer).
 

@@ -80,6 +80,7 @@ from tiermem.stream.grads import HostGrads
 from tiermem.stream.major import BlockMajorPass
 from tiermem.stream.nvme_home import home_for
 from tiermem.stream.release import BackwardRelease
+from tiermem.stream.state_dicts import StateDictHooks
 from tiermem.stream.residency import (ResidencyPlan, buffer_blocks_for, kept_blocks_for,
                                       plan_residency)
 
@@ -491,6 +492,7 @@ class WeightStream:
                 if p.trainable:
                     self._hooks.append(p.param.register_post_accumulate_grad_hook(
                         lambda param, p=p: ref()._after_accumulate(p)))
+        self._hooks += StateDictHooks(self).install()  # Note [streamed state dicts]
         ids = {id(p.param) for b in self._blocks for p in b.params}
         self._hooked = {id(p.param) for b in self._blocks for p in b.params if p.trainable}
 
