@@ -291,6 +291,41 @@ def test_a_scaler_first_seen_after_free_steps_is_refused(one_thread):
     opt.close()
 
 
+def test_a_new_scaler_after_the_first_was_dropped(one_thread):
+    """A scaler dropped after 4 steps and a new one (another scale) for 4 more, as a resumed
+    run makes: the chunks keep waiting or speculating once a scaler has been seen; the first
+    step of the new one speculated with no scale to unscale by (the old scaler is gone), so
+    it is rolled back, and the new scaler is registered; bit for bit AdamW + its scalers."""
+    import gc
+    ref, model = _model(torch.float32), _model(torch.float32)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
+                     rollback_bytes=BIG)
+    rolled = []
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for init, steps in ((2.0 ** 10, range(4)), (2.0 ** 6, range(4, 8))):
+            scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=3)
+            for step in steps:
+                idx, tgt = make_batch(step)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = m(idx, tgt)[1]
+                scaler.scale(loss).backward()
+                if o is opt and opt._spec.active:
+                    _admitted_done(opt)
+                scaler.step(o)
+                scaler.update()
+                if o is opt:
+                    rolled.append(opt.step_stats()["rolled_back_chunks"])
+                o.zero_grad(set_to_none=True)
+            del scaler
+            gc.collect()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    n_chunks = sum(opt.chunk_tiers().values())
+    assert rolled == [0, 0, 0, 0, n_chunks, 0, 0, 0]
+    opt.close()
+
+
 def test_a_plain_step_after_a_scaler_rolls_the_unscaled_chunks_back(one_thread):
     """A registered scaler, then plain ``opt.step()`` calls: the chunks stepped during backward
     unscaled their gradients by the scaler's scale, which this step was not given: they are

@@ -78,6 +78,7 @@ from typing import Any, Callable
 
 import torch
 
+from tiermem._log import logger
 from tiermem.optim.step_state import StepState, new_stats
 
 _ANY = object()
@@ -96,6 +97,7 @@ class ScalerState:
     Attributes:
         supported: the mode can hold and speculate under a scaler (one process, overlap).
         stepped: a ``step()`` has run (until then every chunk waits for ``step()``).
+        seen: a GradScaler has driven a step (from then on every chunk waits or speculates).
         pending: the scale of this step's gradients, to unscale in place (None: none).
         expected: its value (None: the gradients are not scaled this step).
     """
@@ -108,7 +110,7 @@ class ScalerState:
         """
         self._spec = spec
         self.supported = supported
-        self.stepped = False
+        self.stepped = self.seen = False
         self.pending: torch.Tensor | None = None
         self.expected: float | None = None
         self._scaler: weakref.ref | None = None
@@ -125,12 +127,13 @@ class ScalerState:
 
     def holds(self) -> bool:
         """Whether chunks wait for ``step()``'s verdict this step (caller's thread, when a step
-        begins): before the first ``step()`` and while a scaler is registered.
+        begins): before the first ``step()`` and once a scaler has been seen (also when it was
+        dropped since: a new one may come, whose steps are exact then).
 
         Raises:
             Nothing.
         """
-        return self.supported and (not self.stepped or self.scaler() is not None)
+        return self.supported and (not self.stepped or self.seen)
 
     def scale_to_copy(self, item: tuple[int, int]) -> tuple | None:
         """For chunk ``item`` about to have its gradients copied (worker thread): when it was
@@ -243,9 +246,13 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
             f"with overlap=False, or train bf16 without a scaler. This step was not applied "
             f"consistently: restart from a checkpoint")
     scaler = _calling_scaler()
-    if scaler is not None and amp.supported:
-        amp._scaler = weakref.ref(scaler)
-        spec.enable_scaler()  # from the next step on: Note [grad scaler overlap]
+    if amp.supported:  # from the next step on: Note [grad scaler overlap]
+        if scaler is None and not amp.seen:  # its scale unknown: speculative steps roll back
+            logger.info("%s: no torch.amp.GradScaler.step() on the call stack: chunks stepped "
+                        "during backward cannot be unscaled (Note [grad scaler overlap])", who)
+        amp.seen = True
+        amp._scaler = weakref.ref(scaler) if scaler is not None else None
+        spec.enable_scaler()
     if found_inf.item():  # the host decides, as GradScaler._maybe_opt_step does
         admitted = spec.close(None, wait=False)[0] if spec.active else []
         spec.undone = 0

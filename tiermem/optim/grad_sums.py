@@ -9,11 +9,11 @@ gradient's ``_version`` and ``data_ptr`` catch ``clip_grad_norm_``, ``p.grad.mul
 replaced gradient, but two writes move no version counter: one through ``p.grad.data``
 (``p.grad.data.mul_(0.5)``: ``.data`` is a new tensor with a counter of its own) and torch's
 ``_amp_foreach_non_finite_check_and_unscale_``, the kernel of ``GradScaler.unscale_`` (and of
-``GradScaler.step`` when it unscales; Note [grad scaler] in ``amp_scaling.py`` says how
-``scaler.step`` is refused earlier). So :func:`shipped_mark` also takes, at the hand-over, the
-exact checksum of the gradient's bytes (``tiermem.stream.checksums.checksum``: 64-bit integer
-words summed modulo 2**64, order-free; Note [streamed weight checksums] says what it cannot
-catch: a permutation of whole 8-byte words and other rewrites whose words cancel exactly), and
+``GradScaler.step`` when it unscales; Note [grad scaler] in ``amp_scaling.py`` says why
+``scaler.step`` leaves the unscale to HybridAdam). So :func:`shipped_mark` also takes, at the
+hand-over, the exact checksum of the gradient's bytes (``tiermem.stream.checksums.checksum``:
+64-bit integer words summed modulo 2**64, order-free; Note [streamed weight checksums] says
+what it cannot catch: a permutation of whole 8-byte words and other rewrites whose words cancel exactly), and
 :func:`changed_since_ship` compares it with the bytes in ``step()``. On CUDA the sum is issued
 on the current stream right where the hook records the event the D2H copy waits for (the
 gradient is complete there), kept as a 0-dim device tensor: no host sync in backward. ``step()``

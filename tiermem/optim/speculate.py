@@ -26,7 +26,9 @@ coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` on the caller's stream, a
   bit for bit.
 A ``step()`` that refuses the step (a non-finite hyper-parameter, a parameter changed after its
 gradient hook: Note [param changes]) puts the admitted chunks back (:meth:`Speculation.undo`):
-a refused step is not applied, as without speculation.
+a refused step is not applied, as without speculation. Under a GradScaler the same slots let
+chunks step before the scaler's verdict, also without clipping; a skipped (inf/NaN) step puts
+them back with :meth:`Speculation.undo` (Note [grad scaler overlap] in amp_scaling.py).
 
 Note [lane rollback on the GPU]: a chunk of the GPU lane (Note [gpu lane]) has its pre-step
 state on the device anyway, in the lane slot its state blob was loaded into, so its copy is
