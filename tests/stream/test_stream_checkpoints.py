@@ -96,8 +96,10 @@ class Run:
             self.stream.close()
 
 
-def _reference(cfg, stores):
-    """The independent run: not streamed, never saved, 8 steps."""
+def _reference(cfg, stores, saves=None):
+    """The independent run: not streamed, never interrupted, 8 steps; ``saves``: a dict that
+    gets ``{step k: (model bytes, optimizer bytes)}`` saved after every step (after the
+    snapshot, which completes the step)."""
     run = Run(cfg, stores, streamed=False)
     try:
         out = []
@@ -105,6 +107,8 @@ def _reference(cfg, stores):
             losses = run.passes(s)
             run.step()
             out.append(run.snapshot(losses))
+            if saves is not None:
+                saves[s + 1] = (_saved(run.model.state_dict()), _saved(run.opt.state_dict()))
         return out
     finally:
         run.close()
@@ -141,9 +145,12 @@ def test_resume_after_step_k_continues_bit_identically(stores, name):
     ``param_sync="forward"`` the model's state dict completes the step, Note [streamed state
     dicts]), then ``opt.state_dict()``, at step 3; the saving run goes on to step 8 and a fresh
     model (other seed), store, stream and HybridAdam resumed from the bytes does steps 3-7:
-    both equal the reference at every step."""
+    both equal the reference at every step. So does a streamed resume from the unstreamed
+    reference's checkpoint (streaming switched on at the resume), loading the optimizer
+    first (its masters then come from the model loaded after it: Note [param changes])."""
     cfg = RESUME[name]
-    want = _reference(cfg, stores)
+    saves = {}
+    want = _reference(cfg, stores, saves)
     k = 3
     first = Run(cfg, stores, streamed=True)
     got = []
@@ -162,14 +169,16 @@ def test_resume_after_step_k_continues_bit_identically(stores, name):
     assert_same_steps(resumed, want[k:], name + " resumed")
     if cfg["n_micro"] > 1 and not cfg["major"]:  # the device sums ran after the resume
         assert stats["device_sums"] > 0
+    crossed, _ = _resume(cfg, stores, *saves[k], k, opt_first=True)
+    assert_same_steps(crossed, want[k:], name + " resumed from the unstreamed run")
     assert not torch.equal(want[k][1]["blocks.0.qkv.weight"], want[-1][1]["blocks.0.qkv.weight"])
 
 
-def _resume(cfg, stores, model_bytes, opt_bytes, k, stale_block=None):
+def _resume(cfg, stores, model_bytes, opt_bytes, k, stale_block=None, opt_first=False):
     """Steps ``k``-7 of a fresh model (other seed), store, stream and HybridAdam loaded from the
-    bytes; ``stale_block``: that block's first fill streams the fresh model's own weights (a
-    stale copy: what a load that the stream missed would stream). Returns the snapshots and
-    the stream's stats."""
+    bytes (``opt_first``: the optimizer's first); ``stale_block``: that block's first fill
+    streams the fresh model's own weights (a stale copy: what a load that the stream missed
+    would stream). Returns the snapshots and the stream's stats."""
     run = Run(cfg, stores, streamed=True, seed=1)  # other weights: the load matters
     if stale_block is not None:
         mine = {n: p.detach().clone() for n, p in run.model.blocks[stale_block].named_parameters()}
@@ -183,8 +192,11 @@ def _resume(cfg, stores, model_bytes, opt_bytes, k, stale_block=None):
         run.stream._fetcher.fault = stale
     out = []
     try:
+        if opt_first:
+            run.opt.load_state_dict(_loaded(opt_bytes))
         run.model.load_state_dict(_loaded(model_bytes))
-        run.opt.load_state_dict(_loaded(opt_bytes))
+        if not opt_first:
+            run.opt.load_state_dict(_loaded(opt_bytes))
         for s in range(k, STEPS):
             losses = run.passes(s)
             run.step()
