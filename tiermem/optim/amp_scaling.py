@@ -39,8 +39,10 @@ one process (``"local"`` mode) with ``overlap=True``. The rule for learning of t
 until the first ``step()``, no chunk is stepped before ``step()`` (they are handed over in
 backward and wait, as with ``placement="trace"``, whose first backward hands nothing over);
 the first ``scaler.step(opt)`` registers its scaler (found on the call stack: the
-``GradScaler.step`` frame that called ``step()``; kept weakly), and from then on every chunk
-waits for ``step()``'s verdict -- or, with ``rollback_bytes > 0``, is stepped speculatively,
+``GradScaler.step`` frame that called ``step()``; kept weakly; each scaler step registers its
+own), and from then on (also after that scaler is dropped: a resumed run's new one is exact
+from its first step) every chunk waits for ``step()``'s verdict -- or, with
+``rollback_bytes > 0``, is stepped speculatively,
 as Note [speculative step] steps chunks before the clip: it takes a rollback slot (chunks
 beyond the budget wait, Note [held chunks]), the worker copies the scaler's current scale with
 the chunk's gradients (the D2H that waits for backward reads it: the scale the loss was scaled
@@ -55,7 +57,7 @@ GPU lane's chunks are never admitted (held for the verdict). In ``step()``:
 - finite: admission closes, ``step()`` waits until every admitted chunk has read its
   gradients, compares the scale each one unscaled by with the scale ``step()`` was given
   (``opt.grad_scale``; none on a plain ``opt.step()``), unscales every ``p.grad`` in place as
-  before (the GPU side, the norm of ``max_grad_norm`` and every chunk stepped after the
+  before, once Note [gradient checksums] has compared its sums (the GPU side, the norm of ``max_grad_norm`` and every chunk stepped after the
   verdict read the unscaled gradients; on CUDA their copies wait for the unscale's event) and
   lets the speculative steps stand -- unless a scale differed (a scaler not yet known, or one
   changed by hand between backward and ``step()``) or the clip coefficient is not 1: then the
