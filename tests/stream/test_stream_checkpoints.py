@@ -405,16 +405,18 @@ def test_saving_between_backward_and_step_is_refused(stores, streamed, tmp_path)
 
 # ---------------------------------------------------------------- mid-accumulation
 
-@pytest.mark.parametrize("at", [(0, 1), (3, 2)], ids=["step0-mb1", "step3-mb2"])
-def test_saving_mid_accumulation_resumes_exactly(stores, at):
-    """Depth-first over 4 micro-batches with clipping and speculation: model and optimizer
-    saved after micro-batch ``m`` of step ``k`` (at step 0 before HybridAdam has placed its
-    state: Note [trace placement]). Gradients are not in a state dict (as with torch
-    optimizers), so the checkpoint is the state before step ``k``: resumed from its start it
-    equals the reference, and the saving run itself is unchanged by the save. The twin: a resume
-    that skips the micro-batches already run (their gradients lost) differs."""
+@pytest.mark.parametrize("at,clip", [((0, 1), 0.5), ((3, 2), 0.5), ((3, 3), None)],
+                         ids=["step0-mb1", "step3-mb2", "step3-mb3-overlap"])
+def test_saving_mid_accumulation_resumes_exactly(stores, at, clip):
+    """Depth-first over 4 micro-batches, clipping with speculation (or none: overlap steps
+    chunks in the last backward, not before it): model and optimizer saved after micro-batch
+    ``m`` of step ``k`` (at step 0 before HybridAdam has placed its state: Note [trace
+    placement]). Gradients are not in a state dict (as with torch optimizers), so the
+    checkpoint is the state before step ``k``: resumed from its start it equals the reference,
+    and the saving run itself is unchanged by the save. The twin: a resume that skips the
+    micro-batches already run (their gradients lost) differs."""
     k, m = at
-    cfg = _cfg(fraction=0.5, n_micro=4, clip=0.5, spec=1 << 30)
+    cfg = _cfg(fraction=0.5, n_micro=4, clip=clip, spec=1 << 30 if clip else 0)
     want = _reference(cfg, stores)
     r = Run(cfg, stores, streamed=True)
     got = []
