@@ -44,6 +44,12 @@
 #   bench_optim_clip_lane nvidia-h200   bench_optim_clip's GPU-lane rows only (lane 1.0), clip off and
 #                                       1e6, waiting vs speculating: issue 30's lane target (the 1e6
 #                                       spec row within 1.05x of off), bounded 330 s
+#   bench_optim_clip_lane8 nvidia-h200  the same lane rows with an 8 GiB rollback budget (the
+#                                       arithmetic's size for the 1.05x target), bounded 200 s
+#   cuda_s16           nvidia-h200      session 16's new CUDA tests: GradScaler with overlap (Note
+#                                       [grad scaler overlap]), streamed state dicts, train_large's
+#                                       streamed run ending without a copy, the parity matrix's
+#                                       depth-first streamed HybridAdam row (3 xdist workers)
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
@@ -236,6 +242,13 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
     bench_optim_clip_lane) run bench_optim_clip_lane 330 tiermem bench optim --steps 3 \
       --grad-accumulation-steps 1 --repeats 3 --setups gpu,1.0+gpu=1.0 --max-grad-norm off,1e6 \
       --rollback-bytes 4GiB ;;
+    bench_optim_clip_lane8) run bench_optim_clip_lane8 200 tiermem bench optim --steps 3 \
+      --grad-accumulation-steps 1 --repeats 3 --setups gpu,1.0+gpu=1.0 --max-grad-norm off,1e6 \
+      --rollback-bytes 8GiB ;;
+    cuda_s16) run cuda_s16 240 "${PYTEST[@]}" -n 3 tests/optim/test_grad_scaler_overlap_cuda.py \
+      tests/optim/test_grad_scaler_cuda.py tests/stream/test_stream_checkpoints_cuda.py \
+      "tests/test_train_large_streaming.py::test_streamed_training_on_cuda_trains_as_unstreamed" \
+      "$PARITY::test_streamed_training_parity[hybrid_depth_first_clip]" ;;
     bench_basics)
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
       run bench_adam 90 tiermem bench adam --numel 200000000
