@@ -22,6 +22,17 @@ def make_model(dtype=torch.float32, checkpoint=False, seed=0, kind="gpt") -> GPT
     return GPT(CFG, checkpoint=checkpoint).to(dtype)
 
 
+def frozen_gpt(seed=0) -> GPT:
+    """The GPT of the stream tests with its blocks' matrices frozen (a base) and everything
+    else trainable (LayerNorms, embeddings, head)."""
+    m = make_model(seed=seed)
+    for b in m.blocks:
+        for p in b.parameters():
+            if p.dim() == 2:
+                p.requires_grad_(False)
+    return m
+
+
 def batches(step: int, n_micro: int, batch: int = 2) -> list:
     gen = torch.Generator().manual_seed(1000 + step)
     out = []

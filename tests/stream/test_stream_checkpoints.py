@@ -25,7 +25,7 @@ from tiermem.optim.hybrid_adam import HybridAdam
 from tiermem.schedule.micro_batches import forward_backward
 from tiermem.stream import stream_weights
 
-from _stream_train import assert_same_steps, batches, make_model, train
+from _stream_train import assert_same_steps, batches, frozen_gpt, make_model, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 STEPS = 8
@@ -459,15 +459,6 @@ def test_saving_mid_accumulation_resumes_exactly(stores, at, clip):
 
 # ---------------------------------------------------------------- load_state_dict
 
-def _frozen_gpt(seed=0):
-    """The test GPT with its blocks' matrices frozen (a base), the rest trainable."""
-    m = make_model(seed=seed)
-    for b in m.blocks:
-        for p in b.parameters():
-            if p.dim() == 2:
-                p.requires_grad_(False)
-    return m
-
 
 def test_nvme_home_state_dict_and_load(make_stream_store, caplog):
     """Weights homed on NVMe (``staging_blocks``, Note [NVMe home]) have a NaN stand-in as
@@ -476,16 +467,16 @@ def test_nvme_home_state_dict_and_load(make_stream_store, caplog):
     them out (logged; a strict load names them missing), and a load writes the new weights to
     NVMe, which the next forward streams: 8 AdamW steps with a load of other weights at step 4
     equal the same loop unstreamed."""
-    other = _frozen_gpt(seed=2).state_dict()
+    other = frozen_gpt(seed=2).state_dict()
     frozen = [k for k, v in other.items() if k.startswith("blocks.") and v.dim() == 2]
 
     def between(model, step):
         if step == 4:
             model.load_state_dict(other)
 
-    want = train(_frozen_gpt(), steps=STEPS, n_micro=2, between_steps=between)
+    want = train(frozen_gpt(), steps=STEPS, n_micro=2, between_steps=between)
     store = make_stream_store(cpu_bytes=4 << 20, nvme_bytes=16 << 20)
-    model = _frozen_gpt()
+    model = frozen_gpt()
     handles = []
 
     def stream(m):
@@ -501,7 +492,7 @@ def test_nvme_home_state_dict_and_load(make_stream_store, caplog):
     assert all(not v.isnan().any() for v in got[1].values())
     assert sum("left out of model.state_dict()" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(RuntimeError, match="Missing key"):
-        _frozen_gpt(seed=3).load_state_dict(got[1])
+        frozen_gpt(seed=3).load_state_dict(got[1])
     handles[0].close()
     final = model.state_dict()  # read back from NVMe: the loaded weights
     for k in frozen:

@@ -23,7 +23,7 @@ from tiermem.store.nvme import SpillError
 from tiermem.stream import stream_weights
 from tiermem.stream.nvme_home import staging_bytes
 
-from _stream_train import batches, fills_per_pass, make_model, train
+from _stream_train import batches, fills_per_pass, frozen_gpt, make_model, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,17 +104,6 @@ def test_a_lora_base_homed_on_nvme_trains_bit_identical(tmp_path, prefetch, stag
             assert torch.equal(p, fresh[name]), name
 
 
-def _frozen_gpt(seed=0):
-    """The GPT of the stream tests with its blocks' matrices frozen (a base) and everything
-    else trainable (LayerNorms, embeddings, head)."""
-    m = make_model(seed=seed)
-    for b in m.blocks:
-        for p in b.parameters():
-            if p.dim() == 2:
-                p.requires_grad_(False)
-    return m
-
-
 @pytest.mark.parametrize("block_major", [False, True])
 def test_a_frozen_gpt_base_on_nvme_is_exact_depth_first_and_block_major(make_stream_store,
                                                                         block_major):
@@ -123,7 +112,7 @@ def test_a_frozen_gpt_base_on_nvme_is_exact_depth_first_and_block_major(make_str
     from tiermem.schedule.micro_batches import forward_backward
 
     store = make_stream_store(cpu_bytes=4 << 20, nvme_bytes=16 << 20)
-    ref = train(_frozen_gpt(), steps=STEPS, n_micro=2)
+    ref = train(frozen_gpt(), steps=STEPS, n_micro=2)
     handles = []
 
     def stream(m):
@@ -133,7 +122,7 @@ def test_a_frozen_gpt_base_on_nvme_is_exact_depth_first_and_block_major(make_str
 
     fb = (lambda m, b: forward_backward(m, b, block_major=True)) if block_major \
         else forward_backward
-    model = _frozen_gpt()
+    model = frozen_gpt()
     got = train(model, steps=STEPS, n_micro=2, stream=stream, fb=fb)
     for step, (x, y) in enumerate(zip(got[0], ref[0])):
         assert torch.equal(x, y), f"step {step}"
@@ -288,8 +277,8 @@ def test_a_truncated_spill_file_names_key_and_file_and_close_leaves_the_stream_o
 
 def test_out_of_order_calls_are_still_refused(make_stream_store):
     store = make_stream_store(cpu_bytes=4 << 20, nvme_bytes=16 << 20)
-    model = _frozen_gpt()
-    plain = _frozen_gpt()
+    model = frozen_gpt()
+    plain = frozen_gpt()
     handle = stream_weights(model.blocks, store=store, tier="nvme", frozen_only=True,
                             staging_blocks=1)
     x = torch.randn(2, 16, 32)
@@ -311,7 +300,7 @@ def test_out_of_order_calls_are_still_refused(make_stream_store):
 
 def test_bad_input_gets_one_line_naming_field_value_and_fix(make_stream_store):
     store = make_stream_store(cpu_bytes=128 << 10, nvme_bytes=16 << 20)  # 2 blocks, not 3
-    m = _frozen_gpt()
+    m = frozen_gpt()
     cases = [
         (dict(tier="nvme", staging_blocks=2), ValueError,
          r"staging_blocks=2 keeps no RAM copy of blocks\[0\]\.ln1\.weight, which requires "
@@ -352,7 +341,7 @@ def test_bad_input_gets_one_line_naming_field_value_and_fix(make_stream_store):
                                          r"only, a copy of its stand-in .* fix: leave"):
         m(batches(0, 1)[0][0])
     assert w.stride() == (0, 0)  # the stand-in again: the NVMe copy (0.25) was kept
-    plain = _frozen_gpt()
+    plain = frozen_gpt()
     dict(plain.named_parameters())[_name_of(m, w)].data.copy_(new)
     idx = batches(0, 1)[0][0]
     with torch.no_grad():
@@ -437,7 +426,7 @@ def test_a_base_built_layer_by_layer_into_nvme_trains_bit_identical(tmp_path):
 
 def test_load_block_gets_one_line_errors_and_places_nothing(make_stream_store):
     store = make_stream_store(cpu_bytes=1 << 20, nvme_bytes=16 << 20)
-    m = _frozen_gpt()
+    m = frozen_gpt()
     shapes = {n: p for n, p in m.blocks[1].named_parameters() if p.dim() == 2}
 
     def wrong(i):
