@@ -23,7 +23,7 @@ from tiermem.store.nvme import SpillError
 from tiermem.stream import stream_weights
 from tiermem.stream.nvme_home import staging_bytes
 
-from _stream_train import batches, fills_per_pass, frozen_gpt, make_model, train
+from _stream_train import batches, fills_per_pass, frozen_gpt, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
