@@ -13,7 +13,7 @@ params HybridAdam steps. Its captured backward computes the param gradients with
 ``p.grad`` eagerly after each replay, so HybridAdam's hooks run as without graphs. They run in
 another order, though: the graphed backward is one autograd node that returns every gradient at
 once (an MLP's arrive as params 0, 2, 1, 3, against 3, 2, 1, 0 eager), so with
-``placement="trace"`` (Note [trace placement] in tiermem/optim/hybrid_adam.py) the GPU/CPU split
+``placement="trace"`` (Note [trace placement] in tiermem/optim/state_setup.py) the GPU/CPU split
 of the state differs from an eager run's, and with it which elements torch's fused Adam (GPU)
 and tiermem's CPU kernel step; the two round differently in the last bit, so graphed and eager
 runs agree to rounding, not bit for bit. ``placement="given"`` gives both the same split, and

@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-import tiermem.optim.hybrid_adam as hybrid_adam_mod
+import tiermem.optim.step_tail as step_tail_mod
 from models import TinyGPT, make_batch
 from tiermem.optim import HybridAdam, layout
 
@@ -190,7 +190,7 @@ def test_bf16_gpu_moments_are_bit_identical_to_references(monkeypatch, dtype, la
     ``batch_numel=1024`` cuts the GPU side's widened batches at 1024 elements (pieces cut,
     small pieces sharing a batch): the same bits."""
     if batch_numel is not None:
-        monkeypatch.setattr(hybrid_adam_mod, "WIDE_BATCH_NUMEL", batch_numel)
+        monkeypatch.setattr(step_tail_mod, "WIDE_BATCH_NUMEL", batch_numel)
     fraction = 0.25  # of the fractions in (0, 0.5), splits both groups at multiples of 16
     model = _model(dtype)
     opt = HybridAdam(_groups(model), **HP, chunk_numel=1024, moments_dtype=torch.bfloat16,
@@ -224,14 +224,14 @@ def test_fp32_moments_step_the_gpu_side_in_place_in_one_call(monkeypatch):
     """fp32 moments: the GPU side passes its own moment tensors to torch's fused Adam, once per
     group (no widened copies, no batches), and stays bit-identical to torch's fused AdamW."""
     calls = []
-    real = hybrid_adam_mod.fused_adam_
+    real = step_tail_mod.fused_adam_
 
     def spy(params, grads, exp_avgs, exp_avg_sqs, steps, hp):
         calls.append((exp_avgs, exp_avg_sqs))
         real(params, grads, exp_avgs, exp_avg_sqs, steps, hp)
 
-    monkeypatch.setattr(hybrid_adam_mod, "fused_adam_", spy)
-    monkeypatch.setattr(hybrid_adam_mod, "fused_adam_moments_", None)  # never used with fp32
+    monkeypatch.setattr(step_tail_mod, "fused_adam_", spy)
+    monkeypatch.setattr(step_tail_mod, "fused_adam_moments_", None)  # never used with fp32
     model, ref = _model(), _model()
     opt = HybridAdam(_groups(model), **HP, offload_fraction=0.0, chunk_numel=1024)
     ref_opt = torch.optim.AdamW(_groups(ref), **HP, fused=True)
@@ -257,16 +257,16 @@ def test_fp32_moments_with_bf16_params_widen_gradients_in_bounded_batches(monkey
     bigger than the share: one call per group, what the step did before) and to torch's fused
     AdamW on fp32 masters."""
     calls = []
-    real = hybrid_adam_mod.fused_adam_moments_
+    real = step_tail_mod.fused_adam_moments_
 
     def spy(params, grads, exp_avgs, exp_avg_sqs, steps, hp):
         calls.append((grads, exp_avgs, exp_avg_sqs))
         real(params, grads, exp_avgs, exp_avg_sqs, steps, hp)
 
-    monkeypatch.setattr(hybrid_adam_mod, "fused_adam_moments_", spy)
+    monkeypatch.setattr(step_tail_mod, "fused_adam_moments_", spy)
 
     def run(batch_numel):
-        monkeypatch.setattr(hybrid_adam_mod, "WIDE_BATCH_NUMEL", batch_numel)
+        monkeypatch.setattr(step_tail_mod, "WIDE_BATCH_NUMEL", batch_numel)
         calls.clear()
         model = _model(torch.bfloat16)
         opt = HybridAdam(_groups(model), **HP, chunk_numel=1024, offload_fraction=fraction)

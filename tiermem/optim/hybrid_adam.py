@@ -33,7 +33,9 @@ differs between one process, data parallel and FSDP2 is a :class:`~tiermem.optim
 chosen once at construction (``modes.py``; the distributed ones in ``dist_modes.py``, never
 imported by a single-process run). The GPU lane is in ``gpu_lane.py`` (Note [gpu lane]);
 arguments are checked in ``arguments.py``, ``step()``'s refusals in ``step_checks.py``; the
-finalizer and weak hooks are in ``lifetime.py`` (Note [lifetime]).
+finalizer and weak hooks are in ``lifetime.py`` (Note [lifetime]); the groups, a private store
+and when the state is allocated in ``state_setup.py`` (Note [trace placement]); the end of
+``step()`` (the GPU side's fused Adam, waiting for the CPU side) in ``step_tail.py``.
 
 Note [hybrid step]: a parameter's post-accumulate-grad hook fires after every use of that
 parameter in the current backward has been enqueued; the event it records there is what the
@@ -52,19 +54,6 @@ forward needs them in with ``param_sync="forward"`` (Note [forward sync]; the fi
 state is on the GPU side, stepped at once). The NVMe read-ahead, the split tier's RAM choice and
 the GPU lane's share follow the same order (``StateLayout.expected_order``). With data parallel
 or FSDP2 the reduce buckets and FSDP's hooks keep backward order.
-
-Note [trace placement]: which elements keep their state on the GPU follows the execution
-order, and with ``placement="trace"`` (default; one process, overlap on, ``offload_fraction >
-0``) that order is taken from the first backward rather than assumed from the order the params
-were given in: the first backward only records the order in which gradients arrive (nothing is
-stepped early), and the first ``step()`` builds the partition from it -- the params whose
-gradients arrive last (the first layers) keep their state on the GPU, the chunks follow the
-arrival order -- and only then allocates the state (masters copied from the params, moments
-zero: nothing has been updated yet, so no state moves). That first step is therefore not
-overlapped. Anything that needs the state before the first ``step()`` (``state_dict``,
-``load_state_dict``, ``memory_bytes``, ``chunk_tiers``) fixes the partition then, from the
-gradients seen so far or else the given order. ``placement="given"``: the given order, state
-allocated at construction.
 
 Several ranks (torch.distributed): ``data_parallel=True`` (ZeRO-1/2) and FSDP2 params, see
 ``tiermem/optim/dist_modes.py``.
@@ -86,20 +75,21 @@ from tiermem.optim.amp_scaling import settle_step, take_scaler
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
 from tiermem.optim.forward_sync import wait_for_module
-from tiermem.optim.gpu_lane import GpuLane, fused_adam_, fused_adam_moments_
+from tiermem.optim.gpu_lane import GpuLane
 from tiermem.optim.hyperparams import check_dense_grad, check_groups
 from tiermem.optim.local_tensor import is_dtensor
 from tiermem.optim.modes import GRAPH_FIX as _GRAPH_FIX, LocalMode, Mode
 from tiermem.optim.param_watch import ParamWatch
-from tiermem.optim.layout import WIDE_BATCH_NUMEL, Group, StateLayout, private_store, wide_batches
+from tiermem.optim.layout import Group, StateLayout
 from tiermem.optim.lifetime import OWNERS, call_weak_forward, release
-from tiermem.optim.partition import auto_chunk_numel, plan_group
 from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.speculate import Speculation
 from tiermem.optim.state_dict import check_loadable, scatter, torch_format
+from tiermem.optim.state_setup import ensure_state, init_state, make_groups, private_store_for
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step, shipped_mark)
 from tiermem.optim.step_state import StepState, new_stats
+from tiermem.optim.step_tail import finish_step, step_gpu_side
 from tiermem.optim.streamed import stand_ins, streamed_mode
 from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
@@ -240,11 +230,12 @@ class HybridAdam(torch.optim.Optimizer):
         self.nvme_lookahead_chunks = nvme_lookahead_chunks
         self.gpu_step_fraction = float(gpu_step_fraction)
         self._mode.attach(self.param_groups, self.device)  # collective when distributed
-        self._groups, self.chunk_numel = self._make_groups(chunk_numel)
+        self._groups, self.chunk_numel = make_groups(self._mode, self.param_groups,
+                                                     self.offload_fraction, chunk_numel)
         self._mode.bind(self._groups, max_grad_norm)  # streamed weights: their host copies
         chunk_numel = self.chunk_numel
         self._owns_store = store is None
-        self._store = store if store is not None else self._private_store(nvme_dir)
+        self._store = store if store is not None else private_store_for(self, nvme_dir)
         store = self._store
         self._layout = StateLayout(self._groups, store, owner=next(OWNERS), device=self.device,
                                    state_tier=state_tier, moments_dtype=moments_dtype,
@@ -275,7 +266,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._lane = GpuLane(self._layout, self._step, self._read_ahead, self.param_groups,
                              self.gpu_step_fraction, self._copier.cuda)
         if not self._trace_placement:
-            self._init_state()
+            init_state(self)
             self._state_ready = True
         # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
         self._pending = False
@@ -293,38 +284,6 @@ class HybridAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ setup
 
-    def _make_groups(self, chunk_numel: int | None) -> tuple[list[Group], int]:
-        """The groups of local tensors the mode says this rank steps, each partitioned into
-        GPU side and offloaded chunks; and ``chunk_numel`` (sized from the local elements when
-        ``None``)."""
-        shapes = [self._mode.local_shapes(gi, list(g["params"]))
-                  for gi, g in enumerate(self.param_groups)]
-        if chunk_numel is None:
-            local = sum(sum(numels) for numels, _, _ in shapes)
-            chunk_numel = auto_chunk_numel(int(local * self.offload_fraction))
-        groups = []
-        for gi, (g, (numels, sizes, segments)) in enumerate(zip(self.param_groups, shapes)):
-            group = Group(gi, list(g["params"]),
-                          plan_group(numels, sizes, self.offload_fraction, chunk_numel),
-                          [0] * len(numels), len(numels), segments, numels=numels, sizes=sizes)
-            group.locals_in_bucket.update(self._mode.buckets_of(gi))
-            groups.append(group)
-        return groups, chunk_numel
-
-    def _private_store(self, nvme_dir: str | None) -> TierStore:
-        """A store sized for this optimizer's state (``nvme_dir``: its spill directory, per
-        rank when distributed).
-
-        Raises:
-            ValueError, OSError: the spill directory cannot be used.
-        """
-        if self.state_tier == "nvme":
-            nvme_dir = self._mode.spill_dir(nvme_dir)
-        return private_store(self._groups, chunk_numel=self.chunk_numel,
-                             moments_dtype=self.moments_dtype,
-                             lookahead_chunks=self.nvme_lookahead_chunks,
-                             state_tier=self.state_tier, device=self.device, nvme_dir=nvme_dir)
-
     def _register_hooks(self) -> list:
         """The mode's gradient hooks and, with ``param_sync="forward"``, the global forward
         pre-hook; each calls the optimizer through a weak reference (Note [lifetime])."""
@@ -337,44 +296,10 @@ class HybridAdam(torch.optim.Optimizer):
                 torch.compiler.disable(functools.partial(call_weak_forward, me))))
         return hooks
 
-    def _init_state(self) -> None:
-        """Allocate the state (GPU side, store buffers and chunks, the lane's slots); on any
-        failure (a full store or disk) undo all of it, so a later call starts afresh.
-
-        Raises:
-            TierFullError: the store has no room for a buffer or a chunk.
-        """
-        try:
-            self._layout.alloc()
-            self._lane.init()
-            self._watch.record_all()  # the masters were copied from the params as they are
-        except BaseException:
-            self._layout.undo()
-            self._lane.clear()
-            raise
-
-    def _ensure_state(self) -> None:
-        """Note [trace placement]: plan from the recorded gradient order (when there is one)
-        and allocate the state, once."""
-        if self._state_ready:
-            return
-        with self._step.lock:
-            arrived = dict(self._arrived)
-        self._layout.replan(arrived)
-        self._init_state()
-        self._state_ready = True
-        with self._step.stats_lock:  # the step's I/O counts from here: allocation is not streaming
-            self._moved0 = dict(self._store.stats()["moved_bytes"])
-        self._chunks_of = self._layout.param_chunks()
-        self._read_ahead.plan_changed()
-        with self._step.lock:
-            self._step.chunk_missing = self._layout.params_per_chunk()
-        self._read_ahead.first_chunks()
-
     def chunk_tiers(self) -> dict[str, int]:
         """Offloaded chunks per tier: ``{"cpu": n, "nvme": n}`` (where each one lives for good
         with ``state_tier`` ``"cpu"``, ``"nvme"`` or ``"split"``)."""
-        self._ensure_state()
+        ensure_state(self)
         return self._layout.chunk_tiers()
 
     # ------------------------------------------------------------------ backward side
@@ -499,7 +424,7 @@ class HybridAdam(torch.optim.Optimizer):
                 loss = closure()
         t_step = time.perf_counter()
         try:
-            self._ensure_state()  # Note [trace placement]: the first step plans and allocates
+            ensure_state(self)  # Note [trace placement]: the first step plans and allocates
         except BaseException:
             self._begin_step()  # undone: the next backward and step start afresh
             raise
@@ -587,86 +512,12 @@ class HybridAdam(torch.optim.Optimizer):
             self._finish_step()
 
     def _finish_step(self) -> None:
-        """Wait for the CPU side of the last ``step()``, make the caller's stream wait for its
-        H2D copies, count the step and start the next one."""
-        self._pending = False
-        t_step = self._t_step
-        t_wait = time.perf_counter()
-        step = self._step
-        with step.idle:
-            while step.outstanding:
-                step.idle.wait()  # the CPU step of every offloaded chunk has to finish
-            errors, step.errors = step.errors, []
-            events = step.h2d_events
-        stall = time.perf_counter() - t_wait
-        if self._mode.other_rank_failed(bool(errors)) and not errors:
-            self._begin_step()  # the optimizer takes the next step; this one is lost
-            raise RuntimeError(f"{self._who}: another rank's CPU step failed (its error names "
-                               f"it); this step was abandoned on every rank")
-        if errors:
-            self._begin_step()
-            raise RuntimeError(f"{self._who}: the CPU step failed: {errors[0]} (some offloaded "
-                               f"chunks may have been updated: resume from a checkpoint to stay "
-                               f"exact)") from errors[0]
-        consumer = self._copier.consumer_stream()
-        for event in events if consumer is not None else ():
-            consumer.wait_event(event)  # the next forward reads the parameters copied H2D
-        self._mode.gather_params(self._groups)
-        raced = [(g.index, i) for g, i in self._stepped  # Note [param changes]
-                 if i in g.plan.chunks_of_param and self._watch.changed(g.index, i)]
-        for g, i in self._stepped:
-            g.steps[i] += 1  # after the worker: it steps chunks with steps[i] + 1
-        moved = self._store.stats()["moved_bytes"]
-        with self._step.stats_lock:
-            done = dict(self._step.stats, stall_s=stall, step_s=time.perf_counter() - t_step)
-            done["nvme_read_bytes"] = moved.get("nvme->cpu", 0) - self._moved0.get("nvme->cpu", 0)
-            done["nvme_write_bytes"] = moved.get("cpu->nvme", 0) - self._moved0.get("cpu->nvme", 0)
-            self._last_stats = done
-        self._begin_step()
-        if raced:  # the step is complete; the changed values are taken at the next one
-            raise RuntimeError(
-                f"{self._who}: param {raced[0][1]} of param group {raced[0][0]} was changed while "
-                f"the step was still updating it (param_sync='forward'), racing with its copy "
-                f"back: call opt.synchronize() before changing parameters after step()")
+        """Complete the last ``step()``: :func:`~tiermem.optim.step_tail.finish_step`."""
+        finish_step(self)
 
     def _step_gpu_side(self, g: Group) -> None:
-        """Step group ``g``'s GPU side with torch's fused Adam on the caller's stream. fp32
-        moments and fp32 gradients: in place, in one call, no copies. Otherwise in batches of
-        at most ``WIDE_BATCH_NUMEL`` elements (:func:`~tiermem.optim.layout.wide_batches`),
-        each through :func:`fused_adam_moments_` with its gradients widened to fp32 for the
-        call: bf16 moments are widened to fp32, stepped and rounded back (as the lane and the
-        CPU kernel do), fp32 moments stepped in place; so the transient fp32 copies are at most
-        12 B (bf16 moments) or 4 B (fp32 moments, gradients of bf16 params) x
-        ``WIDE_BATCH_NUMEL``, not per GPU-side param. The update is elementwise and batches cut
-        pieces at multiples of 16 (``WIDE_BATCH_NUMEL``'s docstring), so they change no bit."""
-        hp = self.param_groups[g.index]
-        idx = [k for k, pc in enumerate(g.plan.gpu_pieces) if self._mode.has_grad(g, pc.param)]
-        for dev in dict.fromkeys(g.gpu_masters[k].device for k in idx):  # streamed: the host
-            self._step_pieces(g, hp, [k for k in idx if g.gpu_masters[k].device == dev])
-
-    def _step_pieces(self, g: Group, hp: dict, idx: list[int]) -> None:
-        """Step GPU-side pieces ``idx`` of group ``g`` (one device) for :meth:`_step_gpu_side`."""
-        grads = []  # in the model dtype: non-fp32 gradients are widened per batch below
-        for k in idx:
-            pc = g.plan.gpu_pieces[k]
-            grads.append(self._mode.grad_of(g, pc.param).detach()[pc.start:pc.start + pc.numel])
-        masters = [g.gpu_masters[k] for k in idx]
-        steps = [g.gpu_steps[k] for k in idx]
-        torch._foreach_add_(steps, 1)
-        if self.moments_dtype == torch.float32 and all(gr.dtype == torch.float32 for gr in grads):
-            fused_adam_(masters, grads, [g.gpu_exp_avg[k] for k in idx],
-                        [g.gpu_exp_avg_sq[k] for k in idx], steps, hp)
-        else:  # something to widen: WIDE_BATCH_NUMEL elements at a time
-            for batch in wide_batches([m.numel() for m in masters], WIDE_BATCH_NUMEL):
-                fused_adam_moments_(
-                    [masters[j][lo:hi] for j, lo, hi in batch],
-                    [grads[j][lo:hi].float() for j, lo, hi in batch],
-                    [g.gpu_exp_avg[idx[j]][lo:hi] for j, lo, hi in batch],
-                    [g.gpu_exp_avg_sq[idx[j]][lo:hi] for j, lo, hi in batch],
-                    [steps[j] for j, _, _ in batch], hp)
-        for k in idx:
-            if g.gpu_views[k] is not g.gpu_masters[k]:
-                g.gpu_views[k].copy_(g.gpu_masters[k])
+        """Step group ``g``'s GPU side: :func:`~tiermem.optim.step_tail.step_gpu_side`."""
+        step_gpu_side(g, self.param_groups[g.index], self._mode, self.moments_dtype)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Not supported after backward with overlap: pass ``max_grad_norm`` instead.
@@ -697,7 +548,7 @@ class HybridAdam(torch.optim.Optimizer):
         """
         self._check_process()
         self.synchronize()
-        self._ensure_state()
+        ensure_state(self)
         self._step.drain(f"{self._who}.state_dict()")  # Note [state between steps]
         for g in self._groups:  # Note [param changes]: the masters of changed params
             for i in range(g.n_local):
@@ -717,7 +568,7 @@ class HybridAdam(torch.optim.Optimizer):
         """
         self._check_process()
         self.synchronize()
-        self._ensure_state()
+        ensure_state(self)
         self._step.drain(f"{self._who}.load_state_dict()")
         groups = state_dict["param_groups"]
         check_loadable(state_dict, self._groups, self._who)
@@ -757,7 +608,7 @@ class HybridAdam(torch.optim.Optimizer):
 
     def memory_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes per place: ``{"gpu": ..., "cpu": ..., "nvme": ...}``."""
-        self._ensure_state()
+        ensure_state(self)
         gpu = self._layout.gpu_state_bytes() + self._lane.device_bytes()
         s = self._store.stats()
         return {"gpu": gpu, "cpu": s["cpu"]["used_bytes"], "nvme": s["nvme"]["used_bytes"]}

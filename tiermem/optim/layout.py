@@ -398,7 +398,7 @@ class StateLayout:
 
     def replan(self, arrived: dict[tuple[int, int], int]) -> None:
         """Re-split every group whose execution order, from the recorded gradient ``arrived``
-        order, differs from the given one (Note [trace placement] in hybrid_adam.py).
+        order, differs from the given one (Note [trace placement] in state_setup.py).
 
         Raises:
             Nothing.
