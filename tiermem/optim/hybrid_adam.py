@@ -431,9 +431,9 @@ class HybridAdam(torch.optim.Optimizer):
         # chunks stepped from now on use this step's hyper-parameters, even when an LR
         # scheduler changes them before the worker is done (param_sync="forward")
         self._step.freeze(self.param_groups)
-        check_accumulation(self._step, self.grad_accumulation_steps, self._who)
-        check_grads_untouched(self._step, self._groups, self._who)
-        try:
+        try:  # a refused step wakes and fails the chunks waiting for it (held, clipping)
+            check_accumulation(self._step, self.grad_accumulation_steps, self._who)
+            check_grads_untouched(self._step, self._groups, self._who)
             check_params_before_step(self._watch, self._groups, self._who)
         except (RuntimeError, ValueError):
             self._step.abandon()  # chunks not yet stepped are not
