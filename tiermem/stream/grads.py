@@ -169,11 +169,7 @@ class HostGrads:
                 event = None
                 self.norms.record(grad, self.norms.measure(grad, passes))
             if tell:
-                item = AddItem(entry, entry.acc, None, event, passes, tell=True)
-                if self._adder.idle():  # nothing taken before it is still being added
-                    self._adder.hand(item)
-                else:
-                    self._adder.put(item)
+                self._hand_straight(entry, event, passes)
             return
         self.norms.forget(entry.acc)  # Note [streamed gradient norms]
         if self.copies.cuda or self.stage_on_cpu:
@@ -232,11 +228,17 @@ class HostGrads:
         # beside the copy, on the caller's stream: Note [streamed gradient norms]
         self.norms.record(entry.acc, self.norms.measure(dev, entry.dev_passes))
         if tell:
-            item = AddItem(entry, entry.acc, None, event, 1, tell=True)
-            if self._adder.idle():  # nothing taken before it is still being added
-                self._adder.hand(item)
-            else:
-                self._adder.put(item)
+            self._hand_straight(entry, event, 1)
+
+    def _hand_straight(self, entry: Any, event: Any, passes: int) -> None:
+        """Hand over a gradient copied straight into ``entry.acc`` (its copy's ``event``): at
+        once when no earlier take is still being added, else behind them (Note [streamed
+        gradient hand-off])."""
+        item = AddItem(entry, entry.acc, None, event, passes, tell=True)
+        if self._adder.idle():  # nothing taken before it is still being added
+            self._adder.hand(item)
+        else:
+            self._adder.put(item)
 
     def flush(self) -> None:
         """Wait until every gradient copy and add of the pass is done and every hand-off made
