@@ -50,6 +50,9 @@
 #                                       [grad scaler overlap]), streamed state dicts, train_large's
 #                                       streamed run ending without a copy, the parity matrix's
 #                                       depth-first streamed HybridAdam row (3 xdist workers)
+#   cuda_s17           nvidia-h200      cuda_s16's tests again plus tests/optim's other CUDA files (the
+#                                       step tail moved out of hybrid_adam.py, refused steps that
+#                                       abandon the step): CPU-only changes of session 16, re-run
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
@@ -247,6 +250,13 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       --rollback-bytes 8GiB ;;
     cuda_s16) run cuda_s16 240 "${PYTEST[@]}" -n 3 tests/optim/test_grad_scaler_overlap_cuda.py \
       tests/optim/test_grad_scaler_cuda.py tests/stream/test_stream_checkpoints_cuda.py \
+      "tests/test_train_large_streaming.py::test_streamed_training_on_cuda_trains_as_unstreamed" \
+      "$PARITY::test_streamed_training_parity[hybrid_depth_first_clip]" ;;
+    cuda_s17) run cuda_s17 300 "${PYTEST[@]}" -n 3 tests/optim/test_grad_scaler_overlap_cuda.py \
+      tests/optim/test_grad_scaler_cuda.py tests/stream/test_stream_checkpoints_cuda.py \
+      tests/optim/test_hybrid_adam_cuda.py tests/optim/test_gpu_moments.py \
+      tests/optim/test_speculate_cuda.py tests/optim/test_speculate_close_cuda.py \
+      tests/optim/test_grad_copy_waits_cuda.py \
       "tests/test_train_large_streaming.py::test_streamed_training_on_cuda_trains_as_unstreamed" \
       "$PARITY::test_streamed_training_parity[hybrid_depth_first_clip]" ;;
     bench_basics)
