@@ -71,7 +71,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiermem import StoreConfig, TierStore, flags  # noqa: E402
 from tiermem._files import CONFIG_ERRORS, config_error, make_private_dir  # noqa: E402
-from tiermem.gpu_cap import cap_gpu  # noqa: E402
+from tiermem.gpu_cap import cap_gpu, uncap_gpu  # noqa: E402
 from tiermem.config import (BudgetConfig, OptimizerConfig, StreamingConfig,  # noqa: E402
                             TrainConfig, apply_overrides, from_tree, load_config, parse_bytes)
 from tiermem.models import materialize_  # noqa: E402
@@ -517,10 +517,24 @@ def main(argv: list[str] | None = None, record: list | None = None) -> int:
         print("train_large: the plan fits (dry run, nothing trained)")
         return 0
     device = torch.device(device_name)
-    if args.gpu is not None and device.type == "cuda":
+    capped = args.gpu is not None and device.type == "cuda"
+    if capped:
         cap, total = cap_gpu(device, cfg["budgets"].gpu_bytes)  # Note [GPU cap device index]
         print(f"train_large: GPU capped at {cap / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
               f"(--gpu-bytes)", flush=True)
+    try:
+        return _train(args, cfg, pl, device, record)
+    finally:
+        if capped:  # an in-process caller (a test, a notebook) gets its whole GPU back
+            uncap_gpu(device)
+
+
+def _train(args: argparse.Namespace, cfg: dict, pl, device: torch.device,
+           record: list | None) -> int:
+    """Build the model, stream, store and optimizer ``cfg`` and ``pl`` name on ``device``, train
+    ``train.steps`` steps printing each step's line and the measured-vs-predicted table; return
+    the exit code (2: a bad streaming or spill setting). ``record``: as :func:`main`'s."""
+    m, t, s, o, st = (cfg[k] for k in ("model", "train", "store", "optimizer", "streaming"))
     dtype = getattr(torch, t.dtype)
     accum = t.grad_accumulation_steps
     steps = t.steps  # --steps is train.steps, checked by TrainConfig (load)

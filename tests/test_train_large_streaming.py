@@ -240,7 +240,9 @@ def test_13b_stream_preset_trains_scaled_down(tmp_path, capsys, one_thread):
 def test_streamed_training_on_cuda_trains_as_unstreamed(tmp_path, capsys, tier, schedule):
     """On CUDA (torch's default kernels, fp32): the tiny preset with every block streamed and
     HybridAdam stepping the host copies, GPU capped by --gpu, trains as the unstreamed run
-    within 4x that run's own run-to-run noise (tiermem.apps.bench.parity); NOT YET RUN ON A GPU."""
+    within 4x that run's own run-to-run noise (tiermem.apps.bench.parity), and gives the process
+    its whole GPU back (a cap left behind made the next test in the same xdist worker run out of
+    memory at 8 GiB: docs/results/cuda_s17.log)."""
     from tiermem.apps.bench.parity import noise_of, verdict
     example = _example()
     cuda = ["train.device=cuda", "--gpu", "8GiB"]
@@ -257,3 +259,4 @@ def test_streamed_training_on_cuda_trains_as_unstreamed(tmp_path, capsys, tier, 
     assert "GPU capped at 8.0 GiB" in out and "weights of 4 of 4 blocks streamed" in out
     result = verdict(flat(got), ref[0], noise_of(ref[0], ref[1]))
     assert not result.startswith("WRONG"), result
+    assert torch.cuda.get_per_process_memory_fraction(torch.cuda.current_device()) == 1.0

@@ -85,7 +85,7 @@ import torch
 
 from tiermem import flags
 from tiermem.apps import table
-from tiermem.gpu_cap import cap_gpu
+from tiermem.gpu_cap import cap_gpu, uncap_gpu
 from tiermem.apps.bench.common import (bench_device, bench_main, learnable_batches, parse_clips,
                                         sync)
 from tiermem.apps.bench.optim_base import HP
@@ -501,7 +501,8 @@ def seeded_model(args, device: torch.device):
 def run(args, log=print) -> list[Row]:
     """Run every setup ``args.repeats`` times and return its row (with its parity verdict)."""
     device = bench_device()
-    if args.gpu_bytes is not None and device.type == "cuda":
+    capped = args.gpu_bytes is not None and device.type == "cuda"
+    if capped:
         _, total = cap_gpu(device, args.gpu_bytes)  # Note [GPU cap device index]
         log(f"GPU capped at {gib(args.gpu_bytes)} GiB of {gib(total)} GiB (--gpu)")
     cfg, dtype, build, model, init = seeded_model(args, device)
@@ -532,6 +533,8 @@ def run(args, log=print) -> list[Row]:
     finally:
         gc.unfreeze()  # what _collect froze goes back to the collector
         store.close()
+        if capped:  # an in-process caller gets its whole GPU back
+            uncap_gpu(device)
     unclipped = {r.setup: r.step_ms for r in rows if r.clip == "off"}
     for r in rows:
         r.vs_off = r.step_ms / unclipped[r.setup] if r.setup in unclipped else None
