@@ -33,11 +33,7 @@ through an aligned bounce buffer (one extra host copy) — pool blocks never nee
 future raises, nothing was lost: a failed write leaves the caller's bytes in place and frees the
 extent; a failed read leaves the extent allocated and the buffer's contents undefined.
 
-Note [spill errors]: errors name the key, the file and the byte offset. ``SpillFull`` (no free
-extent large enough) is raised by :meth:`SpillSpace.write` itself so a caller can pick another
-tier at once; I/O errors arrive through the future. Idempotent positional I/O is retried
-(``io_retries`` times) on EIO, on a short read and, for reads, on a checksum mismatch; ENOSPC
-is never retried.
+The errors (Note [spill errors]) are in :mod:`.spill_errors`.
 """
 
 from __future__ import annotations
@@ -65,6 +61,7 @@ from .io.posix import ShortReadError, host_view
 from .io.reaper import run_or_defer, start as start_reaper
 from .fork import track as track_forks
 from .spill_dir import PrivateDir
+from .spill_errors import SpillCorruption, SpillError, SpillFull
 
 ALIGN_BYTES = 4096
 """Alignment of extent offsets, sizes and O_DIRECT buffers (bytes)."""
@@ -75,51 +72,6 @@ SPILL_DIR_PREFIX = "tiermem-"
 _SPILL_DIR_RE = re.compile(r"tiermem-(?P<pid>\d+)-(?P<id>[0-9a-f]+)")
 SPILL_FILE_NAME = "spill.bin"
 _SPILL_KIND = "spill"
-
-
-# ---------------------------------------------------------------------------------------------
-# errors
-
-
-class SpillError(OSError):
-    """A spill write or read failed; ``key``, ``path`` (file) and ``offset`` (bytes) say where.
-
-    ``errno`` is the OS error number when an OS error caused it, else ``None``.
-    """
-
-    def __init__(self, message: str, *, key: Hashable = None, path: str | None = None,
-                 offset: int | None = None, errno: int | None = None) -> None:
-        if errno is None:
-            super().__init__(message)
-        else:
-            super().__init__(errno, message)
-        self.message = message
-        self.key = key
-        self.path = path
-        self.offset = offset
-
-    def __str__(self) -> str:
-        prefix = f"[Errno {self.errno}] " if self.errno else ""
-        return f"{prefix}{self.message} (key={self.key!r}, file={self.path}, offset={self.offset})"
-
-    def __reduce__(self):  # keyword-only arguments: pickle through a dict
-        return (_rebuild_spill_error, (type(self), self.message, self.key, self.path,
-                                       self.offset, self.errno))
-
-
-def _rebuild_spill_error(cls, message, key, path, offset, err):
-    return cls(message, key=key, path=path, offset=offset, errno=err)
-
-
-class SpillCorruption(SpillError):
-    """Spilled bytes failed their checksum, or the extent is truncated (short read at EOF).
-
-    ``offset`` is the file offset of the first bad chunk (or of the missing bytes).
-    """
-
-
-class SpillFull(SpillError):
-    """No free extent of the requested size fits in ``capacity_bytes`` (not an OS error)."""
 
 
 # ---------------------------------------------------------------------------------------------
