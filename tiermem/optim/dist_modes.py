@@ -141,6 +141,7 @@ class ZeroMode(_DistMode):
         """On the last micro-batch, put param ``i``'s gradient in its reduce bucket; ship the
         shard pieces of the buckets that were reduced."""
         check_dense_grad(opt._who, g, i, opt._groups[g].params[i])
+        opt._step.note_backward(opt.param_groups)  # Note [late hyper-parameters]
         with opt._step.lock:
             count = opt._step.acc_count.get((g, i), 0) + 1
             opt._step.acc_count[(g, i)] = count

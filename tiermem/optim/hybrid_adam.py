@@ -87,7 +87,8 @@ from tiermem.optim.speculate import Speculation
 from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.state_setup import ensure_state, init_state, make_groups, private_store_for
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
-                                        check_params_before_step, shipped_mark)
+                                        check_params_before_step, hold_for_late_hyperparams,
+                                        refuse_stale_hyperparams, shipped_mark)
 from tiermem.optim.step_state import StepState, new_stats
 from tiermem.optim.step_tail import finish_step, step_gpu_side
 from tiermem.optim.streamed import stand_ins, streamed_mode
@@ -270,6 +271,9 @@ class HybridAdam(torch.optim.Optimizer):
             self._state_ready = True
         # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
         self._pending = False
+        # the loop sets hyper-parameters after backward: chunks wait for step() (Note [late
+        # hyper-parameters] in hyperparams.py)
+        self._late_hp = False
         self._chunks_of = self._layout.param_chunks()
         # Note [lifetime]: threads and hooks never keep the optimizer alive
         self._worker = ChunkWorker(self._layout, self._step, self._read_ahead, self._lane,
@@ -309,6 +313,7 @@ class HybridAdam(torch.optim.Optimizer):
         check_dense_grad(self._who, g, i, self._groups[g].params[i])
         if self._pending:
             self._finish_step()  # a param unused in forward: its previous update completes first
+        self._step.note_backward(self.param_groups)  # Note [late hyper-parameters]
         with self._step.lock:
             count = self._step.acc_count.get((g, i), 0) + 1
             self._step.acc_count[(g, i)] = count
@@ -353,11 +358,13 @@ class HybridAdam(torch.optim.Optimizer):
         self._watch.begin_step()
         self._worker.begin_step()
         self._mode.begin_step()
-        if self.max_grad_norm is None and not self._spec.amp.holds():
+        if self.max_grad_norm is None and not self._spec.amp.holds() and not self._late_hp:
             self._step.compute_allowed.set()
         else:  # the CPU step needs the global norm or the GradScaler's verdict first
-            self._step.compute_allowed.clear()  # (Note [grad scaler overlap])
+            self._step.compute_allowed.clear()  # (Note [grad scaler overlap]), or the
             self._spec.begin_step(self._state_ready)  # or speculates: Note [speculative step]
+            if self._late_hp:  # step()'s hyper-parameters: Note [late hyper-parameters]
+                self._spec.active = False  # (the worker is idle: nothing admitted yet)
         with self._step.stats_lock:
             self._step.stats = new_stats()
             self._moved0 = dict(self._store.stats()["moved_bytes"])
@@ -434,6 +441,9 @@ class HybridAdam(torch.optim.Optimizer):
         try:  # a refused step wakes and fails the chunks waiting for it (held, clipping)
             check_accumulation(self._step, self.grad_accumulation_steps, self._who)
             check_grads_untouched(self._step, self._groups, self._who)
+            stale, late = self._step.late_changes()  # Note [late hyper-parameters]
+            self._late_hp = hold_for_late_hyperparams(self._who, stale, late, self._late_hp)
+            refuse_stale_hyperparams(self._who, stale)
             check_params_before_step(self._watch, self._groups, self._who)
         except (RuntimeError, ValueError):
             self._step.abandon()  # chunks not yet stepped are not

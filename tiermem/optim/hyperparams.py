@@ -7,6 +7,25 @@ checked where they are read: at construction, in ``step()`` before anything is s
 the chunk worker when it takes a group's live values during backward (overlap, before
 ``step()``). ``amsgrad=True`` is refused the same way: HybridAdam does not implement it, and
 stepping without it would silently differ from the state it was given.
+
+Note [late hyper-parameters]: torch.optim.AdamW steps with the ``param_groups`` values it finds
+at ``step()``. A loop may set them after backward and before ``step()`` (Karpathy's
+build-nanogpt sets ``lr`` from its schedule there), while with ``overlap=True`` HybridAdam's
+worker steps offloaded chunks during backward with the values live then (Note [frozen
+hyper-parameters] in step_state.py): those chunks were silently stepped with the previous
+step's learning rate (a 5-step probe: 4.6e-3 off AdamW). Now every value a chunk stepped before
+``step()`` read (:data:`STEP_KEYS`) is recorded, and so are the values at the step's first
+gradient hook; ``step()`` compares both with its own (:func:`hp_differences`):
+- values changed after backward began, no chunk stepped with the old ones (the first step,
+  which only records the gradients' order; held chunks): the step is exact, and from then on
+  HybridAdam holds every offloaded chunk until ``step()`` (as with clipping without
+  speculation; logged once at WARNING with the fix that gives the overlap back: set the values
+  before the forward, e.g. a scheduler's ``step()`` after ``opt.step()``);
+- a chunk was stepped with values ``step()`` does not have (a loop that changes them after
+  backward only later in training): that step is refused in one line naming the group, the
+  field and both values, and abandoned (speculated chunks go back; chunks stepped without a
+  rollback copy cannot: the message says to restart from a checkpoint), and the hold begins.
+tests/optim/test_late_hyperparams.py.
 """
 
 from __future__ import annotations
@@ -17,6 +36,31 @@ from typing import Any
 import torch
 
 _FIELDS = ("lr", "eps", "weight_decay")
+STEP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw", "maximize")
+"""The hyper-parameters an offloaded chunk's step reads (Note [late hyper-parameters])."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two hyper-parameter values are equal (tensors: same values; tuples and lists
+    elementwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.to(a.dtype).cpu()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def hp_differences(index: int, old: dict, new: dict) -> list[str]:
+    """The :data:`STEP_KEYS` whose values differ between two copies of param group ``index``'s
+    hyper-parameters, as ``"param_groups[i]['lr'] 0.0006 -> 0.0003"`` (Note [late
+    hyper-parameters]).
+
+    Raises:
+        Nothing.
+    """
+    return [f"param_groups[{index}][{k!r}] {old.get(k)!r} -> {new.get(k)!r}"
+            for k in STEP_KEYS if not _same(old.get(k), new.get(k))]
 
 
 def _finite(value: Any) -> float | None:

@@ -1,16 +1,21 @@
 """What ``HybridAdam.step()`` refuses before it steps anything: more backward passes than
 ``grad_accumulation_steps``, gradients changed after backward copied them off the GPU
 (Note [gradient checksums]), a GradScaler with gradients handed over in backward
-(Note [grad scaler], ``take_scaler``), and parameters changed after their gradient hook
-handed them over (Note [param changes])."""
+(Note [grad scaler], ``take_scaler``), parameters changed after their gradient hook
+handed them over (Note [param changes]), and hyper-parameters set after chunks were stepped
+with the old ones (Note [late hyper-parameters])."""
 
 from __future__ import annotations
+
+import logging
 
 from tiermem.optim.amp_scaling import take_scaler  # noqa: F401 (for step())
 from tiermem.optim.grad_sums import changed_since_ship, shipped_mark  # noqa: F401 (_ship)
 from tiermem.optim.layout import Group
 from tiermem.optim.param_watch import ParamWatch
 from tiermem.optim.step_state import StepState
+
+logger = logging.getLogger("tiermem")
 
 
 def check_accumulation(step: StepState, grad_accumulation_steps: int, who: str) -> None:
@@ -81,3 +86,37 @@ def check_params_before_step(watch: ParamWatch, groups: list[Group], who: str) -
                     f"have stepped it from the old value; change parameters before the "
                     f"forward or after step(), or build HybridAdam with overlap=False. "
                     f"This step was not applied")
+
+
+def hold_for_late_hyperparams(who: str, stale: list[str], late: list[str], holding: bool) -> bool:
+    """Note [late hyper-parameters] (in hyperparams.py): whether every offloaded chunk must wait
+    for ``step()`` from the next step on, given :meth:`StepState.late_changes`' ``stale`` and
+    ``late`` lists; logged once, when ``holding`` turns True.
+
+    Raises:
+        Nothing.
+    """
+    if (late or stale) and not holding:
+        logger.warning(
+            "%s: the training loop changes hyper-parameters after backward began (%s); every "
+            "offloaded chunk now waits for step() (no CPU step during backward), so that "
+            "step() applies them as torch.optim.AdamW does. To keep the overlap, set them "
+            "before the forward (e.g. scheduler.step() after opt.step())",
+            who, "; ".join((stale or late)[:3]))
+    return holding or bool(late or stale)
+
+
+def refuse_stale_hyperparams(who: str, stale: list[str]) -> None:
+    """Note [late hyper-parameters]: refuse a step whose chunks stepped during backward used
+    hyper-parameters ``step()`` does not have (``stale``, from :meth:`StepState.late_changes`).
+
+    Raises:
+        RuntimeError: ``stale`` is not empty.
+    """
+    if stale:
+        raise RuntimeError(
+            f"{who}: chunks stepped during backward (overlap=True) used other hyper-parameters "
+            f"than step() has: {'; '.join(stale[:3])}; set them before the forward (e.g. "
+            f"scheduler.step() after opt.step()), or build HybridAdam with overlap=False. "
+            f"This step was refused; chunks stepped without a rollback copy keep the old "
+            f"values: restart from a checkpoint (later steps hold the chunks until step())")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tiermem.optim.hyperparams import check_group
+from tiermem.optim.hyperparams import check_group, hp_differences
 from tiermem.optim.partition import Chunk
 
 
@@ -105,6 +105,13 @@ class StepState:
     """Under lock; the caller writes (:meth:`freeze` in ``step()``, :meth:`reset`), the worker
     reads (:meth:`hyperparams`): each group's hyper-parameters as of ``step()`` (None before
     it: the live ``param_groups``). See Note [frozen hyper-parameters]."""
+    early_hp: dict[int, list[dict]] = field(default_factory=dict)
+    """Under lock; the worker writes (:meth:`hyperparams` before ``step()`` froze them): each
+    group's distinct hyper-parameters chunks were stepped with before ``step()`` (Note [late
+    hyper-parameters] in hyperparams.py)."""
+    backward_hp: list[dict] | None = None
+    """Under lock; the hooks write (:meth:`note_backward`, the step's first gradient hook):
+    every group's hyper-parameters when backward began."""
     abandoned: bool = False
     """Written by the caller (:meth:`abandon`, :meth:`reset`) before setting
     ``compute_allowed``, read by the worker after waiting on it: the step was refused, step no
@@ -130,6 +137,8 @@ class StepState:
         """
         with self.lock:
             self.frozen_hp = None
+            self.early_hp = {}
+            self.backward_hp = None
             self.acc_count.clear()
             self.shipped.clear()
             self.shipped_versions.clear()
@@ -213,8 +222,42 @@ class StepState:
                 return self.frozen_hp[g]
             hp = _copy_hp(live[g])  # under the lock: step() cannot freeze, then a scheduler
             # change the live values, between the check and the copy
+            seen = self.early_hp.setdefault(g, [])  # Note [late hyper-parameters]
+            if not any(not hp_differences(g, old, hp) for old in seen):
+                seen.append(hp)
         check_group("HybridAdam", g, hp)  # Note [finite hyper-parameters]: before any use
         return hp
+
+    def note_backward(self, live: list[dict]) -> None:
+        """Record every group's hyper-parameters as backward begins, once a step (the first
+        gradient hook; Note [late hyper-parameters] in hyperparams.py).
+
+        Raises:
+            Nothing.
+        """
+        if self.backward_hp is None:  # unlocked read: only the hooks' thread writes it
+            copied = [_copy_hp(hp) for hp in live]
+            with self.lock:
+                self.backward_hp = copied
+
+    def late_changes(self) -> tuple[list[str], list[str]]:
+        """After :meth:`freeze` (``step()``): ``(stale, late)``, the hyper-parameters that differ
+        from the frozen ones in what chunks stepped before ``step()`` read (``stale``: those
+        chunks are wrong) and in what backward began with (``late``: the loop sets them after
+        backward). Note [late hyper-parameters] in hyperparams.py.
+
+        Raises:
+            Nothing.
+        """
+        with self.lock:
+            frozen, early, began = self.frozen_hp, dict(self.early_hp), self.backward_hp
+        if frozen is None:
+            return [], []
+        stale = [d for g, seen in sorted(early.items()) for hp in seen
+                 for d in hp_differences(g, hp, frozen[g])]
+        late = [d for g, hp in enumerate(began or []) if g < len(frozen)
+                for d in hp_differences(g, hp, frozen[g])]
+        return list(dict.fromkeys(stale)), late
 
     def prepare_state(self, item: tuple[int, int], blob: Any) -> None:
         """Chunk ``item``'s state blob is held in RAM, about to be stepped (worker): the
