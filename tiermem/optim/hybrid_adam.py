@@ -271,9 +271,8 @@ class HybridAdam(torch.optim.Optimizer):
             self._state_ready = True
         # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
         self._pending = False
-        # the loop sets hyper-parameters after backward: chunks wait for step() (Note [late
-        # hyper-parameters] in hyperparams.py)
-        self._late_hp = False
+        # the loop sets hyper-parameters after backward: chunks wait for step()
+        self._late_hp = False  # (Note [late hyper-parameters] in hyperparams.py)
         self._chunks_of = self._layout.param_chunks()
         # Note [lifetime]: threads and hooks never keep the optimizer alive
         self._worker = ChunkWorker(self._layout, self._step, self._read_ahead, self._lane,
