@@ -88,6 +88,13 @@ class UnsafeCheckpointError(CheckpointError):
     """The file holds objects that ``torch.load(weights_only=True)`` refuses to unpickle."""
 
 
+class CheckpointMismatch(CheckpointError, ValueError):
+    """The checkpoint does not fit the model or optimizer given to :func:`load_checkpoint`
+    (other shapes, keys, param groups); raised before either is touched (Note [checkpoint
+    fit]). A ``RuntimeError`` as torch's error for a model is, and a ``ValueError`` as an
+    optimizer's is."""
+
+
 # ---------------------------------------------------------------------------------------------
 # atomic writer
 
@@ -127,11 +134,26 @@ def _fsync_dir(dir_fd: int) -> None:
             raise
 
 
+def _raise_naming(exc: OSError, path: str, doing: str) -> None:
+    """Re-raise ``exc`` when it names a path; else raise an ``OSError`` of its errno (and
+    subclass) whose one line names the checkpoint ``path`` and what the save was ``doing``. A
+    call relative to a directory descriptor names only a bare name (``data``, the temporary
+    directory's), or nothing (the marker's write), which does not say which checkpoint failed.
+
+    Raises:
+        OSError: always.
+    """
+    name = exc.filename
+    if isinstance(name, (str, bytes, os.PathLike)) and os.path.dirname(os.fsdecode(name)):
+        raise exc
+    raise OSError(exc.errno, f"{exc.strerror or exc} ({doing} {path})", path) from exc
+
+
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     """Write ``torch.save(obj)`` (plus an integrity trailer) to ``path`` atomically and durably.
 
     See the module docstring for the steps. On any error the temporary directory is removed and
-    ``path`` is left as it was.
+    ``path`` is left as it was, unless the error is the directory's ``fsync`` after the rename.
 
     Raises:
         TypeError: ``obj`` holds an object that :func:`load_checkpoint` would refuse (Note
@@ -141,7 +163,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         FileExistsError: something already has the temporary directory's name (planted).
         OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); or someone else
             replaced the temporary directory or the checkpoint during the save (``EPERM``,
-            Note [checkpoint directory fds]); the message names the file.
+            Note [checkpoint directory fds]); the message names the file. Only when the
+            ``fsync`` of the directory fails (step 4) is the new file already in place, and
+            the message says so.
     """
     check_payload(obj, "obj", caller="atomic_save")
     _atomic_write(obj, path)
@@ -166,12 +190,21 @@ def _atomic_write(obj: Any, path: str | os.PathLike) -> None:
         if target is not None and stat.S_ISDIR(target.st_mode):
             raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
         cleanup_temp_files(directory)
-        tmp = TempDir.make(dir_fd, directory, f".{name}{_TMP_TAG}", _TMP_KIND)
+        try:
+            tmp = TempDir.make(dir_fd, directory, f".{name}{_TMP_TAG}", _TMP_KIND)
+        except OSError as exc:  # e.g. ENOSPC or EROFS at mkdir or at the marker's write
+            _raise_naming(exc, path, "making the temporary directory of checkpoint")
         try:
             _write_and_replace(obj, tmp, name, path)
         finally:
             tmp.remove((_TMP_DATA,))
-        _fsync_dir(dir_fd)
+        try:
+            _fsync_dir(dir_fd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"checkpoint {path} was written and renamed into place, "
+                          f"but the fsync of its directory failed ({exc.strerror or exc}): it "
+                          f"loads, but a power loss may bring back the previous one", path
+                          ) from exc
     finally:
         os.close(dir_fd)
 
@@ -180,7 +213,10 @@ def _write_and_replace(obj: Any, tmp: TempDir, name: str, path: str) -> None:
     """Steps 1 (the file) to 3 of :func:`atomic_save`: ``data`` in ``tmp``, renamed onto
     ``name`` in ``tmp``'s parent (``path`` is for messages); on error ``data`` is removed."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(_TMP_DATA, flags, 0o600, dir_fd=tmp.fd)
+    try:
+        fd = os.open(_TMP_DATA, flags, 0o600, dir_fd=tmp.fd)
+    except OSError as exc:  # e.g. ENOSPC: no inode left
+        _raise_naming(exc, path, "creating the file of checkpoint")
     try:
         with os.fdopen(fd, "w+b") as f:
             writer = _HashingWriter(f)
@@ -208,9 +244,8 @@ def _write_and_replace(obj: Any, tmp: TempDir, name: str, path: str) -> None:
             os.unlink(_TMP_DATA, dir_fd=tmp.fd)
         except OSError:
             pass
-        if isinstance(exc, OSError) and exc.filename is None:
-            raise OSError(exc.errno, f"{exc.strerror or exc} (writing checkpoint {path})",
-                          path) from exc
+        if isinstance(exc, OSError):
+            _raise_naming(exc, path, "writing checkpoint")
         raise
 
 
@@ -420,6 +455,11 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     scalar, ``argparse.Namespace``, ``pathlib.Path``...) is refused before anything is written
     (Note [checkpoint payload types]).
 
+    The optimizer's state is taken first, and the model's after it: a HybridAdam step still in
+    flight (``param_sync="forward"``) is completed by the former, so both hold that step. A
+    save of the model alone cannot see such a step: call ``opt.synchronize()`` before it
+    (Note [forward sync]), or the parameters are saved while its worker still writes them.
+
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` has no ``state_dict``; or
             the payload holds an object :func:`load_checkpoint` would refuse (the message names
@@ -435,10 +475,13 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
         raise TypeError(f"save_checkpoint: optimizer must have a state_dict() method, "
                         f"got {type(optimizer).__name__}")
+    # the optimizer's first: HybridAdam's state_dict() completes a step still in flight
+    # (param_sync="forward", Note [forward sync]), so the model's is taken from its result
+    opt_state = optimizer.state_dict() if optimizer is not None else None
     payload = {
         "format": _KIND_CHECKPOINT, "version": FORMAT_VERSION, "time": time.time(),
         "model": model.state_dict() if model is not None else None,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": opt_state,
         "extra": extra,
     }
     for part, label in (("model", "model.state_dict()"),
@@ -453,10 +496,12 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     """Load a checkpoint written by :func:`save_checkpoint` (never unpickling other objects).
 
     The file is verified (trailer and SHA-256; ``verify=False`` skips the digest) and fully
-    read before ``model`` or ``optimizer`` is touched; then ``model.load_state_dict(...,
-    strict=strict)`` and ``optimizer.load_state_dict(...)`` run and their own errors (a state
-    for another model) propagate unchanged. Tensors are loaded on the CPU; the model and
-    optimizer copy them to their devices.
+    read, and checked to fit ``model`` and ``optimizer`` (Note [checkpoint fit]: keys with
+    ``strict``, shapes, param groups), before either is touched; then
+    ``model.load_state_dict(..., strict=strict)`` and ``optimizer.load_state_dict(...)`` run,
+    and errors only they find propagate unchanged (those of the optimizer come after the model
+    was loaded). Tensors are loaded on the CPU; the model and optimizer copy them to their
+    devices.
 
     Returns:
         ``{"model": state_dict | None, "optimizer": state_dict | None, "extra": ..., "time":
@@ -471,6 +516,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
         CheckpointError: a tiermem store snapshot or another file type; ``path`` is not a
             regular file (a FIFO, socket or device: refused at once, never read); or ``model``
             / ``optimizer`` given but the checkpoint has none.
+        CheckpointMismatch: the checkpoint does not fit ``model`` or ``optimizer`` (one line
+            naming the file, the first key or param and both shapes); neither was touched.
         RuntimeError, ValueError: from ``load_state_dict`` of the model / optimizer.
     """
     payload = _load_verified(path, _KIND_CHECKPOINT, verify)
@@ -479,10 +526,129 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
             raise CheckpointError(f"checkpoint {os.fspath(path)} has no {name} state, but a "
                                   f"{name} was given to load_checkpoint", path)
     if model is not None:
+        _check_model_fits(os.fspath(path), model, payload["model"], strict)
+    if optimizer is not None:
+        _check_optimizer_fits(os.fspath(path), optimizer, payload["optimizer"])
+    if model is not None:
         model.load_state_dict(payload["model"], strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])
     return payload
+
+
+# Note [checkpoint fit]
+# torch's ``Module.load_state_dict`` copies every tensor that fits before it raises about the
+# ones that do not (another shape; with ``strict``, unexpected or missing keys), and
+# load_checkpoint loads the model before the optimizer, whose refusal (other param groups)
+# then came with the model already overwritten: a failed load left the model half loaded, or
+# loaded and the optimizer not. torch's ``Optimizer.load_state_dict`` takes state tensors of
+# any shape, so another model's state replaced the optimizer's and the next step failed (or
+# broadcast). So before either is touched, :func:`load_checkpoint` compares
+# - the model's ``state_dict()`` (what it would save: a streamed model's hooks give its host
+#   copies, of the real shapes) with the checkpoint's: keys (``strict``) and the shape of every
+#   tensor both have, by torch's rule (a 0-dim tensor takes a saved ``(1,)``; lazy ones pass);
+# - the optimizer's number of param groups and of params in each, when its ``load_state_dict``
+#   is torch's (which refuses the same after the model was loaded) or tiermem's;
+# - for torch.optim's and tiermem's optimizers, each per-param state tensor that they keep in
+#   the param's shape (:data:`_PARAM_SHAPED`) against its param; an empty param (a streamed
+#   weight's placeholder during a pass) is not compared. Other optimizers may keep such names
+#   in other shapes (a low-rank projection's ``exp_avg``).
+# A mismatch raises :class:`CheckpointMismatch`, one line naming the file, the first keys and
+# both shapes. What only the optimizer knows is still found after the model was loaded:
+# HybridAdam's refusals of an amsgrad state or non-finite hyper-parameters, and no room for its
+# state on first use (``TierFullError``).
+
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "master",
+                           "momentum_buffer", "square_avg", "acc_delta", "grad_avg", "sum",
+                           "ax", "prev", "step_size", "variance"})
+"""Per-param state of torch.optim's optimizers (and HybridAdam's ``master``) that has the
+param's shape where present (Note [checkpoint fit])."""
+_NOTHING_LOADED = "nothing was loaded (the model and optimizer are as they were)"
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _first(keys: list[str], n: int = 3) -> str:
+    more = f" and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(repr(k) for k in keys[:n]) + more
+
+
+def _check_model_fits(path: str, model: torch.nn.Module, saved: Any, strict: bool) -> None:
+    """Note [checkpoint fit], the model's part.
+
+    Raises:
+        CheckpointMismatch: names the first mismatched keys and shapes.
+    """
+    if not isinstance(saved, dict):
+        return  # malformed: the model's own load says so
+    own = model.state_dict()
+    sized = []
+    for key, value in own.items():
+        got = saved.get(key)
+        if not (isinstance(value, torch.Tensor) and isinstance(got, torch.Tensor)) or \
+                torch.nn.parameter.is_lazy(value):
+            continue
+        if value.dim() == 0 and _shape(got) == (1,):
+            continue
+        if got.shape != value.shape:
+            sized.append(f"{key!r} has shape {_shape(got)} in the checkpoint but "
+                         f"{_shape(value)} in the model")
+    problems = [f"size mismatch: {'; '.join(sized[:3])}" + (
+        f" and {len(sized) - 3} more" if len(sized) > 3 else "")] if sized else []
+    missing = [k for k in own if k not in saved] if strict else []
+    unexpected = [k for k in saved if k not in own] if strict else []
+    problems += [f"{what} keys: {_first(keys)}" for what, keys in
+                 (("unexpected", unexpected), ("missing", missing)) if keys]
+    if problems:
+        fix = "load it into the model it was saved from" + (
+            "" if sized else ", or pass strict=False to load only the keys both have")
+        raise CheckpointMismatch(f"load_checkpoint: checkpoint {path} does not fit the model "
+                                 f"({'; '.join(problems)}); {_NOTHING_LOADED}; fix: {fix}",
+                                 path)
+
+
+def _check_optimizer_fits(path: str, optimizer: Any, saved: Any) -> None:
+    """Note [checkpoint fit], the optimizer's part.
+
+    Raises:
+        CheckpointMismatch: names the group, the param and the shapes.
+    """
+    own = getattr(optimizer, "param_groups", None)
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    states = saved.get("state") if isinstance(saved, dict) else None
+    cls = type(optimizer)
+    ours = cls.__module__.startswith("tiermem.")
+    if not (isinstance(own, list) and isinstance(groups, list) and isinstance(states, dict)) or \
+            not (ours or getattr(cls, "load_state_dict", None) is
+                 torch.optim.Optimizer.load_state_dict):
+        return  # another optimizer's own load decides
+
+    def refuse(problem: str) -> None:
+        raise CheckpointMismatch(
+            f"load_checkpoint: checkpoint {path} does not fit the optimizer ({problem}); "
+            f"{_NOTHING_LOADED}; fix: load it into an optimizer over the same params, in the "
+            f"same param groups and order", path)
+
+    if len(groups) != len(own):
+        refuse(f"{len(groups)} param groups in the checkpoint but {len(own)} in the optimizer")
+    for gi, (group, mine) in enumerate(zip(groups, own)):
+        ids, params = group.get("params", ()), list(mine["params"])
+        if len(ids) != len(params):
+            refuse(f"param group {gi} has {len(ids)} params in the checkpoint but "
+                   f"{len(params)} in the optimizer")
+        if not (ours or cls.__module__.startswith("torch.optim")):
+            continue
+        for sid, p in zip(ids, params):
+            state = states.get(sid)
+            if not isinstance(state, dict) or p.numel() == 0:
+                continue
+            for name in sorted(_PARAM_SHAPED & state.keys()):
+                t = state[name]
+                if isinstance(t, torch.Tensor) and t.shape != p.shape:
+                    refuse(f"{name} of param {sid} (group {gi}) has shape {_shape(t)} but the "
+                           f"param has {_shape(p)}; the state is for another model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,7 +740,7 @@ def load_store(path: str | os.PathLike, store, *, verify: bool = True) -> dict[H
     return placed
 
 
-__all__ = ["CheckpointCorruption", "CheckpointError", "UnsafeCheckpointError", "atomic_save",
-           "cleanup_temp_files", "load_checkpoint", "load_store", "save_checkpoint",
-           "save_store"]
+__all__ = ["CheckpointCorruption", "CheckpointError", "CheckpointMismatch",
+           "UnsafeCheckpointError", "atomic_save", "cleanup_temp_files", "load_checkpoint",
+           "load_store", "save_checkpoint", "save_store"]
 
