@@ -27,12 +27,13 @@ module therefore gets:
   error. Reading those weights back would put the whole frozen base in RAM, which the NVMe
   home exists to avoid, so they are left out of the state dict (logged once per stream at
   WARNING): a strict load of it names them as missing keys; ``strict=False`` keeps the base
-  the loading model was built with.
+  the loading model was built with. Every entry over a ``tier="cpu"`` host copy, between
+  passes too, then gets a storage of its own bytes (Note [exact state dict storage]).
 - **A load_state_dict pre-hook.** Refused during a pass (the backward needs the weights its
   forward read). A pending step is completed first (the worker's write-back would race the
   load; resident weights a load reaches before the first streamed block, the embeddings, still
-  need ``opt.synchronize()`` first: Note [forward sync]). A host copy is loaded in place by torch (``param.copy_``: its version moves, so the
-  next pass streams it, the NVMe copy is rewritten, and HybridAdam takes it into its masters:
+  need ``opt.synchronize()`` first: Note [forward sync]). A host copy is loaded in place by
+  torch (``param.copy_``: its version moves, so the next pass streams it, the NVMe copy is rewritten, and HybridAdam takes it into its masters:
   Note [param changes]). A weight homed on NVMe whose key is in the state dict gets a dense
   RAM tensor of its stand-in's NaN as ``.data`` for torch to copy into (one block at a time).
 - **A load_state_dict post-hook** (after the block's weights were loaded): each such weight
@@ -40,6 +41,31 @@ module therefore gets:
   back (``WeightStream.adopt``); one the load skipped (a shape error) gets its stand-in back
   unwritten. Should the load stop in between, the NaN tensor left as ``.data`` is refused at the
   next pass start and its NVMe copy kept (``NvmeHome.check_unwritten``).
+
+Note [exact state dict storage]: with ``tier="cpu"`` a host copy is a view into a pool slab
+(1 MiB to 1 GiB, shared with every other block cut from it: the other weights, and HybridAdam's
+state when it shares the store), and ``torch.save`` writes a tensor's whole storage. So
+``torch.save(model.state_dict())`` wrote every slab holding a streamed weight: a file as large
+as those slabs, holding the bytes of the other keys in them (optimizer state, anything else
+in the store); with two dtypes in one slab (fp32 norms beside bf16 matrices) torch.save
+refused the state dict outright, and ``save_checkpoint`` held the slabs in memory once more
+for its payload check. The post-hook therefore gives each such entry (between passes the
+``param.detach()`` torch made, during a pass the host copy's ``detach()``) a storage of exactly
+its own bytes over the same memory, by ``entry.data = exact_storage(host)`` (Note [exact
+storage] in tiermem/store/exact.py): no copy, and the entry keeps the version counter it
+shares with the parameter (between passes) as torch's does, so a write through it is seen as
+an in-place change (Note [param changes]). As torch's, the entries are live views: a later step
+or load changes them; ``sd = {k: v.clone() ...}`` keeps a snapshot. The host copy's block
+stays where it is while the stream is open (its key is held), but ``close()`` deletes the keys
+and the pool may hand the blocks to other keys: an entry still alive then would show their
+bytes. So the hooks keep a weak reference to each entry they handed out, and the last handle
+:meth:`StateDictHooks.install` returns (``close()`` removes the handles before it deletes the
+keys) gives each entry still alive a copy of its bytes, as a torch state dict entry keeps the
+old storage when ``param.data`` is replaced. ``keep_vars=True`` between passes returns the
+parameters themselves (torch's contract): their ``.data`` is the pool view, so
+``torch.save`` of that still writes slabs; checkpoints take ``keep_vars=False``. With
+``tier="nvme"`` a host copy is a tensor of its own (nothing to do), and weights homed on
+NVMe are left out.
 """
 
 from __future__ import annotations
@@ -50,6 +76,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from tiermem.store.exact import exact_storage, owns_exactly
 
 logger = logging.getLogger("tiermem")
 
@@ -65,9 +93,13 @@ class StateDictHooks:
         self._ref = weakref.ref(stream)
         self._loading: dict[int, list[tuple[Any, int]]] = {}  # block -> (Param, version)
         self._warned = False  # the NVMe home's weights left out: logged once
+        # Note [exact state dict storage]: (entry, its data_ptr) handed out over a pool block
+        self._lent: list[tuple[weakref.ref, int]] = []
+        self._pruned = 0  # live entries at the last prune
 
     def install(self) -> list:
-        """Register the four hooks on every streamed block module; return their handles.
+        """Register the four hooks on every streamed block module; return their handles, the
+        last of which lets go of the pool blocks (Note [exact state dict storage]).
 
         Raises:
             nothing.
@@ -84,7 +116,7 @@ class StateDictHooks:
                 module.register_load_state_dict_pre_hook(functools.partial(self._before_load,
                                                                            i)),
                 module.register_load_state_dict_post_hook(functools.partial(self._loaded, i))]
-        return handles
+        return handles + [_LetGo(self)]
 
     def _stream(self) -> Any:
         me = self._ref()
@@ -123,7 +155,14 @@ class StateDictHooks:
                         f"{key} holds no data until the backward has ended "
                         f"(Note [streamed state dicts]); call it after backward(), or with "
                         f"keep_vars=False")
-                state[key] = p.host.detach()
+                state[key] = self._exact(p.host.detach(), p.host)
+            else:  # torch's param.detach() over the host copy (unless .data was replaced)
+                entry = state[key]
+                if entry is not p.param and isinstance(entry, torch.Tensor) \
+                        and entry.data_ptr() == p.host.data_ptr() \
+                        and entry.dtype == p.host.dtype and entry.shape == p.host.shape \
+                        and entry.stride() == p.host.stride():
+                    self._exact(entry, p.host)
         if left_out and not self._warned:
             self._warned = True
             logger.warning(
@@ -131,6 +170,34 @@ class StateDictHooks:
                 "model.state_dict(), e.g. %s: frozen, they are the base the model was built "
                 "from (Note [streamed state dicts]); load such a state dict with strict=False",
                 len(left_out), left_out[0])
+
+    def _exact(self, entry: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """``entry`` (over ``host``'s bytes) with a storage of exactly those bytes, remembered
+        until the stream closes; return it (Note [exact state dict storage])."""
+        if owns_exactly(host):  # tier="nvme": a host tensor of its own
+            return entry
+        entry.data = exact_storage(host)  # keeps entry's version counter; bumps no version
+        self._lent.append((weakref.ref(entry), entry.data_ptr()))
+        if len(self._lent) > 2 * self._pruned + 64:  # forget the entries that died
+            self._lent = [(ref, ptr) for ref, ptr in self._lent if ref() is not None]
+            self._pruned = len(self._lent)
+        return entry
+
+    def let_go(self) -> None:
+        """Give every state dict entry handed out over a pool block and still alive a copy of
+        its bytes, all copies made before any is swapped in (Note [exact state dict storage]).
+
+        Raises:
+            RuntimeError (out of memory): a copy failed; no entry changed and the blocks are
+                still the stream's.
+        """
+        live = [t for t, ptr in ((ref(), ptr) for ref, ptr in self._lent)
+                if t is not None and t.data_ptr() == ptr]
+        copies = [t.clone() for t in live]
+        for t, copy in zip(live, copies):
+            t.data = copy
+        self._lent.clear()
+        self._pruned = 0
 
     def _before_load(self, i: int, module: Any, state: dict, prefix: str, *args: Any) -> None:
         me = self._stream()
@@ -166,3 +233,24 @@ class StateDictHooks:
         for p, version in loading:
             if p.param._version != version:
                 me.adopt(p.param)  # to NVMe, the stand-in again (Note [NVMe home])
+
+
+class _LetGo:
+    """Not a torch hook: the handle ``WeightStream.close()`` removes with the others, before
+    it deletes the store keys, so that no state dict entry still alive points into a block the
+    pool may reuse (Note [exact state dict storage]).
+
+    Args:
+        hooks: the StateDictHooks that handed the entries out.
+    """
+
+    def __init__(self, hooks: StateDictHooks) -> None:
+        self._hooks = hooks
+
+    def remove(self) -> None:
+        """:meth:`StateDictHooks.let_go`.
+
+        Raises:
+            RuntimeError (out of memory): as :meth:`StateDictHooks.let_go`.
+        """
+        self._hooks.let_go()
