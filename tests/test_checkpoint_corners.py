@@ -361,6 +361,30 @@ def test_saving_where_a_file_or_directory_is_in_the_way_changes_nothing(tmp_path
     assert os.listdir(tmp_path / "runs") == []
 
 
+def test_a_users_file_at_the_checkpoint_path_is_not_replaced(tmp_path):
+    """A save to a path holding a file tiermem did not write (a typo, a plain torch.save
+    file) replaced it: the user's file was gone. Now refused in one line naming it; a
+    tiermem checkpoint or store snapshot, an empty file and a symlink are still replaced."""
+    path, good = _good_checkpoint(tmp_path)
+    torch.save({"w": torch.ones(3)}, tmp_path / "plain.pt")
+    plain = (tmp_path / "plain.pt").read_bytes()
+    for name in ("notes.txt", "plain.pt"):
+        with pytest.raises(FileExistsError, match="is not a tiermem checkpoint.*refusing to "
+                           "replace a file tiermem did not write; fix: ") as info:
+            save_checkpoint(tmp_path / name, extra={"step": 2})
+        assert info.value.filename == str(tmp_path / name) and "\n" not in str(info.value)
+    assert (tmp_path / "notes.txt").read_bytes() == USER_FILES["notes.txt"]
+    assert (tmp_path / "plain.pt").read_bytes() == plain
+    (tmp_path / "plain.pt").unlink()
+    _assert_kept(tmp_path, path, good)
+    (tmp_path / "empty.pt").touch()
+    save_checkpoint(tmp_path / "empty.pt", extra={"step": 2})
+    ckpt.atomic_save({"x": 1}, path)  # a file of atomic_save, any payload
+    save_checkpoint(path, extra={"step": 3})
+    assert load_checkpoint(path)["extra"] == {"step": 3}
+    assert load_checkpoint(tmp_path / "empty.pt")["extra"] == {"step": 2}
+
+
 def test_two_saves_in_a_row_leave_the_second_and_nothing_else(tmp_path):
     path, _ = _good_checkpoint(tmp_path)
     save_checkpoint(path, extra={"step": 2})

@@ -2,7 +2,9 @@
 
 Writing (:func:`atomic_save`, used by :func:`save_checkpoint` and :func:`save_store`), after the
 payload is checked against the loader (Note [checkpoint payload types]), works relative to
-directory descriptors (Note [checkpoint directory fds], :mod:`tiermem._ckpt_dir`):
+directory descriptors (Note [checkpoint directory fds], :mod:`tiermem._ckpt_dir`). A non-empty
+regular file at the target that does not end with the trailer below is not tiermem's and is
+never replaced (``FileExistsError``). Then:
 
 1. a private temporary directory ``.<name>.tiermem-tmp-<pid>-<random>`` (0700, checked through
    its descriptor to be this user's) is made in the target's directory, holding a marker file
@@ -160,7 +162,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
             [checkpoint payload types]); nothing is written.
         FileNotFoundError: the directory of ``path`` does not exist.
         IsADirectoryError: ``path`` is a directory.
-        FileExistsError: something already has the temporary directory's name (planted).
+        FileExistsError: ``path`` is a non-empty file that does not end with the trailer (not
+            written by tiermem: it is kept); or something already has the temporary
+            directory's name (planted).
         OSError: the write, ``fsync`` or rename failed (e.g. ``ENOSPC``); or someone else
             replaced the temporary directory or the checkpoint during the save (``EPERM``,
             Note [checkpoint directory fds]); the message names the file. Only when the
@@ -189,6 +193,12 @@ def _atomic_write(obj: Any, path: str | os.PathLike) -> None:
         target = lstat_at(dir_fd, name)
         if target is not None and stat.S_ISDIR(target.st_mode):
             raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+        if target is not None and stat.S_ISREG(target.st_mode) and target.st_size and \
+                not _has_trailer(dir_fd, name):
+            raise FileExistsError(errno.EEXIST, "checkpoint path holds a file that is not a "
+                                  "tiermem checkpoint (no tiermem trailer at its end): refusing "
+                                  "to replace a file tiermem did not write; fix: remove or "
+                                  "rename it, or save under another name", path)
         cleanup_temp_files(directory)
         try:
             tmp = TempDir.make(dir_fd, directory, f".{name}{_TMP_TAG}", _TMP_KIND)
@@ -207,6 +217,26 @@ def _atomic_write(obj: Any, path: str | os.PathLike) -> None:
                           ) from exc
     finally:
         os.close(dir_fd)
+
+
+def _has_trailer(dir_fd: int, name: str) -> bool:
+    """Whether the regular file ``name`` in ``dir_fd`` ends with :func:`atomic_save`'s trailer
+    (magic and the length of the rest): a file tiermem wrote, which a save may replace. A
+    user's file at the checkpoint's path (a typo, a plain ``torch.save`` file) is not."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size < _TRAILER_BYTES:
+            return False
+        end = os.pread(fd, _TRAILER_BYTES, size - _TRAILER_BYTES)
+        return end[:len(_MAGIC)] == _MAGIC and \
+            int.from_bytes(end[len(_MAGIC):len(_MAGIC) + 8], "little") == size - _TRAILER_BYTES
+    finally:
+        os.close(fd)
 
 
 def _write_and_replace(obj: Any, tmp: TempDir, name: str, path: str) -> None:
@@ -465,6 +495,7 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
             the payload holds an object :func:`load_checkpoint` would refuse (the message names
             its key path, e.g. ``extra['args']``, its type and the fix); the previous
             checkpoint at ``path`` is untouched.
+        FileExistsError: ``path`` holds a file tiermem did not write (not replaced).
         OSError: the write failed, or someone else changed the directory during the save
             (Note [checkpoint directory fds]); the previous checkpoint at ``path`` is untouched
             unless the change came after the rename.
@@ -678,6 +709,7 @@ def save_store(store, path: str | os.PathLike) -> dict[Hashable, str]:
         TypeError: a key that is not str / int / a tuple of them (nothing is written).
         TierFullError: a spilled key cannot be staged through a full ``"cpu"`` tier.
         SpillError, SpillCorruption: a spilled key cannot be read back.
+        FileExistsError: ``path`` holds a file tiermem did not write (not replaced).
         OSError: the write failed (the previous file at ``path`` is untouched).
     """
     keys = store.keys()
