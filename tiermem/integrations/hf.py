@@ -13,7 +13,8 @@
 
 Note [trainer clipping]: Trainer clips between backward and ``optimizer.step()`` with
 ``accelerator.clip_grad_norm_`` and, with ``max_grad_norm <= 0``, still calls it with an infinite
-norm to log ``grad_norm``; both multiply every gradient in place (by 1.0 in the second case).
+norm to log ``grad_norm``; both multiplied every gradient in place (by 1.0 in the second case;
+accelerate 1.16 takes the norm alone at an infinite ``max_norm``, older versions do not).
 HybridAdam copies gradients off the GPU in backward (overlap) and clips inside ``step()``
 itself, so an in-place change after backward is either refused (its version check) or, with
 its own clip, silently applied twice (the clip coefficient of already clipped gradients is not
