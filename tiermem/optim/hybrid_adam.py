@@ -88,7 +88,8 @@ from tiermem.optim.state_dict import check_loadable, scatter, torch_format
 from tiermem.optim.state_setup import ensure_state, init_state, make_groups, private_store_for
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step, hold_for_late_hyperparams,
-                                        refuse_stale_hyperparams, shipped_mark)
+                                        refuse_skipped_step, refuse_stale_hyperparams,
+                                        shipped_mark)
 from tiermem.optim.step_state import StepState, new_stats
 from tiermem.optim.step_tail import finish_step, step_gpu_side
 from tiermem.optim.streamed import stand_ins, streamed_mode
@@ -411,6 +412,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._check_process()
         # the CPU step cannot be captured: Note [cuda graphs] (a param's device decides)
         refuse_capture("HybridAdam", "step()", _GRAPH_FIX, self._groups[0].params[0])
+        self._step.backward_seen = False  # this backward's step: Note [skipped steps]
         if self._pending:
             self._finish_step()  # two steps without a forward between them
         try:  # Note [finite hyper-parameters]: nothing is stepped with a bad value
@@ -502,12 +504,24 @@ class HybridAdam(torch.optim.Optimizer):
         The same holds for ``model.zero_grad(set_to_none=False)``: call ``synchronize()``
         before it.
 
+        After a backward without ``step()`` (a skipped step) the step is abandoned: exact when
+        none of its chunks could be stepped during backward, else refused (Note [skipped
+        steps] in step_checks.py).
+
         Raises:
-            RuntimeError: the CPU step being completed failed.
+            RuntimeError: the CPU step being completed failed, or a skipped step's chunks may
+                have been stepped during backward (the gradients are reset first).
         """
         if not set_to_none:
             self.synchronize()
+        could_step = False
+        if self._step.backward_seen and not self._pending:  # Note [skipped steps]
+            with self._step.lock:
+                could_step = bool(self._step.shipped) and self._step.compute_allowed.is_set()
+            self._step.abandon()  # chunks not yet stepped are not; speculated ones go back
+            self._begin_step()
         super().zero_grad(set_to_none=set_to_none)
+        refuse_skipped_step(self._who, could_step)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Global forward pre-hook (param_sync="forward"): wait for this module's params."""

@@ -3,7 +3,25 @@
 (Note [gradient checksums]), a GradScaler with gradients handed over in backward
 (Note [grad scaler], ``take_scaler``), parameters changed after their gradient hook
 handed them over (Note [param changes]), and hyper-parameters set after chunks were stepped
-with the old ones (Note [late hyper-parameters])."""
+with the old ones (Note [late hyper-parameters]); and ``zero_grad()`` after a backward without
+``step()`` (Note [skipped steps]).
+
+Note [skipped steps]: a loop may skip a step after backward (a bad batch: ``zero_grad()`` and
+no ``step()``); torch.optim.AdamW then applies nothing. With ``overlap=True`` HybridAdam's worker
+may already have stepped offloaded chunks during that backward. The skip used to surface at the
+next ``step()`` as "2 backward passes accumulated ... grad_accumulation_steps=1", and the skipped
+backward's update stayed in every chunk the worker had stepped. Now ``HybridAdam.zero_grad()``
+after a backward without ``step()`` abandons the step (``StepState.abandon``: chunks not yet
+stepped never are, speculated ones go back) and starts the next one afresh. When every chunk
+of that backward was held (clipping without speculation, a GradScaler's first step, Note [late
+hyper-parameters]'s hold, ``overlap=False``, accumulation not yet at its last pass) or
+speculated, the skip is exact, as AdamW's. When chunks could step during backward (their
+gradients were handed over with nothing holding them), it raises in one line: part of the
+update may be applied; decide the skip before backward (e.g. a non-finite loss is known before
+``loss.backward()``), or build HybridAdam with ``max_grad_norm`` and ``rollback_bytes`` (chunks
+speculate, and a skip puts them back) or ``overlap=False``. ``model.zero_grad()`` bypasses the
+optimizer: the next ``step()`` refuses the extra backward pass and names this case.
+tests/optim/test_skipped_steps.py."""
 
 from __future__ import annotations
 
@@ -33,7 +51,8 @@ def check_accumulation(step: StepState, grad_accumulation_steps: int, who: str) 
             f"parameter before step(), but grad_accumulation_steps="
             f"{grad_accumulation_steps}: gradients were copied off the GPU after pass "
             f"{grad_accumulation_steps}; set grad_accumulation_steps to the number of "
-            f"backward passes per step")
+            f"backward passes per step (or, to skip a step after backward, call "
+            f"opt.zero_grad(), not model.zero_grad(): Note [skipped steps])")
 
 
 def check_grads_untouched(step: StepState, groups: list[Group], who: str) -> None:
@@ -120,3 +139,20 @@ def refuse_stale_hyperparams(who: str, stale: list[str]) -> None:
             f"scheduler.step() after opt.step()), or build HybridAdam with overlap=False. "
             f"This step was refused; chunks stepped without a rollback copy keep the old "
             f"values: restart from a checkpoint (later steps hold the chunks until step())")
+
+
+def refuse_skipped_step(who: str, could_step: bool) -> None:
+    """Note [skipped steps]: after ``zero_grad()`` abandoned a step whose backward handed chunks
+    over, refuse when some of them could have been stepped (``could_step``).
+
+    Raises:
+        RuntimeError: ``could_step``.
+    """
+    if could_step:
+        raise RuntimeError(
+            f"{who}: zero_grad() after backward without step(): with overlap=True offloaded "
+            f"chunks are stepped during backward, so part of this skipped step may be applied; "
+            f"decide the skip before loss.backward() (e.g. check the loss is finite), or build "
+            f"HybridAdam with max_grad_norm and rollback_bytes (a skip puts speculated chunks "
+            f"back) or overlap=False. The step was abandoned; restart from a checkpoint to "
+            f"stay exact")

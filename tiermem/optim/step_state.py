@@ -112,6 +112,9 @@ class StepState:
     backward_hp: list[dict] | None = None
     """Under lock; the hooks write (:meth:`note_backward`, the step's first gradient hook):
     every group's hyper-parameters when backward began."""
+    backward_seen: bool = False
+    """No lock; the hooks set it (:meth:`note_backward`), ``step()`` and :meth:`reset` clear it:
+    a backward ran since the last ``step()`` (Note [skipped steps] in step_checks.py)."""
     abandoned: bool = False
     """Written by the caller (:meth:`abandon`, :meth:`reset`) before setting
     ``compute_allowed``, read by the worker after waiting on it: the step was refused, step no
@@ -139,6 +142,7 @@ class StepState:
             self.frozen_hp = None
             self.early_hp = {}
             self.backward_hp = None
+            self.backward_seen = False
             self.acc_count.clear()
             self.shipped.clear()
             self.shipped_versions.clear()
@@ -235,6 +239,7 @@ class StepState:
         Raises:
             Nothing.
         """
+        self.backward_seen = True  # Note [skipped steps] in step_checks.py
         if self.backward_hp is None:  # unlocked read: only the hooks' thread writes it
             copied = [_copy_hp(hp) for hp in live]
             with self.lock:
