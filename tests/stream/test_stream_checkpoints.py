@@ -289,11 +289,14 @@ def test_model_state_dict_and_load_right_after_a_forward_synced_step(stores, gat
 
 
 def test_a_stale_saved_weight_is_caught(stores, gated_worker, monkeypatch):
-    """The twin: with ``Link.between_steps`` a no-op (the stream completes no step), the
-    weights saved right after ``step()`` are the step before's."""
+    """The twin: with ``Link.between_steps`` a no-op (the stream completes no step) and
+    HybridAdam's own model hooks off (Note [model state dicts after a forward-synced step]),
+    the weights saved right after ``step()`` are the step before's."""
     from tiermem.optim import streamed
+    from tiermem.optim.forward_sync import ModelHooks
 
     monkeypatch.setattr(streamed.Link, "between_steps", lambda self, what: None)
+    monkeypatch.setattr(ModelHooks, "see", lambda self, module: None)
     r = Run(_cfg(clip=1e9, sync="forward"), stores, streamed=True)
     try:
         r.passes(0)

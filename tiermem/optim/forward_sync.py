@@ -11,10 +11,23 @@ param outside a module's forward (an EMA, logging a norm) or writes a gradient i
 (``model.zero_grad(set_to_none=False)``) must call ``opt.synchronize()`` first.
 One process only (data parallel all-gathers the updated shards in ``step()``; FSDP2 gathers
 params in its own pre-forward hooks).
+
+Note [model state dicts after a forward-synced step]: ``torch.save(model.state_dict())``
+right after ``step()`` is how loops checkpoint, and with ``param_sync="forward"`` the worker was
+still writing offloaded params then: a probe saved 1-3 of 16 tensors from the step before (and
+``model.load_state_dict`` there was overwritten by the write-back, or refused by Note [param
+changes] at the completion). The optimizer sees no model, only params, so :class:`ModelHooks`
+registers a ``state_dict`` and a ``load_state_dict`` pre-hook on every module whose own params
+it steps, as the global forward pre-hook first meets the module (every module a forward runs,
+before the first ``step()``; a compiled module's submodules at once): each completes a pending
+step first. Reads of params outside ``state_dict`` (an EMA) still need ``opt.synchronize()``.
+tests/optim/test_forward_sync_state_dict.py.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -34,9 +47,7 @@ def wait_for_module(step: StepState, chunks_of: dict[int, Any], module: torch.nn
     """
     # a compiled module runs its submodules inside one graph, without their hooks: wait
     # here for every parameter under it (the whole model for torch.compile(model))
-    compiled = isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(
-        module, "_compiled_call_impl", None) is not None
-    params = module.parameters() if compiled else module._parameters.values()
+    params = module.parameters() if _compiled(module) else module._parameters.values()
     chunks = [item for p in params if p is not None for item in chunks_of.get(id(p), ())]
     if not chunks:
         return False
@@ -51,3 +62,49 @@ def wait_for_module(step: StepState, chunks_of: dict[int, Any], module: torch.nn
         if event is not None:
             consumer.wait_event(event)  # this module reads the params copied H2D
     return False
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs its submodules inside one compiled graph, without their hooks."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or getattr(
+        module, "_compiled_call_impl", None) is not None
+
+
+def _complete(ref: weakref.ref, *_: Any) -> None:
+    """A model state-dict pre-hook: complete the optimizer's pending step, if it still exists
+    (Note [model state dicts after a forward-synced step])."""
+    opt = ref()
+    if opt is not None and opt._pending:
+        opt.synchronize()
+
+
+class ModelHooks:
+    """Note [model state dicts after a forward-synced step]: the ``state_dict`` and
+    ``load_state_dict`` pre-hooks of the modules holding the optimizer's offloaded params.
+
+    Args:
+        ref: a weak reference to the optimizer (Note [lifetime]: hooks never keep it alive).
+        param_ids: ``id()`` of every param whose chunks the worker writes.
+        handles: the optimizer's hook handles (removed by ``close()`` and its finalizer); the
+            new ones are appended to it.
+    """
+
+    def __init__(self, ref: weakref.ref, param_ids: set[int], handles: list) -> None:
+        self._ref, self._ids, self._handles = ref, param_ids, handles
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+
+    def see(self, module: torch.nn.Module) -> None:
+        """Hook ``module`` (all of its submodules when compiled) once, if it holds any of the
+        params (the global forward pre-hook, caller's thread).
+
+        Raises:
+            Nothing.
+        """
+        if module in self._seen:
+            return
+        self._seen.add(module)
+        hook = functools.partial(_complete, self._ref)
+        for m in (module.modules() if _compiled(module) else (module,)):
+            if any(p is not None and id(p) in self._ids for p in m._parameters.values()):
+                self._handles.append(m.register_state_dict_pre_hook(hook))
+                self._handles.append(m.register_load_state_dict_pre_hook(hook))

@@ -74,7 +74,7 @@ from tiermem._graphs import refuse_capture
 from tiermem.optim.amp_scaling import settle_step, take_scaler
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
-from tiermem.optim.forward_sync import wait_for_module
+from tiermem.optim.forward_sync import ModelHooks, wait_for_module
 from tiermem.optim.gpu_lane import GpuLane
 from tiermem.optim.hyperparams import check_dense_grad, check_groups
 from tiermem.optim.local_tensor import is_dtensor
@@ -279,6 +279,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._worker = ChunkWorker(self._layout, self._step, self._read_ahead, self._lane,
                                    self._copier, self.param_groups, cpu_threads)
         self._hooks = self._register_hooks()  # removed by close() or the finalizer
+        # Note [model state dicts after a forward-synced step]
+        self._model_hooks = ModelHooks(weakref.ref(self), set(self._chunks_of), self._hooks)
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, release, self._worker.queue,
                                            self._worker.thread, self._hooks,
@@ -528,6 +530,7 @@ class HybridAdam(torch.optim.Optimizer):
         # a replay would not wait: Note [cuda graphs] (a param's device decides)
         refuse_capture("HybridAdam", "the param_sync='forward' wait", _GRAPH_FIX,
                        self._groups[0].params[0])
+        self._model_hooks.see(module)  # Note [model state dicts after a forward-synced step]
         if not self._pending:
             return
         # Note [forward sync]: done is every chunk, so the whole step completes here
