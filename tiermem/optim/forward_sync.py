@@ -5,8 +5,8 @@ Note [forward sync]: after such a ``step()``, a global forward pre-hook makes ea
 (host: until the worker has stepped the chunks holding its params and issued their H2D;
 stream: on those copies' events) before it runs. Everything else that reads the params or the
 state completes the step first: the next ``step()``, the next backward's first gradient hook,
-``state_dict``/``load_state_dict`` (the optimizer's; the model's modules' by Note [model state
-dicts after a forward-synced step]), ``synchronize()``, ``close`` and
+``state_dict``/``load_state_dict`` (the optimizer's; the model's modules' by
+Note [model state dicts after a forward-synced step]), ``synchronize()``, ``close`` and
 ``zero_grad(set_to_none=False)`` (which overwrites gradients the CPU side may not have copied
 yet). Code that reads a
 param outside a module's forward (an EMA, logging a norm) or writes a gradient in place
