@@ -165,12 +165,10 @@ def test_a_hybrid_adam_over_other_params_is_refused_before_the_model_is_touched(
     other_opt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="needs tiermem/optim: HybridAdam's own refusals (an "
-                   "amsgrad state, non-finite hyper-parameters, no room for its state) cannot "
-                   "be checked before the model is loaded (Note [checkpoint fit])")
 def test_a_state_only_hybrid_adam_refuses_is_refused_before_the_model_is_touched(tmp_path):
     """An AdamW(amsgrad=True) run resumed with HybridAdam: the model and the param groups fit,
-    HybridAdam refuses the amsgrad state, but only after load_checkpoint loaded the model."""
+    HybridAdam refuses the amsgrad state, and load_checkpoint asks it first
+    (``HybridAdam.check_state_dict``), so the model is untouched; it used to be loaded."""
     torch.manual_seed(0)
     model = TinyGPT(n_layers=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, amsgrad=True)
@@ -182,7 +180,7 @@ def test_a_state_only_hybrid_adam_refuses_is_refused_before_the_model_is_touched
     other_opt = HybridAdam(other.parameters(), lr=1e-3, offload_fraction=0.5, chunk_numel=1024)
     snap = _snapshot(other)
     try:
-        with pytest.raises(ValueError, match="amsgrad"):
+        with pytest.raises(CheckpointMismatch, match=r"amsgrad.*nothing was loaded"):
             load_checkpoint(tmp_path / "c.pt", model=other, optimizer=other_opt)
         _assert_same(other, None, snap)
     finally:

@@ -560,6 +560,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
         _check_model_fits(os.fspath(path), model, payload["model"], strict)
     if optimizer is not None:
         _check_optimizer_fits(os.fspath(path), optimizer, payload["optimizer"])
+        _check_optimizer_accepts(os.fspath(path), optimizer, payload["optimizer"])
     if model is not None:
         model.load_state_dict(payload["model"], strict=strict)
     if optimizer is not None:
@@ -585,9 +586,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
 #   weight's placeholder during a pass) is not compared. Other optimizers may keep such names
 #   in other shapes (a low-rank projection's ``exp_avg``).
 # A mismatch raises :class:`CheckpointMismatch`, one line naming the file, the first keys and
-# both shapes. What only the optimizer knows is still found after the model was loaded:
-# HybridAdam's refusals of an amsgrad state or non-finite hyper-parameters, and no room for its
-# state on first use (``TierFullError``).
+# both shapes. An optimizer with a ``check_state_dict`` (HybridAdam) then runs its own refusals
+# (an amsgrad state, non-finite hyper-parameters; no room for its state on first use,
+# ``TierFullError``) on the checkpoint, still before the model is loaded.
 
 _PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "master",
                            "momentum_buffer", "square_avg", "acc_delta", "grad_avg", "sum",
@@ -680,6 +681,24 @@ def _check_optimizer_fits(path: str, optimizer: Any, saved: Any) -> None:
                 if isinstance(t, torch.Tensor) and t.shape != p.shape:
                     refuse(f"{name} of param {sid} (group {gi}) has shape {_shape(t)} but the "
                            f"param has {_shape(p)}; the state is for another model")
+
+
+def _check_optimizer_accepts(path: str, optimizer: Any, saved: Any) -> None:
+    """Note [checkpoint fit]: an optimizer with a ``check_state_dict`` (HybridAdam) refuses
+    what its ``load_state_dict`` would, before the model is loaded.
+
+    Raises:
+        CheckpointMismatch: its check refused the state (the message names it).
+        TierFullError: no room for the optimizer's state (nothing loaded).
+    """
+    check = getattr(optimizer, "check_state_dict", None)
+    if not callable(check):
+        return
+    try:
+        check(saved)
+    except ValueError as exc:
+        raise CheckpointMismatch(f"load_checkpoint: checkpoint {path} does not fit the "
+                                 f"optimizer ({exc}); {_NOTHING_LOADED}", path) from exc
 
 
 # ---------------------------------------------------------------------------------------------

@@ -607,6 +607,22 @@ class HybridAdam(torch.optim.Optimizer):
             scatter(self._layout, g, sts, self._mode.local_state)
         self._watch.record_all()  # Note [param changes]: the masters are the loaded ones
 
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Refuse ``state_dict`` as :meth:`load_state_dict` would, loading nothing (so that
+        ``tiermem.checkpoint.load_checkpoint`` refuses before it touches the model: Note
+        [checkpoint fit]). Allocates this optimizer's state if it is not yet (a load would),
+        so that a store without room for it says so here.
+
+        Raises:
+            ValueError: a bad or amsgrad hyper-parameter group, another number of groups or
+                params, or a tensor whose shape is not its param's.
+            TierFullError: no room for the optimizer's state in its store.
+            RuntimeError: a forked child.
+        """
+        self._check_process()
+        ensure_state(self)
+        check_loadable(state_dict, self._groups, self._who)
+
     # ------------------------------------------------------------------ misc
 
     def add_param_group(self, param_group: dict) -> None:
