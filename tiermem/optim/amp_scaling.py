@@ -1,7 +1,7 @@
 """HybridAdam under ``torch.amp.GradScaler``: torch's protocol for optimizers that take the
 scale themselves, so that ``scaler.step(opt)`` always reaches ``step()`` (Note [grad scaler]),
 and the CPU step during backward under a scaler, speculating that the step is finite (Note
-[grad scaler overlap]).
+[grad scaler overlap]), also of streamed weights (Note [streamed grad scaler]).
 
 Note [grad scaler]: ``scaler.step(opt)`` unscales every ``p.grad`` in place and calls
 ``opt.step()`` only when none is inf/NaN. Both went wrong with HybridAdam:
@@ -23,9 +23,10 @@ unscales the gradients in place by the kernel and the reciprocal GradScaler.unsc
 (computed in fp64, as torch does), so the step is bit-identical to torch's path
 (tests/optim/test_grad_scaler.py, tests/optim/test_grad_scaler_overlap.py). A step whose
 backward let the CPU side step scaled gradients with no way back (a scaler first seen after
-steps without one, or streamed weights, whose chunks are never held: not ``"local"``) is
-refused (a one-line error naming the fixes; the step is abandoned like a refused one, chunks
-not yet stepped are not). fp16 gradients are refused as ``GradScaler.unscale_`` refuses them.
+steps without one) is refused (a one-line error naming the fixes; the step is abandoned like a
+refused one, chunks not yet stepped are not), and so is torch's own GradScaler over gradients
+on another device than its scale (Note [streamed grad scaler]). fp16 gradients are refused as
+``GradScaler.unscale_`` refuses them.
 GradScaler deletes ``grad_scale`` and ``found_inf`` only when ``step()`` returns, so a refused
 step leaves them behind: each ``found_inf`` (a new tensor every step) is taken once, and a later
 plain ``step()`` ignores it. Cost: what torch's scaler costs (one read of ``found_inf`` on the
@@ -35,7 +36,9 @@ checksums] refuses it, as it refuses ``scaler.unscale_(opt)`` after an overlappe
 (clip with ``max_grad_norm`` instead: the norm is that of the unscaled gradients).
 
 Note [grad scaler overlap]: how the CPU step keeps overlapping backward under a GradScaler, in
-one process (``"local"`` mode) with ``overlap=True``. The rule for learning of the scaler:
+one process (``SCALER_MODES``: ``"local"``, and ``"local+stream"``, whose streamed weights'
+chunks follow the same rules: Note [streamed grad scaler]) with ``overlap=True``. The rule for
+learning of the scaler:
 until the first ``step()``, no chunk is stepped before ``step()`` (they are handed over in
 backward and wait, as with ``placement="trace"``, whose first backward hands nothing over);
 the first ``scaler.step(opt)`` registers its scaler (found on the call stack: the
@@ -50,7 +53,9 @@ with, ``scaler.update()`` having run before this backward) and multiplies the ch
 gradient copy in place by ``1 / scale`` exactly as ``GradScaler.unscale_`` does (the fp64
 reciprocal rounded to fp32; torch's ``_amp_foreach_non_finite_check_and_unscale_``: an fp32
 multiply rounded to the gradient's dtype, which the ring has) before the kernel reads it. The
-GPU lane's chunks are never admitted (held for the verdict). In ``step()``:
+GPU lane's chunks are admitted too, each unscaling its fp32 device copy by a snapshot of the
+scale with the same kernel and rounding, their copies kept in the lane's device slots (Note
+[lane unscale] in gpu_lane.py, Note [lane rollback on the GPU]). In ``step()``:
 - inf/NaN (``found_inf``, the scaler's own check of every gradient): admission closes, every
   admitted chunk is put back (``Speculation.undo``: state from its copy, params from the
   restored masters) and the step is skipped, as torch's scaler skips it;
@@ -68,12 +73,48 @@ GPU lane's chunks are never admitted (held for the verdict). In ``step()``:
 Cost: with ``rollback_bytes=0`` the CPU step no longer overlaps backward under a scaler (it
 waits for the verdict, as with clipping); with it, a pass over each speculated chunk's gradient
 copy (the unscale) and what Note [speculative step] costs.
+
+Note [streamed grad scaler]: streamed weights (Note [streamed write-back] in streamed.py) under
+a GradScaler. Their gradients reach HybridAdam as host tensors handed over by the stream in
+backward (Note [streamed gradient hand-off] in tiermem/stream/grads.py) and are ``p.grad``
+between passes, so the scaler's check and :func:`settle_step`'s unscale see them as any
+gradient. Their chunks follow Note [grad scaler overlap] unchanged (``"local+stream"`` is one of
+``SCALER_MODES``): the first step's are held for ``step()``; then each waits for the verdict
+(``rollback_bytes=0``: the host gradient stays as backward left it until ``step()`` has
+unscaled it in place) or is stepped speculatively. Three things differ from device gradients:
+- a speculated chunk's streamed pieces are never stepped in place (Note [in-place host chunks]
+  in chunk_worker.py: the kernel would read the still-scaled host gradient, and the unscale in
+  ``step()`` rewrites it): they are copied host to host into the gradient ring, whose copy the
+  worker unscales as any chunk's; the scale is copied with them even when the chunk has no
+  device gradient (``d2h_many`` after the gradients' events, or after the caller's stream when
+  they have none). A restored chunk is stepped again in place from the unscaled gradient, and a
+  skipped step's rollback writes the restored masters into the host copies (Note [streamed
+  rollback] in speculate.py);
+- the norms taken at the streamed gradients' takes (Note [streamed gradient norms]) are of the
+  scaled gradients, and the unscale moves no version: :func:`_unscale` drops them
+  (``StreamedMode.forget_norms``) so ``max_grad_norm`` measures the unscaled gradients, and
+  once a scaler has been seen none are taken;
+- on CUDA the scale is on the GPU and these gradients on the host. Torch's GradScaler checks
+  them through ``_MultiDeviceReplicator``, whose host copies of the scale's reciprocal and of
+  the inf flag are made with ``non_blocking=True`` (a device-to-host copy that may land after
+  the call returns: torch's guide to ``non_blocking``; read in torch 2.13's grad_scaler.py, not
+  observed here, no GPU) and read and written at once by the CPU kernel: a stale reciprocal
+  multiplies the gradients, a late flag overwrites a found inf (the race pytorch/pytorch#176429
+  describes for FSDP's CPU offload). Nothing after the check can repair that, so ``step()``
+  refuses a scaler whose scale is on another device than some gradient unless it is a
+  :class:`StreamedGradScaler` and those gradients are on the host:
+  torch's class whose ``_unscale_grads_`` gives those gradients blocking copies (one host
+  synchronisation per step) and leaves the rest to torch. :func:`_unscale` copies the
+  reciprocal to the host blocking too. On the CPU scale and gradients share the device: torch's
+  scaler is exact (tests/stream/test_stream_grad_scaler.py; on CUDA,
+  tests/stream/test_stream_grad_scaler_cuda.py).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import types
 import weakref
 from collections import defaultdict
 from typing import Any, Callable
@@ -88,6 +129,10 @@ _ANY = object()
 
 _SCALER_FRAMES = 16
 """How far up the call stack :func:`_calling_scaler` looks for ``GradScaler.step``."""
+
+SCALER_MODES = ("local", "local+stream")
+"""The modes whose chunks hold or speculate under a scaler (Note [grad scaler overlap], Note
+[streamed grad scaler])."""
 
 
 class ScalerState:
@@ -225,7 +270,9 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
     overlap]). False without a scaler.
 
     Raises:
-        RuntimeError: the CPU side stepped scaled gradients during backward with no way back.
+        RuntimeError: the CPU side stepped scaled gradients during backward with no way back;
+            gradients on another device than the scale, under a scaler that is not a
+            :class:`StreamedGradScaler` (Note [streamed grad scaler]).
         ValueError: a gradient to unscale is fp16.
     """
     spec = step.speculation
@@ -243,18 +290,33 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
         raise RuntimeError(
             f"{who}: torch.amp.GradScaler steps this optimizer, but backward had already "
             f"handed scaled gradients to the CPU step, which stepped them with no way back "
-            f"(a scaler first seen after steps without one, or streamed weights; "
-            f"Note [grad scaler]); use the scaler from the first step(), build HybridAdam "
-            f"with overlap=False, or train bf16 without a scaler. This step was not applied "
-            f"consistently: restart from a checkpoint")
+            f"(a scaler first seen after steps without one; Note [grad scaler]); use the "
+            f"scaler from the first step(), build HybridAdam with overlap=False, or train "
+            f"bf16 without a scaler. This step was not applied consistently: restart from a "
+            f"checkpoint")
     scaler = _calling_scaler()
     if amp.supported:  # from the next step on: Note [grad scaler overlap]
         if scaler is None and not amp.seen:  # its scale unknown: speculative steps roll back
             logger.info("%s: no torch.amp.GradScaler.step() on the call stack: chunks stepped "
                         "during backward cannot be unscaled (Note [grad scaler overlap])", who)
-        amp.seen = True
+        amp.seen = True  # also when refused below: the next steps hold, for a fixed scaler
         amp._scaler = weakref.ref(scaler) if scaler is not None else None
         spec.enable_scaler()
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    far = sorted({str(grad.device) for grad in grads if grad.device != found_inf.device})
+    if far and (not isinstance(scaler, StreamedGradScaler) or far != ["cpu"]):
+        if early:
+            step.abandon()  # the held chunks fail: nothing of this step is applied
+        begin_step()
+        raise RuntimeError(
+            f"{who}: torch.amp.GradScaler's scale is on {found_inf.device} and gradients on "
+            f"{', '.join(far)} (streamed weights' host gradients): torch checks them through "
+            f"copies of its scale and inf flag made with non_blocking=True, which its kernel "
+            f"reads and writes before they land, so its verdict and those gradients may be "
+            f"wrong (Note [streamed grad scaler]); use "
+            f"tiermem.optim.amp_scaling.StreamedGradScaler (torch's, with blocking copies "
+            f"there; host gradients under a GPU scale only) from this step on, or train bf16 "
+            f"without a scaler")
     if found_inf.item():  # the host decides, as GradScaler._maybe_opt_step does
         admitted = spec.close(None, wait=False)[0] if spec.active else []
         spec.undone = 0
@@ -266,7 +328,6 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
         begin_step()  # the next backward starts afresh
         return True
     scale = getattr(opt, "grad_scale", None)
-    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
     if scale is not None and any(grad.dtype == torch.float16 for grad in grads):
         if early:
             step.abandon()
@@ -276,7 +337,7 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
                          f"params fp32 under torch.autocast, or train bf16")
     amp.expected = None if scale is None else float(scale)
     if scale is not None and not early:
-        _unscale(grads, scale)  # nothing handed over: no chunk reads them yet
+        _unscale(grads, scale, opt._mode)  # nothing handed over: no chunk reads them yet
     elif scale is not None:  # the chunks wait (compute_allowed is clear): after the checks
         amp.pending = scale
     return False
@@ -300,7 +361,7 @@ def settle_step(opt: Any) -> None:
         redo = amp.differs(admitted)
     if amp.pending is not None:
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        _unscale(grads, amp.pending)
+        _unscale(grads, amp.pending, opt._mode)
         if opt._copier.cuda:
             event = torch.cuda.Event()
             event.record(consumer)  # the copies of chunks stepped after it read unscaled grads
@@ -311,13 +372,61 @@ def settle_step(opt: Any) -> None:
     amp.forget()
 
 
-def _unscale(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
-    """Multiply ``grads`` in place by ``1 / scale`` as ``GradScaler.unscale_`` does."""
+def _unscale(grads: list[torch.Tensor], scale: torch.Tensor, mode: Any) -> None:
+    """Multiply ``grads`` in place by ``1 / scale`` as ``GradScaler.unscale_`` does; the
+    streamed gradients' norms taken at their takes (of the scaled gradients; the unscale moves
+    no version) are dropped (Note [streamed grad scaler])."""
+    forget = getattr(mode, "forget_norms", None)
+    if forget is not None:
+        forget()
     inv_scale = scale.double().reciprocal().float()  # fp64, as GradScaler.unscale_
     by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         by_key[(grad.device, grad.dtype)].append(grad)
     for (device, _), group in by_key.items():
         found = torch.zeros((), dtype=torch.float32, device=device)  # checked already
+        # a host copy is read at once by the CPU kernel: blocking (Note [streamed grad scaler])
         torch._amp_foreach_non_finite_check_and_unscale_(
-            group, found, inv_scale.to(device, non_blocking=True))
+            group, found, inv_scale.to(device, non_blocking=device.type != "cpu"))
+
+
+class StreamedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for gradients on another device than its scale: streamed
+    weights' host gradients under a CUDA scale (Note [streamed grad scaler]). Those gradients
+    are checked and unscaled with blocking host copies of the scale's reciprocal and of the inf
+    flag (torch copies them with ``non_blocking=True``, and its CPU kernel reads and writes
+    them before the copies land); everything else is torch's. Use it as torch's.
+
+    Raises:
+        ValueError: as torch's, an fp16 gradient to unscale.
+    """
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """Torch's ``_unscale_grads_`` for the gradients on the scale's device; the others
+        per (device, dtype) with blocking copies. Returns the inf flag per device."""
+        near, far = [], defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.device == inv_scale.device or grad.is_sparse:
+                    near.append(p)
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")  # torch's words
+                far[grad.device].append(grad)
+        only = types.SimpleNamespace(param_groups=[{"params": near}])  # torch reads only these
+        per_device = super()._unscale_grads_(only, inv_scale, found_inf, allow_fp16)
+        with torch.no_grad():
+            for device, grads in far.items():
+                found = found_inf.to(device)  # blocking: the kernel below reads and writes it
+                inv = inv_scale.to(device)
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+                for grad in grads:
+                    by_dtype[grad.dtype].append(grad)
+                for group in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+                per_device[device] = found
+        return per_device

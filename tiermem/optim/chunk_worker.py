@@ -20,11 +20,12 @@ element depends on neither the thread count nor how the range is split into call
 fallback kernel rounds its scalar remainder unlike its vector body, so a split changes bits)
 only a chunk that is all one piece is: the same kernel call (the same offset and numel) on the
 same bytes at other addresses. Safe: after its hand-off a host gradient is
-written only by the clip, which ``step()`` applies before the worker may read it (a chunk
-stepped speculatively before the clip is stepped again unless the clip multiplied by exactly
-1: Note [speculative step]), or after the step is complete (the next pass: ``Link.before_pass``
-synchronizes; ``zero_grad(set_to_none=False)`` too); the host copy is written when the ring's
-memcpy would have written it, and no fill of that pass reads it. The kernel's write bumps no
+written only by the clip and a GradScaler's unscale, which ``step()`` applies before the
+worker may read it (a chunk stepped speculatively before the clip is stepped again unless the
+clip multiplied by exactly 1: Note [speculative step]; one speculated under a scaler reads no
+piece in place: Note [streamed grad scaler] in amp_scaling.py), or after the step is complete
+(the next pass: ``Link.before_pass`` synchronizes; ``zero_grad(set_to_none=False)`` too); the
+host copy is written when the ring's memcpy would have written it, and no fill of that pass reads it. The kernel's write bumps no
 version: none is needed (HybridAdam marks every weight it stepped changed before the next
 pass, and the watch of Note [param changes] only excuses HybridAdam's own bumps).
 ``step_stats()["in_place_bytes"]`` counts the gradient bytes read in place,
@@ -86,17 +87,19 @@ def host_grads_landed(refs: dict[int, tuple | None], block: bool = True) -> bool
 
 
 def in_place_grads(group: Group, chunk: Chunk, refs: dict[int, tuple | None],
-                   split_ok: bool) -> dict[int, torch.Tensor]:
+                   split_ok: bool, scaled: bool = False) -> dict[int, torch.Tensor]:
     """The pieces of chunk ``chunk`` the worker steps in place (Note [in-place host chunks]):
     local tensor -> its flat host gradient, for each piece of a streamed weight
     (``group.host_copies``) whose gradient this step (``refs``: local tensor -> ``(flat
     gradient, event)`` or None) is a host tensor of the gradient ring's dtype; with
-    ``split_ok`` False (not the native kernel) only a chunk that is all one such piece.
+    ``split_ok`` False (not the native kernel) only a chunk that is all one such piece; none
+    when ``scaled`` (the gradients are still scaled: the ring's copy is unscaled instead,
+    Note [streamed grad scaler] in amp_scaling.py).
 
     Raises:
         Nothing.
     """
-    if not split_ok and len(chunk.pieces) != 1:
+    if scaled or (not split_ok and len(chunk.pieces) != 1):
         return {}
     dtype = group.grad_ring[0].dtype
     return {pc.param: refs[pc.param][0] for pc in chunk.pieces
@@ -278,7 +281,7 @@ class ChunkWorker:
             return None  # a streamed gradient's D2H is in flight: copied when this chunk steps
         t_copy = time.perf_counter()
         has_grad = {p: ref is not None for p, ref in refs.items()}
-        direct = in_place_grads(group, chunk, refs, native_available())
+        direct = in_place_grads(group, chunk, refs, native_available(), scaled=scale is not None)
         buf, last, nbytes, ring_bytes, scale_host = None, None, 0, 0, None
         if len(direct) < sum(has_grad.values()):  # some pieces go through the ring
             slot = group.grad_next
@@ -297,7 +300,7 @@ class ChunkWorker:
                     continue
                 pairs.append((buf[rel:rel + pc.numel], grad))
                 nbytes += pc.numel * buf.element_size()
-            if pairs and scale is not None:
+            if scale is not None:  # also alone: streamed gradients copied host to host
                 pairs.append(scale)  # the scale the loss was scaled by, read with the grads
                 scale_host = scale[0]
             last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None

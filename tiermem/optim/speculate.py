@@ -114,7 +114,7 @@ from typing import Any, Callable
 import torch
 
 from tiermem._log import logger
-from tiermem.optim.amp_scaling import ScalerState
+from tiermem.optim.amp_scaling import SCALER_MODES, ScalerState
 from tiermem.optim.layout import (StateLayout, chunk_state_bytes, local_view, state_numel,
                                   state_views)
 from tiermem.optim.step_state import StepState
@@ -216,7 +216,7 @@ class Speculation:
         self._mode = mode
         self._overlap = overlap
         self.scaler = False  # a GradScaler drives the steps (Note [grad scaler overlap])
-        self.amp = ScalerState(self, supported=overlap and mode == "local")
+        self.amp = ScalerState(self, supported=overlap and mode in SCALER_MODES)
         self.undone = 0  # chunks the last undo() restored
         self.switch = SpeculationSwitch()
         self._slots: list[torch.Tensor] = []  # host slots
@@ -245,12 +245,12 @@ class Speculation:
         """A GradScaler drives the steps (caller's thread, in ``step()``): from the next step
         on, chunks are admitted before ``step()`` has its verdict also without clipping, and
         the GPU lane's chunks are never admitted (Note [grad scaler overlap] in
-        ``amp_scaling.py``); one process (``"local"``) only.
+        ``amp_scaling.py``); one process (``SCALER_MODES``: streamed weights too) only.
 
         Raises:
             Nothing.
         """
-        if self.budget_bytes > 0 and self._overlap and self._mode == "local":
+        if self.budget_bytes > 0 and self._overlap and self._mode in SCALER_MODES:
             self.enabled = self.scaler = True
 
     def admitted_early(self, item: tuple[int, int]) -> bool:

@@ -34,7 +34,8 @@ them changes no bit on the CPU. What differs on CUDA: a streamed weight's share 
 (``offload_fraction < 1``) keeps its state on the host and steps there with torch's fused Adam
 (its gradient and weight are on the host), so its bits follow the CPU kernel, not the CUDA one.
 Not supported: data parallel and FSDP2 (refused), a HybridAdam built before the stream (its
-gradient hook refuses), two optimizers over one stream (``connect`` refuses).
+gradient hook refuses), two optimizers over one stream (``connect`` refuses). Under a
+GradScaler: Note [streamed grad scaler] in amp_scaling.py.
 """
 
 from __future__ import annotations
@@ -140,6 +141,16 @@ class StreamedMode(LocalMode):
             nothing.
         """
         super().begin_step()
+        self.forget_norms()
+
+    def forget_norms(self) -> None:
+        """Drop the norms taken of the streamed gradients this step: a step's end, or an
+        unscale that rewrote the gradients without moving a version (Note [streamed grad
+        scaler] in amp_scaling.py).
+
+        Raises:
+            nothing.
+        """
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream._grads.norms.clear()
 
@@ -230,14 +241,16 @@ class Link:
         """Whether a gradient taken whole into an empty host gradient, covering ``passes``
         backward passes, completes it for the step and its norm is wanted: HybridAdam clips,
         with ``overlap=True`` (gradients final when backward ends), and ``passes`` reaches
-        ``grad_accumulation_steps`` (Note [streamed gradient norms]).
+        ``grad_accumulation_steps`` (Note [streamed gradient norms]); not once a GradScaler
+        drives the steps (the norm would be the scaled gradient's, dropped at the unscale:
+        Note [streamed grad scaler] in amp_scaling.py).
 
         Raises:
             nothing.
         """
         opt = self._ref()
         return (opt is not None and opt.max_grad_norm is not None and opt.overlap
-                and passes >= opt.grad_accumulation_steps)
+                and passes >= opt.grad_accumulation_steps and not opt._spec.amp.seen)
 
     def before_pass(self) -> None:
         """Before a pass: complete a pending step, mark the weights it wrote changed.
