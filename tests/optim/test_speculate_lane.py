@@ -55,6 +55,9 @@ def _train(kw: dict, max_norm: float, scale) -> tuple:
     counts = []
     for step in range(STEPS):
         (model(*make_batch(step))[1] * scale(step)).backward()
+        if opt._spec.active:  # let the worker admit what it may before step() decides
+            with opt._step.idle:  # (a busy box otherwise admitted none on some steps)
+                opt._step.idle.wait_for(lambda: not opt._step.outstanding, timeout=120.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         st = opt.step_stats()

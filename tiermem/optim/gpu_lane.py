@@ -15,6 +15,28 @@ into its blob. The worker does not wait: it goes on to the next chunk, and relea
 chunk's blob (counting it done for ``step()``) only when its write-back has finished. The state
 never lives on the GPU: it stays in the store's cpu tier (or streams through nvme) between
 steps. Gradients of lane chunks never leave the GPU and their params are not copied H2D.
+
+Note [lane unscale]: under a ``torch.amp.GradScaler`` a lane chunk admitted to a speculative
+step (Note [grad scaler overlap] in amp_scaling.py) reads ``p.grad`` before ``step()`` has
+unscaled it, so the lane unscales its own fp32 gradient copy (never ``p.grad``: the user's and
+the scaler's) on the lane stream: :func:`unscale_lane_` multiplies it by the reciprocal of a
+snapshot of the scaler's ``_scale``, computed as ``GradScaler.unscale_`` computes it (fp64
+reciprocal rounded to fp32, on the device), with torch's
+``_amp_foreach_non_finite_check_and_unscale_``, whose fp32 product is ``GradScaler.unscale_``'s
+for an fp32 gradient; a bf16 gradient's copy is then rounded to bf16 and widened back (exact),
+the product ``unscale_`` would have stored in ``p.grad`` before the lane widened it. The
+snapshot is taken on a small scale stream once the chunk's gradients' events are reached (the
+scale the loss was scaled by: the previous ``scaler.update()`` precedes the forward) and
+copied from there to a pinned host scalar; the lane stream waits for it before the unscale, and
+``step()`` (:meth:`Speculation.close` in speculate.py, through ``lane_scale_read``) waits for
+that copy -- behind the gradients only, not behind the lane's earlier chunks -- and compares
+the value with the scale it is given, as the worker's for a host chunk: another scale rolls the
+chunk back. ``scaler.update()`` cannot overwrite the scale while the lane reads it: ``step()``
+makes the caller's stream wait for every admitted chunk's step (or, on a skipped step, drains
+the lane) before it returns. A chunk stepped again after a rollback, or one that waited for the
+verdict, reads ``p.grad`` unscaled by ``step()`` and unscales nothing. Cost: one pass over the
+chunk's fp32 gradient copy on the GPU (with bf16 gradients a transient bf16 copy of it), a
+4-byte copy to the host per speculated lane chunk, and in ``step()`` one event wait each.
 """
 
 from __future__ import annotations
@@ -74,6 +96,27 @@ def fused_adam_moments_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: 
         v.copy_(b)
 
 
+def unscale_lane_(pieces: list[tuple[torch.Tensor, torch.dtype]], scale: torch.Tensor) -> None:
+    """Multiply the lane's fp32 gradient copies in place by ``1 / scale`` as
+    ``GradScaler.unscale_`` multiplies the gradients they were copied from (Note [lane
+    unscale]): ``pieces`` are ``(fp32 copy, the source gradient's dtype)`` on one device,
+    ``scale`` the scaler's scale tensor; on the current stream.
+
+    Raises:
+        Nothing beyond torch's errors.
+    """
+    if not pieces:
+        return
+    device = pieces[0][0].device
+    inv_scale = scale.double().reciprocal().float()  # fp64, as GradScaler.unscale_
+    found = torch.zeros((), dtype=torch.float32, device=device)  # step() has the scaler's own
+    torch._amp_foreach_non_finite_check_and_unscale_(  # a host copy is read at once: blocking
+        [t for t, _ in pieces], found, inv_scale.to(device, non_blocking=device.type != "cpu"))
+    for t, dtype in pieces:
+        if dtype != torch.float32:  # the product unscale_ stores in a bf16 p.grad, widened
+            t.copy_(t.to(dtype))
+
+
 class GpuLane:
     """The chunks the GPU steps, its device slots and streams; ``step`` issues a chunk and
     ``reap`` releases the chunks whose state is back in the store (worker thread only, but
@@ -104,6 +147,7 @@ class GpuLane:
         self._next = 0
         self._pending: collections.deque = collections.deque()  # (event, g, c) written back
         self._stream = None
+        self._scale_stream = None  # the scale's snapshots under a GradScaler: Note [lane unscale]
         self._copier: Copier | None = None  # its own H2D/D2H streams (see init)
         self.rollback: list[torch.Tensor] = []  # device copies of speculated chunks' state
         if step.speculation is not None:  # Note [lane rollback on the GPU] (speculate.py)
@@ -172,6 +216,7 @@ class GpuLane:
         self._copier = Copier(device)
         if self._cuda:
             self._stream = torch.cuda.Stream(device)
+            self._scale_stream = torch.cuda.Stream(device)
 
     def clear(self) -> None:
         """Forget the chunks and the slots (a failed state allocation is undone).
@@ -202,6 +247,9 @@ class GpuLane:
         loaded = None
         spec = self._step.speculation
         try:
+            # Note [lane unscale]: (host scalar, the scaler's scale) when admitted early under
+            # a scaler; asked before lane_copy/prepare_state, which clear the restep mark
+            scaled = spec.amp.scale_to_copy((g, c)) if spec is not None else None
             # Note [lane rollback on the GPU]: a device slot for the pre-step state, or none
             keep = spec.lane_copy((g, c)) if spec is not None else None
             if keep is None:
@@ -231,11 +279,15 @@ class GpuLane:
                         saved.copy_(state)  # kept until step() knows the norm
                 master, exp_avg, exp_avg_sq = state_views(state, chunk.numel, moments_dtype)
                 lo = chunk.flat_start
+                pieces = []
                 for pc in chunk.pieces:
                     if has_grad[pc.param]:
                         rel = pc.flat_offset - lo
                         src = refs[pc.param][0][pc.start:pc.start + pc.numel]
                         grads[rel:rel + pc.numel].copy_(src)  # widened to fp32
+                        pieces.append((grads[rel:rel + pc.numel], src.dtype))
+                if scaled is not None:  # Note [lane unscale]: the copy, never p.grad
+                    self._unscale(g, c, pieces, waits, *scaled)
                 hp = self._step.hyperparams(g, self._param_groups)
                 chunk_runs = runs(group, chunk, has_grad)
                 if chunk_runs:
@@ -267,6 +319,38 @@ class GpuLane:
                              d2h_bytes=state.numel() * 4, chunks=1, gpu_chunks=1)
         self._step.chunk_issued((g, c), stepped)
         self._pending.append((written, g, c))
+
+    def _unscale(self, g: int, c: int, pieces: list[tuple[torch.Tensor, torch.dtype]],
+                 waits: list, host: torch.Tensor, scale: torch.Tensor) -> None:
+        """Unscale lane chunk ``c``'s gradient copies ``pieces`` by the scaler's ``scale`` and
+        hand that scale, copied into ``host``, to ``step()`` (Note [lane unscale]). On CUDA a
+        snapshot of the scale is taken on the scale stream once the gradients' events
+        (``waits``) are reached, copied to the pinned ``host`` there, and the lane stream (the
+        current one) unscales by that snapshot: ``step()`` compares the very value the lane
+        used, and its wait for the copy does not queue behind the lane's earlier chunks. No
+        gradient: nothing unscaled, any scale will do (nothing recorded). Worker thread.
+
+        Raises:
+            Nothing beyond torch's errors.
+        """
+        if not pieces:
+            return
+        if self._stream is None:  # the lane on the CPU: in order, now
+            host.copy_(scale)
+            unscale_lane_(pieces, host)
+            self._step.speculation.lane_scale_read((g, c), host, None)
+            return
+        with torch.cuda.stream(self._scale_stream):
+            for ev in waits:
+                self._scale_stream.wait_event(ev)  # the gradients are complete: their scale
+            snap = scale.detach().to(torch.float32, copy=True)
+            host.copy_(snap, non_blocking=True)  # pinned: the host does not wait here
+            read = torch.cuda.Event()
+            read.record(self._scale_stream)  # snapshot and host copy done: lane and step() read
+        snap.record_stream(self._stream)  # the lane's unscale reads it after the scale stream
+        self._stream.wait_event(read)  # the lane unscales by the snapshot step() compares
+        unscale_lane_(pieces, snap)
+        self._step.speculation.lane_scale_read((g, c), host, read)
 
     def _fused_runs(self, master: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, chunk_runs: list[tuple[int, int, int]],

@@ -27,8 +27,9 @@ coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` on the caller's stream, a
 A ``step()`` that refuses the step (a non-finite hyper-parameter, a parameter changed after its
 gradient hook: Note [param changes]) puts the admitted chunks back (:meth:`Speculation.undo`):
 a refused step is not applied, as without speculation. Under a GradScaler the same slots let
-chunks step before the scaler's verdict, also without clipping; a skipped (inf/NaN) step puts
-them back with :meth:`Speculation.undo` (Note [grad scaler overlap] in amp_scaling.py).
+chunks step before the scaler's verdict, also without clipping, the GPU lane's too (each
+unscales its own gradient copy: Note [lane unscale] in gpu_lane.py); a skipped (inf/NaN) step
+puts them back with :meth:`Speculation.undo` (Note [grad scaler overlap] in amp_scaling.py).
 
 Note [lane rollback on the GPU]: a chunk of the GPU lane (Note [gpu lane]) has its pre-step
 state on the device anyway, in the lane slot its state blob was loaded into, so its copy is
@@ -44,7 +45,11 @@ chunks among the first that many chunks of the speculating (backward) order -- t
 speculating step admits first -- and the rest in host RAM; a lane chunk finding no device slot
 free takes a host slot (the worker's memcpy). No device room for its slots (out of memory):
 all slots go to host RAM, logged. ``held_bytes`` counts both places; ``gpu_held_bytes`` the
-device's (``HybridAdam.memory_bytes()["gpu"]`` includes them through the lane).
+device's (``HybridAdam.memory_bytes()["gpu"]`` includes them through the lane). Under a
+GradScaler the lane's chunks take these slots as under clipping (Note [lane unscale] in
+gpu_lane.py): a skipped (inf/NaN) step restores each from its slot (:meth:`Speculation.undo`),
+another scale than ``step()``'s or a clip coefficient other than 1 steps it again from it;
+``rollback_bytes=0``: they wait for the verdict.
 The cost: a memcpy of the chunk's state (12 B/param with fp32 moments, 8 with bf16) per admitted
 chunk and step, ``rollback_bytes`` of host RAM (pageable: only the CPU reads it), one host
 synchronisation on the norm in ``step()``, and on a clipped step the admitted chunks stepped
@@ -175,9 +180,9 @@ class Speculation:
     """The rollback store and this step's admissions (Note [speculative step]).
 
     Threads: the caller (``begin_step``, ``settle``), the worker (``admit`` via
-    ``StepState.chunk_grads``, ``prepare``, ``lane_copy``, ``is_restep``). ``_admitted``,
-    ``_admitted_gpu``, ``_decided`` and ``_restore`` are under the step's lock; ``_saved`` under
-    ``_lock``.
+    ``StepState.chunk_grads``, ``prepare``, ``lane_copy``, ``lane_scale_read``,
+    ``is_restep``). ``_admitted``, ``_admitted_gpu``, ``_decided`` and ``_restore`` are under
+    the step's lock; ``_saved`` and ``_lane_scales`` under ``_lock``.
 
     Attributes:
         enabled: speculation can happen (``rollback_bytes > 0``, clipping, overlap, a mode of
@@ -227,10 +232,11 @@ class Speculation:
         self._decided = False
         self._restore: set[tuple[int, int]] = set()
         self._saved: set[tuple[int, int]] = set()
+        self._lane_scales: dict[tuple[int, int], tuple] = {}  # Note [lane unscale] (gpu_lane.py)
         self._claimed = [0, 0]  # slots claimed by queued chunks: host, GPU (Note [held chunks])
         self._held: list[tuple[int, int]] = []  # chunks queued by step() (Note [held chunks])
         self._outcome: tuple | None = None  # (host coefficient, event or None)
-        self._lock = threading.Lock()  # _saved: worker writes, the stats read
+        self._lock = threading.Lock()  # _saved, _lane_scales: worker writes, caller reads
 
     def bind_lane(self, lane: Any) -> None:
         """The optimizer's :class:`~tiermem.optim.gpu_lane.GpuLane`, whose chunks keep their
@@ -243,8 +249,8 @@ class Speculation:
 
     def enable_scaler(self) -> None:
         """A GradScaler drives the steps (caller's thread, in ``step()``): from the next step
-        on, chunks are admitted before ``step()`` has its verdict also without clipping, and
-        the GPU lane's chunks are never admitted (Note [grad scaler overlap] in
+        on, chunks are admitted before ``step()`` has its verdict also without clipping, the
+        GPU lane's too (Note [lane unscale] in gpu_lane.py; Note [grad scaler overlap] in
         ``amp_scaling.py``); one process (``SCALER_MODES``: streamed weights too) only.
 
         Raises:
@@ -255,13 +261,38 @@ class Speculation:
 
     def admitted_early(self, item: tuple[int, int]) -> bool:
         """Whether chunk ``item`` reads its gradients now as an admitted chunk of a speculative
-        step, before ``step()`` decided (not stepped again after a rollback); worker thread.
+        step (a host slot or, on the GPU lane, a device slot), before ``step()`` decided (not
+        stepped again after a rollback); worker thread.
 
         Raises:
             Nothing.
         """
         with self._step.lock:
-            return item in self._admitted and item not in self._restore
+            return ((item in self._admitted or item in self._admitted_gpu)
+                    and item not in self._restore)
+
+    def lane_scale_read(self, item: tuple[int, int], host: torch.Tensor, event: Any) -> None:
+        """Lane chunk ``item`` unscaled its gradient copy by the scale being copied into
+        ``host`` (complete once ``event`` is, None: already); :meth:`close` records it for
+        ``step()``'s comparison (Note [lane unscale] in gpu_lane.py). Worker thread, before the
+        chunk is issued.
+
+        Raises:
+            Nothing.
+        """
+        with self._lock:
+            self._lane_scales[item] = (host, event)
+
+    def _record_lane_scales(self, items: list[tuple[int, int]]) -> None:
+        """Record the scale each lane chunk of ``items`` unscaled by with the ScalerState, as
+        the worker records a host chunk's (caller's thread, the chunks issued)."""
+        with self._lock:
+            reads = [(item, self._lane_scales.pop(item)) for item in items
+                     if item in self._lane_scales]
+        for item, (host, event) in reads:
+            if event is not None:
+                event.synchronize()  # the scale's copy to the host, queued before the step
+            self.amp.unscale_copies(item, [], host)  # nothing left to unscale: records it
 
     def close(self, consumer: Any, wait: bool) -> tuple[list, list]:
         """Close admission (caller's thread, in ``step()``): no chunk is admitted after. With
@@ -283,6 +314,8 @@ class Speculation:
         for event in events if wait and consumer is not None else ():
             if event is not None:
                 consumer.wait_event(event)  # the speculative reads precede in-place writes
+        if wait:
+            self._record_lane_scales(issued)  # Note [lane unscale]: for ScalerState.differs
         return admitted, issued
 
     def _gpu_slots(self) -> list[torch.Tensor]:
@@ -335,8 +368,7 @@ class Speculation:
         slot_bytes = chunk_state_bytes(max(c.numel for c in chunks), layout.moments_dtype)
         n = min(len(chunks), self.budget_bytes // slot_bytes)
         order = [(g.index, c) for g in layout.groups for c in range(len(g.plan.chunks))][::-1]
-        # under a scaler no lane chunk is admitted (Note [grad scaler overlap]): no device slot
-        lane = self._lane.chunks if self._lane is not None and not self.scaler else set()
+        lane = self._lane.chunks if self._lane is not None else set()
         n_gpu = sum(1 for item in order[:n] if item in lane)  # backward order: admitted first
         if n_gpu:
             try:
@@ -383,7 +415,9 @@ class Speculation:
             self._claimed = [0, 0]
             self._held = []
             self._decided = False
-        self._saved.clear()
+        with self._lock:
+            self._saved.clear()
+            self._lane_scales.clear()
         self.active = (ready and bool(self._slots or self._gpu_slots())
                        and self.switch.on())
         # not ready: the first step plans (trace placement); ZeRO ships as buckets are reduced
@@ -403,8 +437,6 @@ class Speculation:
             return True
         if not self.active or self._decided:
             return False
-        if self.scaler and self._lane is not None and item in self._lane.chunks:
-            return False  # the lane reads scaled gradients: Note [grad scaler overlap]
         if (self._lane is not None and item in self._lane.chunks
                 and len(self._admitted_gpu) < len(self._gpu_slots())):
             self._admitted_gpu[item] = len(self._admitted_gpu)  # Note [lane rollback on the GPU]
@@ -428,9 +460,6 @@ class Speculation:
         if item in self._held:
             return False
         lane = self._lane is not None and item in self._lane.chunks
-        if lane and self.scaler:  # never admitted under a scaler: Note [grad scaler overlap]
-            self._held.append(item)
-            return False
         if lane and self._claimed[1] < len(self._gpu_slots()):
             self._claimed[1] += 1
             return True
