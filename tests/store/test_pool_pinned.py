@@ -180,6 +180,27 @@ def test_the_plan_counts_the_state_chunks_the_pinned_pool_holds(fake_pin, preset
     assert abs(held - item.host // chunk) <= 2, (held, item.host // chunk)
 
 
+def test_a_block_whose_pinned_slab_exceeds_the_budget_is_refused_at_once(fake_pin, tmp_path):
+    """A 68 KiB tensor in a pinned 96 KiB pool needs a 128 KiB slab: no eviction can make
+    room, so the store refuses it at once, naming the budget and the slab, and spills nothing
+    to make room in vain. Red on the old code: the pool cut it a 68 KiB slab (pinning 128 KiB),
+    and the budget check judged pages only, so 'small' went to NVMe first."""
+    from tiermem import StoreConfig, TierFullError, TierStore
+
+    store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=96 * KiB, nvme_bytes=1 << 20,
+                                  nvme_dir=str(tmp_path), pool_slab_bytes=64 * KiB,
+                                  device="cpu"))
+    try:
+        store._pool = HostPool(96 * KiB, 64 * KiB, pin=True)  # as a CUDA store cuts it
+        store.put("small", torch.ones(4 * KiB, dtype=torch.uint8), tier="cpu")
+        with pytest.raises(TierFullError, match=r"power of two: 131072, Note \[slab tail\]"):
+            store.put("big", torch.ones(68 * KiB, dtype=torch.uint8), tier="cpu")
+        assert store.tier_of("small") == "cpu" and _pinned_sum(store._pool) <= 96 * KiB
+        assert store.put("fits", torch.ones(60 * KiB, dtype=torch.uint8), tier="cpu") is None
+    finally:
+        store.close()
+
+
 def test_pageable_pools_flush_no_host_cache(fake_pin):
     pool = HostPool(capacity_bytes=64 * KiB, slab_bytes=64 * KiB, pin=False)
     pool.free(pool.alloc(4096))

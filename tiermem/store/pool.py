@@ -194,6 +194,17 @@ class HostPool:
         self.used_bytes = 0
         """Bytes in live blocks (rounded sizes)."""
 
+    def capacity_for(self, nbytes: int) -> int:
+        """The least ``capacity_bytes`` with which a block of ``nbytes`` can ever be served:
+        its pages, or pinned the power of two of the smallest slab holding them (Note [slab
+        tail]); a larger request waits forever (the store refuses it at once instead).
+
+        Raises:
+            nothing: arithmetic on ints.
+        """
+        alloc = block_bytes(nbytes)
+        return pinned_bytes(alloc) if self.pin else alloc
+
     @property
     def reserved_bytes(self) -> int:
         """Bytes of host memory the slabs take (pinned pages when ``pin``), <= capacity."""
