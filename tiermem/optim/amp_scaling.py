@@ -103,8 +103,9 @@ unscaled it in place) or is stepped speculatively. Three things differ from devi
   describes for FSDP's CPU offload). Nothing after the check can repair that, so ``step()``
   refuses a scaler whose scale is on another device than some gradient unless it is a
   :class:`StreamedGradScaler` and those gradients are on the host:
-  torch's class whose ``_unscale_grads_`` gives those gradients blocking copies (one host
-  synchronisation per step) and leaves the rest to torch. :func:`_unscale` copies the
+  torch's class whose ``_unscale_grads_`` gives those gradients blocking copies (two scalar
+  copies that wait for the caller's stream, at the end of backward, per step; not timed) and
+  leaves the rest to torch. :func:`_unscale` copies the
   reciprocal to the host blocking too. On the CPU scale and gradients share the device: torch's
   scaler is exact (tests/stream/test_stream_grad_scaler.py; on CUDA,
   tests/stream/test_stream_grad_scaler_cuda.py).
