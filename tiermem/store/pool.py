@@ -23,7 +23,10 @@ sizing decision) depends on what the slab costs:
   smaller blocks (every allocation tries every slab first); 80 GiB of 48 MiB chunks alone are
   1,680 of them, not the 1,706 the bytes would say. :func:`pool_blocks` counts that, and the
   plan counts the state's RAM chunks with it (tiermem.apps.plan.placement). Chunks of a power of
-  two (bf16 moments with 4M or 16M elements: 32 or 128 MiB) leave no tail.
+  two (bf16 moments with 4M or 16M elements: 32 or 128 MiB) leave no tail. So a pinned store
+  sized by the bytes it will hold (plus a slab) can be short: :func:`pool_room_for` replays a
+  known list of blocks and gives the capacity that holds them (the 13B GPT's streamed weights,
+  16.41 GiB of pages: 17 GiB of 1 GiB slabs, 21.1 GiB of slabs of its largest weight).
 - Pageable (``not pin``, CPU runs): a slab costs its bytes, so a new slab is cut to the largest
   multiple of the request that opens it (``slab_bytes`` rounded down; a larger request a slab
   of its own size), and only the last slab, cut to what the capacity has left, keeps a tail.
@@ -129,6 +132,37 @@ def pool_room(count: int, nbytes: int, slab_bytes: int, pin: bool = True) -> int
         return full * slab
     last = rest * alloc
     return full * slab + (pinned_bytes(last) if pin else last)
+
+
+def pool_room_for(sizes: list[int], slab_bytes: int, pin: bool = True) -> int:
+    """The capacity, in bytes, with which a fresh pool serves blocks of ``sizes`` allocated in
+    that order (none freed): its slabs replayed without memory (:func:`slab_cut` with no
+    limit, first fit over every slab), the last cut down to the power of two (pinned) or the
+    pages its blocks reach, as a pool of that capacity cuts it (Note [slab tail]). For sizing
+    a store that holds a known set of tensors (a model's weights, an optimizer's chunks).
+
+    Raises:
+        nothing: arithmetic on ints.
+    """
+    slab = block_bytes(slab_bytes)
+    slabs: list[tuple[int, ExtentAllocator]] = []
+    reach = 0  # the end of the last slab's highest block
+    for nbytes in sizes:
+        alloc = block_bytes(nbytes)
+        for i, (_, extents) in enumerate(slabs):
+            offset = extents.alloc(alloc)
+            if offset is not None:
+                if i == len(slabs) - 1:
+                    reach = max(reach, offset + alloc)
+                break
+        else:
+            size = slab_cut(1 << 62, alloc, slab, pin)
+            slabs.append((size, ExtentAllocator(size, align=ALIGN_BYTES)))
+            reach = slabs[-1][1].alloc(alloc) + alloc
+    if not slabs:
+        return 0
+    last = pinned_bytes(reach) if pin else reach
+    return sum(size for size, _ in slabs[:-1]) + last
 
 
 def _host_tensor(nbytes: int, pin: bool) -> torch.Tensor:
