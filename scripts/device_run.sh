@@ -53,6 +53,10 @@
 #   cuda_s17           nvidia-h200      cuda_s16's tests again plus tests/optim's other CUDA files (the
 #                                       step tail moved out of hybrid_adam.py, refused steps that
 #                                       abandon the step): CPU-only changes of session 16, re-run
+#   cuda_s17b          nvidia-h200      session 17's new CUDA tests (the lane and streamed weights under
+#                                       a GradScaler, exact state-dict storages, power-of-two pinned
+#                                       slabs, train_large giving the GPU back) and the CUDA files
+#                                       of the code they changed (bounded 420 s, 3 xdist workers)
 #   bench_basics       nvidia-h200      transfer, CPU Adam and disk I/O rates
 #   bench_lora         nvidia-h200      LoRA fine-tune table (7b preset, seq 2048 and 8192), 3 runs
 #   bench_graphs       nvidia-h200      CUDA-graphed fwd+bwd vs eager, AdamW and HybridAdam, 3 runs
@@ -258,6 +262,13 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       tests/optim/test_speculate_cuda.py tests/optim/test_speculate_close_cuda.py \
       tests/optim/test_grad_copy_waits_cuda.py \
       "tests/test_train_large_streaming.py::test_streamed_training_on_cuda_trains_as_unstreamed" \
+      "$PARITY::test_streamed_training_parity[hybrid_depth_first_clip]" ;;
+    cuda_s17b) run cuda_s17b 420 "${PYTEST[@]}" -n 3 tests/optim/test_lane_grad_scaler_cuda.py \
+      tests/stream/test_stream_grad_scaler_cuda.py tests/stream/test_saved_bytes.py \
+      tests/store/test_pool_pinned_cuda.py tests/test_train_large_streaming.py \
+      tests/optim/test_grad_scaler_overlap_cuda.py tests/optim/test_grad_scaler_cuda.py \
+      tests/optim/test_hybrid_adam_cuda.py tests/optim/test_speculate_cuda.py \
+      tests/stream/test_stream_checkpoints_cuda.py tests/optim/test_speculate_close_cuda.py \
       "$PARITY::test_streamed_training_parity[hybrid_depth_first_clip]" ;;
     bench_basics)
       run bench_transfer 60 tiermem bench transfer --nbytes 1GiB
