@@ -232,7 +232,7 @@ def make_plan(cfg: dict, rates=None):
               host_reserve_bytes=8 << 30 if st.enabled else max(8 << 30, host - s.cpu_bytes),
               chunk_numel=o.chunk_numel, nvme_lookahead_chunks=o.nvme_lookahead_chunks,
               stream_weights=st.enabled, stream_tier=st.tier, prefetch_blocks=st.prefetch_blocks,
-              stream_schedule=st.schedule, pool_slab_bytes=s.pool_slab_bytes, rates=rates)
+              stream_schedule=st.schedule, rates=rates)
     pl = plan(m.num_params(), **kw)
     note = breadth_first_note(pl, m.num_params(), kw)
     if note:  # the same flags exist here

@@ -1025,13 +1025,11 @@ RAM_20B = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "config
 
 # What step_time printed before it knew the GPU lane (commit 1fc67cc), to the last bit.
 BEFORE_LANE = {
-    # NVMe since the RAM share counts the pinned pool's whole chunks (Note [slab tail]): 5 of
-    # 192 MiB per 1 GiB slab; before, 17.889943970291775 s, 21.86414295051923, 90783, 16949551104
     "13b split": ({"gpu": 1.6143441188931187, "pcie": 0.3352464435797665,
-                   "cpu_adam": 2.0246084177545693, "nvme": 23.202358187798406},
-                  27.176557168025862, 117741,
+                   "cpu_adam": 2.0246084177545693, "nvme": 17.889943970291775},
+                  21.86414295051923, 90783,
                   {"pcie_d2h_bytes": 15508500480.0, "cpu_adam_params": 7754250240.0,
-                   "nvme_read_bytes": 21982715904.0}),
+                   "nvme_read_bytes": 16949551104.0}),
     "13b activations": ({"gpu": 1.210758089169839, "pcie": 0.2873848031128405,
                          "cpu_adam": 1.6534302078328982, "nvme": 0.0},
                         3.151573100115578, 8391,

@@ -103,9 +103,9 @@ def test_streaming_refusals_are_one_line_exit_2(capsys, override, message):
     ("h200_8b_stream_24gib", ["27 of 32 blocks streamed", "23.6 of 24.0 GiB of GPU",
                               "step 5.18 s", "to 5.63 s", "6,324 to 5,816 tokens/s"]),
     ("h200_13b_stream_24gib", ["28 of 40 blocks streamed", "22.9 of 24.0 GiB of GPU",
-                               "step 36.93 s", "to 40.70 s", "55 to 50 tokens/s"]),
+                               "step 36.90 s", "to 40.67 s", "55 to 50 tokens/s"]),
     ("h200_20b_stream_80gib", ["16 of 48 blocks streamed", "79.5 of 80.0 GiB of GPU",
-                               "step 88.66 s", "to 94.34 s", "370 to 347 tokens/s"]),
+                               "step 88.62 s", "to 94.30 s", "370 to 347 tokens/s"]),
 ])
 def test_streamed_presets_fit_and_their_comments_quote_the_plan(preset, quoted):
     """The streamed presets plan as their comments say (a change to the planner must be

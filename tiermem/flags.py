@@ -55,7 +55,6 @@ FLAGS: dict[str, dict[str, str]] = {
         "--stream-weights": "streaming.enabled", "--stream-tier": "streaming.tier",
         "--prefetch-blocks": "streaming.prefetch_blocks",
         "--stream-schedule": "streaming.schedule",
-        "--pool-slab-bytes": "store.pool_slab_bytes",
     },
     "tune": {
         "--gpu-bytes": "budgets.gpu_bytes", "--host-bytes": "budgets.host_bytes",

@@ -371,9 +371,7 @@ _FIELDS = [
     Option(_S, "pin_memory", "auto", _choice(AUTO_BOOL, "auto pins when the device is CUDA"),
            bad=1, type="bool | Literal['auto']",
            doc="Pin the ``\"cpu\"`` tier's pool (``\"auto\"``: when the device is CUDA)."),
-    # plan: the presets' slabs, which it counts whole chunks of state in (Note [slab tail])
-    Option(_S, "pool_slab_bytes", "256MiB", _slab_bytes, {"plan": "1GiB"}, bad=100,
-           type="int | str", users=_APL,
+    Option(_S, "pool_slab_bytes", "256MiB", _slab_bytes, bad=100, type="int | str",
            doc="Size of one host-pool slab; the pool grows by slabs up to ``cpu_bytes`` and "
            "reuses freed blocks (pinned allocation costs ~0.5 s/GiB)."),
     Option(_S, "io_backend", "auto", _choice(IO_BACKENDS, "auto is posix; kvikio only when "

@@ -184,17 +184,14 @@ class Budgets:
             return (f"nvme tier: off (StoreConfig.nvme_bytes=0); set nvme_bytes and nvme_dir to "
                     f"spill {key!r}")
         staged = block_bytes(nbytes)  # pool blocks and spill extents are whole 4096-byte pages
-        pooled = self._store._pool.capacity_for(nbytes)  # pinned: a power-of-two slab
-        need = {"gpu": nbytes, "cpu": pooled}.get(tier, staged)
+        need = nbytes if tier == "gpu" else staged
         if need > self.budget[tier]:
             return (f"{tier} tier: {nbytes} bytes for {key!r} exceed its budget "
                     f"StoreConfig.{tier}_bytes={self.budget[tier]}"
-                    + ("" if need == nbytes else f" (in whole 4096-byte pages: {need})"
-                       if need == staged else f" (pinned, in a slab of a power of two: {need}, "
-                                              f"Note [slab tail])"))
-        if tier == "nvme" and pooled > self.budget["cpu"]:
+                    + (f" (in whole 4096-byte pages: {need})" if need != nbytes else ""))
+        if tier == "nvme" and staged > self.budget["cpu"]:
             return (f"nvme tier: {nbytes} bytes for {key!r} cannot be spilled or read back: "
                     f"spills and reloads are staged whole through the cpu tier's pool, whose "
                     f"budget StoreConfig.cpu_bytes={self.budget['cpu']} is smaller; raise "
-                    f"cpu_bytes to at least {pooled}, or split the tensor")
+                    f"cpu_bytes to at least {staged}, or split the tensor")
         return None

@@ -113,9 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--nvme-bytes", metavar="SIZE", help="NVMe space for spill files (default %(default)s)")
     add("--gpu-reserve", help="GPU bytes kept free (default 1GiB + 5%% of --gpu-bytes)")
     add("--host-reserve", help="host bytes kept free (default %(default)s)")
-    add("--pool-slab-bytes", metavar="SIZE",
-        help="the store's pool_slab_bytes: pinned slabs hold whole chunks of state, each a "
-             "power of two (default %(default)s)")
     add("--offload-fraction", type=_fraction, metavar="F|auto",
         help="optimizer state off the GPU, 0..1 (default auto: the least that fits)")
     add("--state-tier", choices=["auto", "cpu", "nvme", "split"],
@@ -276,7 +273,6 @@ def main(argv: list[str] | None = None) -> int:
             breadth_first_blocks=args.breadth_first_blocks,
             stream_weights=_STREAM[args.stream_weights], stream_tier=args.stream_tier,
             prefetch_blocks=args.prefetch_blocks, stream_schedule=args.stream_schedule,
-            pool_slab_bytes=args.pool_slab_bytes,
             rates=MachineRates(**{fld: getattr(args, flag[2:].replace("-", "_")) * scale
                                   for flag, fld, scale, _, _ in _RATE_FLAGS
                                   if getattr(args, flag[2:].replace("-", "_")) is not None}),

@@ -32,7 +32,7 @@ from tiermem.apps.plan.memory import (PARAM_DTYPES, activation_bytes_per_block, 
                                  rollback_slots,
                                  moe_activation_bytes_per_block, short_dtype)
 from tiermem.rates import MachineRates
-from tiermem.apps.plan.pinned import block_pinned_bytes, state_in_ram, state_pool_room
+from tiermem.apps.plan.pinned import block_pinned_bytes
 from tiermem.apps.plan.result import Item, Plan, add_notes, overflow
 from tiermem.shapes import GiB
 from tiermem.apps.plan.streaming import (block_numels, block_store_bytes, check_stream_args,
@@ -57,7 +57,6 @@ FIELDS = {
     "breadth_first_blocks": "train.breadth_first_blocks",
     "stream_weights": "streaming.enabled", "stream_tier": "streaming.tier",
     "prefetch_blocks": "streaming.prefetch_blocks", "stream_schedule": "streaming.schedule",
-    "pool_slab_bytes": "store.pool_slab_bytes",
 }
 """Each :func:`plan` keyword that is a configuration field -> its dotted name: its default and
 check come from there (Note [one definition] in tiermem/options.py; ``"auto"`` and None are
@@ -70,8 +69,6 @@ NOT_FIELDS = ("num_params", "model", "n_layers", "d_model", "n_heads", "vocab", 
 _D = {kw: options.default(dotted, "plan") for kw, dotted in FIELDS.items()}
 ROLLBACK_ITEM = "rollback copies (clip speculation)"
 """The plan's item of HybridAdam's rollback slots (Note [speculative step])."""
-SLAB_TAILS_ITEM = "pinned slab tails"
-"""The plan's item of the store's pinned slabs beyond the state they hold (Note [slab tail])."""
 _WHO = options.Who("plan: ")
 
 
@@ -122,7 +119,6 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          stream_weights: bool | str = _D["stream_weights"], stream_tier: str = _D["stream_tier"],
          prefetch_blocks: int = _D["prefetch_blocks"],
          stream_schedule: str = _D["stream_schedule"],
-         pool_slab_bytes: int | str = _D["pool_slab_bytes"],
          rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
@@ -210,9 +206,6 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             one micro-batch the same as depth-first): the PCIe traffic per step and,
             block-major over several micro-batches, every micro-batch's block inputs at once
             and the recomputation (counted as checkpointing: ``plan.checkpoint`` is True).
-        pool_slab_bytes: the store's ``pool_slab_bytes`` (bytes or a string): its pinned
-            slabs are powers of two holding whole chunks of state, so the offloaded state in
-            RAM is counted in whole chunks per slab (Note [slab tail] in tiermem/store/pool.py).
         rates: :class:`MachineRates` the time per step is predicted from; None: the H200
             machine's.
 
@@ -305,7 +298,6 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     gpu_reserve = (GiB + cap["gpu"] // 20) if gpu_reserve_bytes is None else \
         _field("gpu_reserve_bytes", gpu_reserve_bytes)
     host_reserve = _field("host_reserve_bytes", host_reserve_bytes)
-    pool_slab = _field("pool_slab_bytes", pool_slab_bytes)
     offload_fraction = _field("offload_fraction", offload_fraction)  # None: the least that fits
     gpu_step_fraction = _field("gpu_step_fraction", gpu_step_fraction)
     max_grad_norm = _field("max_grad_norm", max_grad_norm)
@@ -360,7 +352,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                   prefetch_depth=prefetch_depth, gpu_reserve_bytes=gpu_reserve,
                   host_reserve_bytes=host_reserve, stream_weights=stream_weights,
                   stream_tier=stream_tier, prefetch_blocks=prefetch_blocks,
-                  stream_schedule=stream_schedule, pool_slab_bytes=pool_slab)
+                  stream_schedule=stream_schedule)
 
     def build(f: float, tier: str, k: int, bf: int = breadth_first_blocks,
               home: str | None = None) -> Plan:
@@ -379,18 +371,11 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                                f"{'fp32 master + ' if param_dt != torch.float32 else ''}"
                                f"{short_dtype(moments_dtype)} moments)"))
         state = off_n * off_state_per_param
-        chunk = largest_chunk(off_n, chunk_numel)  # Note [slab tail]: whole chunks per slab
         state_item = Item("optimizer state, offloaded",
                           host=state if tier == "cpu" else 0, nvme=state if tier == "nvme" else 0,
                           note=f"{off_state_per_param} B/param (fp32 master + "
                                f"{short_dtype(moments_dtype)} moments)" if off_n else "")
         items.append(state_item)
-        tails = (state_pool_room(off_n, chunk, moments_dt, pool_slab) - state
-                 if tier == "cpu" else 0)
-        if tails > 0:  # Note [slab tail]: what pinned power-of-two slabs of whole chunks leave
-            items.append(Item(SLAB_TAILS_ITEM, host=tails,
-                              note=f"{pool_slab / GiB:g} GiB slabs of whole chunks "
-                                   f"(store.pool_slab_bytes)"))
         rings, staging = host_buffer_bytes(off_n, chunk_numel, param_dt, moments_dt,
                                            nvme_lookahead_chunks, tier)
         if rings:
@@ -451,7 +436,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                 block_grads_pinned=block_pinned_bytes(block_params, p, numels))
         if tier == "split":  # HybridAdam state_tier="split": RAM first, the rest on NVMe
             host_free = cap["host"] - sum(i.host for i in items)
-            state_item.host = state_in_ram(host_free, off_n, chunk, moments_dt, pool_slab)
+            state_item.host = max(0, min(state, host_free))
             state_item.nvme = state - state_item.host
             state_item.note += f"; {state_item.host / max(state, 1):.0%} in RAM, rest on NVMe"
         used = {t: sum(getattr(i, t) for i in items) for t in ("gpu", "host", "nvme")}
