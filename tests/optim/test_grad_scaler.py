@@ -91,8 +91,8 @@ def test_grad_scaler_with_overlap_holds_the_chunks_for_the_verdict(
 
 def test_a_refused_scaler_step_leaves_the_optimizer_usable():
     """A scaler first seen after steps that stepped chunks during backward is refused (Note
-    [grad scaler]); the scaler's leftover attributes are not taken again: the optimizer trains
-    on without a scaler."""
+    [grad scaler]); the refusal drops the scaler's ``grad_scale`` and ``found_inf`` (torch
+    deletes them only when step() returns): the optimizer trains on without a scaler."""
     _, model = models()
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024)
     for step in range(3):  # the first traces; then chunks step during backward
@@ -103,12 +103,31 @@ def test_a_refused_scaler_step_leaves_the_optimizer_usable():
     with pytest.raises(RuntimeError, match=r"GradScaler steps this optimizer, but backward had "
                                            r"already handed scaled gradients .*overlap=False"):
         scaled_loop(model, opt, 1, 2.0 ** 12)
-    assert hasattr(opt, "found_inf")  # the scaler deletes it only when step() returns
+    # the scaler deletes them only when step() returns; the refusal did (Note [grad scaler])
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
     for step in range(3):
         idx, tgt = make_batch(100 + step)
         model(idx, tgt)[1].backward()
         opt.step()  # the scaler's leftover attributes are not taken again
         opt.zero_grad(set_to_none=True)
+    opt.close()
+
+
+def test_an_fp16_gradient_refused_under_a_scaler_leaves_nothing_behind():
+    """fp16 gradients under a scaler are refused (Note [grad scaler]); the refusal is no step:
+    the scaler's ``grad_scale`` and ``found_inf`` are dropped (its next step would multiply the
+    former into its scale) and the scaler is not registered (before: the next steps held for
+    a scaler that never drives one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).half()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.randn(4, 64).half()).float().pow(2).mean()).backward()
+    with pytest.raises(ValueError, match=r"GradScaler: a gradient is fp16"):
+        scaler.step(opt)
+    amp = opt._spec.amp
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    assert (amp.stepped, amp.seen, amp.scaler()) == (False, False, None)
     opt.close()
 
 

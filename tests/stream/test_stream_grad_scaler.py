@@ -342,6 +342,99 @@ def test_a_scale_on_another_device_than_the_gradients_is_refused(stores, one_thr
     assert _differs(got, want) is None
 
 
+def _refused_by_a_scaler(model, opt, scaler, why):
+    """One backward under ``scaler`` whose ``scaler.step(opt)`` HybridAdam refuses, then
+    ``zero_grad``. ``why``: ``"far"``, as it refuses torch's scaler on CUDA over host gradients
+    (no GPU here: ``opt.found_inf`` is put on the meta device between torch's
+    ``GradScaler.step`` and ``opt.step``, so that the scaler is on the call stack, registered,
+    and its ``grad_scale`` set, as on CUDA); ``"lr"``: a NaN ``lr`` (refused before the scaler
+    is taken: Note [finite hyper-parameters]), put right after."""
+    output = model.output
+    model.output = lambda x, t=None: (lambda lo: (lo[0], scaler.scale(lo[1])))(output(x, t))
+    real_step, lr = opt.step, opt.param_groups[0]["lr"]
+
+    def far_step(*args, **kwargs):
+        opt.found_inf = torch.zeros((), device="meta")  # the scale on another device
+        return real_step(*args, **kwargs)
+
+    if why == "far":
+        opt.step = far_step  # GradScaler.step calls optimizer.step: this, then HybridAdam's
+        match = r"scale is on meta and gradients on cpu .*StreamedGradScaler"
+    else:
+        opt.param_groups[0]["lr"] = float("nan")
+        match = r"'lr'\]=nan must be finite"
+    try:
+        forward_backward(model, batches(0, 1))
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            scaler.step(opt)
+    finally:
+        vars(opt).pop("step", None)
+        opt.param_groups[0]["lr"] = lr
+        model.output = output
+    opt.zero_grad(set_to_none=True)
+
+
+def _refused_then_trained(stores, budget, why, **extra):
+    """``cpu-f1`` with ``rollback_bytes=budget`` (``extra``: more HybridAdam arguments):
+    refused once (:func:`_refused_by_a_scaler`, torch's scaler kept alive, as a caller's would
+    be), then trained from step 0 by a fresh :class:`StreamedGradScaler`; returns ``_loop``'s
+    result."""
+    model = make_model()
+    stream = stream_weights(model.blocks, store=stores(False))
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=CHUNK,
+                     rollback_bytes=budget, **extra)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        scaler = _scaler(torch.float32)
+        _refused_by_a_scaler(model, opt, scaler, why)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), f"the refused step changed {k}"
+        return _loop(model, opt, _scaler(torch.float32, StreamedGradScaler), None, INF_STEPS,
+                     1, False, True)
+    finally:
+        opt.close()
+        stream.close()
+
+
+REFUSALS = [("far", "wait", "trace"), ("far", "big", "trace"), ("lr", "big", "trace"),
+            ("far", "big", "given")]
+
+
+@pytest.mark.parametrize("why,budget,placement", REFUSALS,
+                         ids=["-".join(r) for r in REFUSALS])
+def test_a_step_refused_under_a_scaler_leaves_no_scale_behind(why, budget, placement, stores,
+                                                              one_thread):
+    """Note [grad scaler]: torch's ``GradScaler.step`` sets ``opt.grad_scale`` and deletes it
+    only when ``step()`` returns, and the next ``GradScaler.step`` multiplies a ``grad_scale``
+    it finds into its own scale. A step refused under a scaler (the far branch of Note
+    [streamed grad scaler], as torch's CUDA scaler over host gradients is refused; a NaN lr)
+    used to leave it behind: the next scaler's first step unscaled by the scale squared (on the
+    H200 step 1's loss was 1.2e-4 relative off). Now a step that raises under a scaler drops
+    it, and the same optimizer trains under a fresh scaler as a fresh optimizer does: bit for
+    bit the reference, and the speculated / rolled back chunks of every step a fresh one's.
+    ``placement="given"`` (state allocated at construction): the refused scaler used to stay
+    registered, so the next step speculated under its scale where a fresh optimizer's first
+    step holds its chunks for ``step()``."""
+    want = _reference(torch.float32, None, INF_STEPS, 1, False)
+    fresh, _ = _train("cpu-f1", stores, BUDGETS[budget], None, placement=placement)
+    got = _refused_then_trained(stores, BUDGETS[budget], why, placement=placement)
+    assert _differs(got, want) is None
+    counts = [(s["speculated_chunks"], s["rolled_back_chunks"]) for s in got[3]]
+    want_counts = [(s["speculated_chunks"], s["rolled_back_chunks"]) for s in fresh[3]]
+    assert counts == want_counts
+    if budget == "big":  # the counts can tell: step 0 holds, later steps speculate
+        assert want_counts[0] == (0, 0) and all(n > 0 for n, _ in want_counts[1:]), want_counts
+
+
+@pytest.mark.parametrize("why", ["far", "lr"])
+def test_a_refused_steps_grad_scale_left_behind_is_caught(why, stores, monkeypatch, one_thread):
+    """The twin: the old code path (nothing dropped when ``step()`` raises) leaves the refused
+    step's ``grad_scale``, and the first trained step differs from the reference."""
+    monkeypatch.setattr(amp_scaling, "drop_scaler_step", lambda opt: None)
+    want = _reference(torch.float32, None, INF_STEPS, 1, False)
+    assert _differs(_refused_then_trained(stores, BIG, why), want) is not None
+
+
 # ---------------------------------------------------------------- must-fail twins
 
 

@@ -171,7 +171,9 @@ def test_streamed_weights_under_a_cuda_scaler_are_within_adamws_noise(name, budg
 def test_torchs_cuda_scaler_over_streamed_weights_is_refused_then_a_streamed_one_trains(stores):
     """torch's GradScaler on CUDA over the host gradients: refused at its first step before
     anything is applied; the same optimizer then trains under a StreamedGradScaler within the
-    reference's noise (the refused step changed no weight)."""
+    reference's noise (the refused step changed no weight and left no ``grad_scale`` for the
+    next scaler to multiply into its own: tests/stream/test_stream_grad_scaler.py's
+    test_a_step_refused_under_a_scaler_leaves_no_scale_behind, bit for bit on the CPU)."""
     ref_l, ref_w, skipped, loss_bounds, w_bound = _reference(None, 1, False)
     model = make_model().to(DEVICE)
     stream = stream_weights(model.blocks, store=stores(False))
@@ -186,6 +188,9 @@ def test_torchs_cuda_scaler_over_streamed_weights_is_refused_then_a_streamed_one
         with pytest.raises(RuntimeError, match=r"scale is on cuda.*gradients on cpu.*"
                                                r"StreamedGradScaler"):
             scaler.step(opt)
+        # its grad_scale left behind would be multiplied into the next scaler's (Note [grad
+        # scaler]: step 1's loss was 1.2e-4 relative off before the refusal dropped it)
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
         opt.zero_grad(set_to_none=True)
         assert torch.equal(_flat(model), before)
         model.output = output

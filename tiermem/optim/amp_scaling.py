@@ -27,10 +27,21 @@ steps without one) is refused (a one-line error naming the fixes; the step is ab
 refused one, chunks not yet stepped are not), and so is torch's own GradScaler over gradients
 on another device than its scale (Note [streamed grad scaler]). fp16 gradients are refused as
 ``GradScaler.unscale_`` refuses them.
-GradScaler deletes ``grad_scale`` and ``found_inf`` only when ``step()`` returns, so a refused
-step leaves them behind: each ``found_inf`` (a new tensor every step) is taken once, and a later
-plain ``step()`` ignores it. Cost: what torch's scaler costs (one read of ``found_inf`` on the
-host per step, as ``GradScaler._maybe_opt_step`` makes, and one of the scale). A scale driven
+GradScaler deletes ``grad_scale`` and ``found_inf`` only when ``step()`` returns, and its next
+step multiplies a ``grad_scale`` it finds into its own scale (torch's "product of the scales"
+for a caller who set one): a refused step's, left behind, made the next scaler's first step
+unscale by the scale squared (the H200 run of tests/stream/test_stream_grad_scaler_cuda.py:
+torch's scaler refused, then a StreamedGradScaler's first update 1.2e-4 relative off in the
+next loss). So when ``step()`` raises under ``GradScaler.step(opt)`` (any refusal, before the
+scaler is taken or after), :func:`drops_scaler_step_on_error` deletes both, as torch deletes
+them on return; and a scaler refused for itself (its scale on another device, an fp16
+gradient) registers nothing and counts as no step (Note [grad scaler overlap]: the next steps
+hold or speculate as before it). So the same optimizer trains on under another scaler as a
+fresh one does (bit for bit on the CPU: tests/stream/test_stream_grad_scaler.py). Attributes a
+caller set by hand for a plain ``step()`` are kept, and each ``found_inf`` (a new tensor every
+step) is taken once, so a later plain ``step()`` ignores one left behind. Cost: what torch's
+scaler costs (one read of ``found_inf`` on the host per step, as
+``GradScaler._maybe_opt_step`` makes, and one of the scale). A scale driven
 by hand (``p.grad.data.mul_(1 / s)`` after backward) moves no version either: Note [gradient
 checksums] refuses it, as it refuses ``scaler.unscale_(opt)`` after an overlapped backward
 (clip with ``max_grad_norm`` instead: the norm is that of the unscaled gradients).
@@ -113,6 +124,7 @@ unscaled it in place) or is stepped speculatively. Three things differ from devi
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import types
@@ -249,8 +261,9 @@ def unscale_copy_(grads: list[torch.Tensor], scale: float) -> None:
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
 
 
-def _calling_scaler() -> Any:
-    """The ``torch.amp.GradScaler`` whose ``step()`` called this ``step()``, or None."""
+def _calling_scaler(opt: Any = None) -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step()`` called this ``step()`` (with ``opt``:
+    stepping ``opt``), or None."""
     code = torch.amp.GradScaler.step.__code__
     frame = sys._getframe(1)
     for _ in range(_SCALER_FRAMES):
@@ -258,9 +271,46 @@ def _calling_scaler() -> Any:
             return None
         if frame.f_code is code:
             scaler = frame.f_locals.get("self")
+            if opt is not None and frame.f_locals.get("optimizer") is not opt:
+                return None
             return scaler if isinstance(scaler, torch.amp.GradScaler) else None
         frame = frame.f_back
     return None
+
+
+def drop_scaler_step(opt: torch.optim.Optimizer) -> None:
+    """After ``opt.step()`` raised under ``torch.amp.GradScaler.step(opt)``: delete the
+    ``opt.grad_scale`` and ``opt.found_inf`` that scaler set, as it deletes them when
+    ``step()`` returns; its next step would multiply the ``grad_scale`` it finds into its own
+    scale (Note [grad scaler]). Nothing without such a scaler on the call stack (a caller who
+    set them by hand keeps them).
+
+    Raises:
+        Nothing.
+    """
+    if _calling_scaler(opt) is None:
+        return
+    for name in ("grad_scale", "found_inf"):
+        if name in vars(opt):
+            delattr(opt, name)
+
+
+def drops_scaler_step_on_error(step: Callable) -> Callable:
+    """Decorate an optimizer's ``step`` so that when it raises, :func:`drop_scaler_step` runs
+    first (a refused step leaves nothing of its scaler behind: Note [grad scaler]).
+
+    Raises:
+        Nothing of its own: the step's error, unchanged.
+    """
+    @functools.wraps(step)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException:
+            drop_scaler_step(self)
+            raise
+
+    return wrapper
 
 
 def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
@@ -278,6 +328,7 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
     """
     spec = step.speculation
     amp: ScalerState = spec.amp
+    was = (amp.stepped, amp.seen, amp._scaler, spec.enabled, spec.scaler)
     amp.stepped, amp.pending, amp.expected = True, None, None
     found_inf = getattr(opt, "found_inf", None)
     if found_inf is None or found_inf is getattr(opt, "_amp_found_inf_taken", None):
@@ -300,15 +351,22 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
         if scaler is None and not amp.seen:  # its scale unknown: speculative steps roll back
             logger.info("%s: no torch.amp.GradScaler.step() on the call stack: chunks stepped "
                         "during backward cannot be unscaled (Note [grad scaler overlap])", who)
-        amp.seen = True  # also when refused below: the next steps hold, for a fixed scaler
+        amp.seen = True
         amp._scaler = weakref.ref(scaler) if scaler is not None else None
         spec.enable_scaler()
-    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    far = sorted({str(grad.device) for grad in grads if grad.device != found_inf.device})
-    if far and (not isinstance(scaler, StreamedGradScaler) or far != ["cpu"]):
+
+    def refuse() -> None:
+        """A refused scaler (below) is no step and registers nothing: the next steps hold or
+        speculate as they would have without it (Note [grad scaler])."""
+        amp.stepped, amp.seen, amp._scaler, spec.enabled, spec.scaler = was
         if early:
             step.abandon()  # the held chunks fail: nothing of this step is applied
         begin_step()
+
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    far = sorted({str(grad.device) for grad in grads if grad.device != found_inf.device})
+    if far and (not isinstance(scaler, StreamedGradScaler) or far != ["cpu"]):
+        refuse()
         raise RuntimeError(
             f"{who}: torch.amp.GradScaler's scale is on {found_inf.device} and gradients on "
             f"{', '.join(far)} (streamed weights' host gradients): torch checks them through "
@@ -330,9 +388,7 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
         return True
     scale = getattr(opt, "grad_scale", None)
     if scale is not None and any(grad.dtype == torch.float16 for grad in grads):
-        if early:
-            step.abandon()
-        begin_step()
+        refuse()
         raise ValueError(f"{who}: GradScaler: a gradient is fp16, which cannot be unscaled "
                          f"exactly (torch's GradScaler.unscale_ refuses it too); keep the "
                          f"params fp32 under torch.autocast, or train bf16")

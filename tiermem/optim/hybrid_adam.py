@@ -71,7 +71,7 @@ import torch
 
 from tiermem import options
 from tiermem._graphs import refuse_capture
-from tiermem.optim.amp_scaling import settle_step, take_scaler
+from tiermem.optim.amp_scaling import drops_scaler_step_on_error, settle_step, take_scaler
 from tiermem.optim.arguments import check_arguments, check_store_device, params_device
 from tiermem.optim.chunk_worker import ChunkWorker
 from tiermem.optim.forward_sync import ModelHooks, wait_for_module
@@ -394,6 +394,7 @@ class HybridAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    @drops_scaler_step_on_error  # a refused step leaves no grad_scale: Note [grad scaler]
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimizer step (see the module docstring for what overlaps).
