@@ -188,8 +188,8 @@ def test_torchs_cuda_scaler_over_streamed_weights_is_refused_then_a_streamed_one
         with pytest.raises(RuntimeError, match=r"scale is on cuda.*gradients on cpu.*"
                                                r"StreamedGradScaler"):
             scaler.step(opt)
-        # its grad_scale left behind would be multiplied into the next scaler's (Note [grad
-        # scaler]: step 1's loss was 1.2e-4 relative off before the refusal dropped it)
+        # its grad_scale left behind would be multiplied into the next scaler's
+        # (Note [grad scaler]: step 1's loss was 1.2e-4 relative off before the refusal dropped it)
         assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
         opt.zero_grad(set_to_none=True)
         assert torch.equal(_flat(model), before)
