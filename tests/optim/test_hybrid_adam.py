@@ -404,10 +404,11 @@ def test_state_dict_matches_torch_format_and_rejects_another_model():
     other = HybridAdam(make_models(d_model=16).parameters(), **HP, chunk_numel=1024)
     with pytest.raises(ValueError, match="has shape .* but the param has"):
         other.load_state_dict(mine)
+    opt.close()  # its params are free for another HybridAdam (Note [one optimizer per param])
     fewer = HybridAdam(list(model.parameters())[:-1], **HP, chunk_numel=1024)
     with pytest.raises(ValueError, match="params in the state"):
         fewer.load_state_dict(mine)
-    for o in (opt, other, fewer):
+    for o in (other, fewer):
         o.close()
 
 

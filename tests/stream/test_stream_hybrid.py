@@ -200,8 +200,9 @@ def test_refusals(stores, one_thread):
     model = make_model()
     stream = stream_weights(model.blocks, store=store)
     opt = HybridAdam(model.parameters(), lr=1e-3, chunk_numel=2048)
-    with pytest.raises(RuntimeError, match="optimizer connected already"):
+    with pytest.raises(ValueError, match="already stepped by another HybridAdam"):
         HybridAdam(model.parameters(), lr=1e-3, chunk_numel=2048)
+    # (Note [one optimizer per param] refuses it before the stream's own check could)
     with pytest.raises(RuntimeError, match="close\\(\\) the optimizer first"):
         stream.close()
     opt.close()

@@ -81,7 +81,7 @@ from tiermem.optim.local_tensor import is_dtensor
 from tiermem.optim.modes import GRAPH_FIX as _GRAPH_FIX, LocalMode, Mode
 from tiermem.optim.param_watch import ParamWatch
 from tiermem.optim.layout import Group, StateLayout
-from tiermem.optim.lifetime import OWNERS, call_weak_forward, release
+from tiermem.optim.lifetime import OWNERS, call_weak_forward, claim_params, release
 from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.speculate import Speculation
 from tiermem.optim.state_dict import check_loadable, scatter, torch_format
@@ -214,6 +214,7 @@ class HybridAdam(torch.optim.Optimizer):
         self.device = params_device(stand_ins(all_params))  # Note [streamed write-back]
         self._mode: Mode = choose_mode(all_params, data_parallel, process_group, bucket_numel)
         self._who = self._mode.who
+        claim_params(self, all_params, self._who)  # Note [one optimizer per param]
         self._step_supports_amp_scaling = self._mode.one_process  # Note [grad scaler]
         if param_sync == "forward" and not self._mode.one_process:
             raise ValueError(f"{self._who}: param_sync='forward' works in one process only; "
