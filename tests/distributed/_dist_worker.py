@@ -127,6 +127,7 @@ def check_state(rank, world, outdir, cfg, model, opt, device):
     optimizer with another offload fraction and tier, and compare."""
     import torch.distributed.checkpoint as dcp
     sd = opt.state_dict()
+    opt.close()  # its params are free for another HybridAdam (Note [one optimizer per param])
     out = {}
     other = HybridAdam(param_groups(model), **HP, offload_fraction=1.0 - cfg["fraction"] / 2,
                        state_tier="nvme", nvme_dir=os.path.join(outdir, "spill-load"),
