@@ -34,6 +34,10 @@
 #   stream_cuda        nvidia-h200      pytest -m cuda tests/stream (copy stream sleeping before
 #                                       each fill; ~1 min estimated), then the parity_stream rows
 #                                       (bounded 450 s here: 570 s in all, one device call)
+#   cuda_s18           nvidia-h200      session 18: the re-stepped chunk's clip wait
+#                                       (test_speculate_restep.py), tests/optim's CUDA tests
+#                                       under -n 4 twice (the load that showed it), the streamed
+#                                       speculation and scaler CUDA files (bounded 530 s)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs, no clipping
@@ -231,6 +235,13 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       tests/integrations/test_hf_trainer_cuda.py ;;
     stream_hybrid_rows) run stream_hybrid_rows 300 "${PYTEST[@]}" -v -s "$PARITY" \
       -k "test_streamed_training_parity and hybrid" ;;
+    cuda_s18)  # the re-stepped chunk's clip wait (Note [speculative step]), then the load
+      # that exposed it: tests/optim's CUDA tests under 4 xdist workers, twice
+      run cuda_s18_restep 90 "${PYTEST[@]}" -v tests/optim/test_speculate_restep.py
+      run cuda_s18_optim_a 170 "${PYTEST[@]}" -n 4 tests/optim
+      run cuda_s18_optim_b 170 "${PYTEST[@]}" -n 4 tests/optim
+      run cuda_s18_stream 100 "${PYTEST[@]}" -n 3 tests/stream/test_stream_speculate_cuda.py \
+        tests/stream/test_stream_grad_scaler_cuda.py ;;
     spec_rows) run spec_rows 300 "${PYTEST[@]}" -v -s "$PARITY" -k "test_training_parity and hybrid_spec" ;;
     stream_cuda)
       run stream_cuda 120 "${PYTEST[@]}" -v -s tests/stream

@@ -23,7 +23,13 @@ coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` on the caller's stream, a
   state blob from its slot (master and moments; a lane chunk after its write-back finished)
   and steps it again with the clipped gradients, writing its params anew. Step counts advance
   only once the step completes, so they need no restore. The result is today's clipped step,
-  bit for bit.
+  bit for bit. A re-queued chunk is not admitted again (:meth:`Speculation.admit`): it waits
+  for ``step()`` to allow the step, and its gradient copy then waits for the clip's event.
+  It used to count as admitted, so a worker that took it between the re-queue and that
+  allowance copied it after the gradients' own events only: on CUDA the copy could read the
+  gradients before the clip (and a GradScaler's unscale) queued on the caller's stream had
+  run, and stepped the unclipped ones (the H200, 4 test processes on one GPU: 1.36 from
+  AdamW's weights where 0.02 was the bound; tests/optim/test_speculate_restep.py).
 A ``step()`` that refuses the step (a non-finite hyper-parameter, a parameter changed after its
 gradient hook: Note [param changes]) puts the admitted chunks back (:meth:`Speculation.undo`):
 a refused step is not applied, as without speculation. Under a GradScaler the same slots let
@@ -433,6 +439,8 @@ class Speculation:
         Raises:
             Nothing.
         """
+        if item in self._restore:
+            return False  # stepped again after a rollback: reads the clipped gradients
         if item in self._admitted or item in self._admitted_gpu:
             return True
         if not self.active or self._decided:
