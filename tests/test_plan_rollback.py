@@ -1,7 +1,9 @@
 """The planner counts HybridAdam's rollback slots (``rollback_bytes``, Note [speculative step]):
 host RAM for the chunks the CPU steps, GPU memory for the GPU lane's share (Note [lane rollback
-on the GPU]), only where a step can speculate (``max_grad_norm`` set), and refuses a plan they
-overflow, naming the field. The slot counts are checked against a real HybridAdam's."""
+on the GPU]), only where a step can speculate (``max_grad_norm`` set, or a GradScaler:
+``grad_scaler=True``, Note [grad scaler overlap]; streamed weights too, Note [streamed
+rollback]), and refuses a plan they overflow, naming the field. The slot counts are checked
+against a real HybridAdam's, under clipping, under a GradScaler and with streamed weights."""
 
 from __future__ import annotations
 
@@ -68,6 +70,118 @@ def test_a_budget_the_ram_cannot_hold_is_refused_naming_the_field():
 def test_a_bad_budget_names_the_field():
     with pytest.raises(ValueError, match="rollback_bytes"):
         plan(N, **KW, rollback_bytes=-1)
+
+
+NO_CLIP = dict(KW, max_grad_norm=None)
+
+
+@pytest.mark.parametrize("lane,on_gpu", [(0.0, 0), (0.5, 10), (1.0, 21)])
+def test_a_grad_scaler_counts_the_rollback_slots_as_clipping_does(lane, on_gpu):
+    """fp16 under a GradScaler, no clipping (Note [grad scaler overlap]): the chunks speculate
+    into the same slots, so ``grad_scaler=True`` gives the clip case's item, byte for byte,
+    and the same growth of each tier; without it (and without clipping) there is none. Red
+    before grad_scaler existed (the plan counted the slots only with max_grad_norm)."""
+    clip = _item(plan(N, **KW, gpu_step_fraction=lane, rollback_bytes="4GiB"))
+    with_ = plan(N, **NO_CLIP, gpu_step_fraction=lane, rollback_bytes="4GiB", grad_scaler=True)
+    without = plan(N, **NO_CLIP, gpu_step_fraction=lane, rollback_bytes=0, grad_scaler=True)
+    item = _item(with_)
+    assert item is not None and _item(without) is None
+    assert (item.host, item.gpu) == (clip.host, clip.gpu) == ((21 - on_gpu) * SLOT, on_gpu * SLOT)
+    assert with_.used["host"] - without.used["host"] == item.host
+    assert with_.used["gpu"] - without.used["gpu"] == item.gpu
+    assert _item(plan(N, **NO_CLIP, gpu_step_fraction=lane, rollback_bytes="4GiB")) is None
+    assert with_.inputs["grad_scaler"] is True
+
+
+def test_grad_scaler_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"grad_scaler='on' must be True"):
+        plan(N, **KW, grad_scaler="on")
+
+
+@pytest.mark.parametrize("clip,scaler", [(1.0, False), (None, True), (1.0, True)])
+def test_streamed_weights_count_their_rollback_slots(clip, scaler):
+    """Streamed weights' chunks speculate too (Note [streamed rollback], Note [streamed grad
+    scaler]; HybridAdam allocates the same slots: the runtime test below), so a streamed plan
+    counts them as a resident one does, and times the chunks they hold. Red on the old code,
+    which left them out whenever weights were streamed."""
+    kw = dict(KW, max_grad_norm=clip, grad_scaler=scaler, stream_weights=True)
+    pl = plan(N, **kw, rollback_bytes="4GiB")
+    none = plan(N, **kw, rollback_bytes=0)
+    assert pl.stream is not None and none.stream is not None
+    item = _item(pl)
+    assert item is not None and _item(none) is None
+    assert (item.host, item.gpu) == rollback_slot_bytes(N, 1 << 24, torch.float32, 4 * GiB,
+                                                        0.0) == (21 * SLOT, 0)
+    assert pl.used["host"] - none.used["host"] == item.host
+    assert pl.step_time.speculated_chunks == 21 and none.step_time.speculated_chunks == 0
+    assert pl.step_time.overlapped_s < none.step_time.overlapped_s
+    free = plan(N, **dict(kw, max_grad_norm=None, grad_scaler=False), rollback_bytes="4GiB")
+    assert free.stream is not None and _item(free) is None  # nothing waits: no slots
+
+
+def _run_hybrid(clip, scaler, lane, streamed, budget, steps=3):
+    """A real HybridAdam (TinyGPT, one param group, 1024-element chunks) trained ``steps``
+    steps, under a CPU GradScaler or not, its blocks streamed or not: ``(host, GPU)`` bytes
+    of its rollback slots, the offloaded elements, the last step's speculated chunks."""
+    from models import make_batch
+    from optim.test_grad_scaler_overlap import _admitted_done
+    from optim.test_hybrid_adam import HP, make_models
+    from tiermem import StoreConfig, TierStore
+    from tiermem.optim import HybridAdam
+    from tiermem.stream import stream_weights
+    model = make_models()
+    store = stream = None
+    if streamed:
+        store = TierStore(StoreConfig(device="cpu", gpu_bytes=0, cpu_bytes=8 << 20,
+                                      pool_slab_bytes=1 << 20))
+        stream = stream_weights(model.blocks, store=store)
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
+                     placement="given", max_grad_norm=clip, gpu_step_fraction=lane,
+                     rollback_bytes=budget)
+    try:
+        gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if scaler else None
+        for step in range(steps):
+            loss = model(*make_batch(step))[1]
+            (loss if gs is None else gs.scale(loss)).backward()
+            if opt._spec.active:
+                _admitted_done(opt)  # every chunk that may speculate has: the count is exact
+            if gs is None:
+                opt.step()
+            else:
+                gs.step(opt)
+                gs.update()
+            opt.zero_grad(set_to_none=True)
+        opt.synchronize()
+        spec = opt._spec
+        return ((spec.held_bytes() - spec.gpu_held_bytes(), spec.gpu_held_bytes()),
+                opt.state_numel()["offloaded"], opt.step_stats()["speculated_chunks"])
+    finally:
+        opt.close()
+        if stream is not None:
+            stream.close()
+            store.close()
+
+
+@pytest.mark.parametrize("clip,scaler,lane,streamed", [
+    (1.0, False, 0.5, False), (None, True, 0.0, False), (None, True, 0.5, False),
+    (None, True, 1.0, False), (1.0, False, 0.0, True), (None, True, 0.0, True),
+    (None, False, 0.5, False)])
+def test_the_formula_matches_hybrid_adams_slots_under_a_scaler_and_streamed(
+        clip, scaler, lane, streamed, one_thread):
+    """What the plan's ``grad_scaler`` and streamed rows rest on: a HybridAdam under a CPU
+    GradScaler without clipping allocates exactly the clip case's slots (``Speculation._alloc``
+    runs alike once ``enable_scaler`` turned it on: the same count, the same lane share) and
+    speculates on them; with streamed weights too. Twin: neither clipping nor a scaler
+    allocates nothing, though the formula would give the same bytes (so a plan counting them
+    there would be wrong)."""
+    budget = 5 * 4 * 3 * 1024 + 100  # 5 slots of 1024 elements' fp32 state
+    held, off, speculated = _run_hybrid(clip, scaler, lane, streamed, budget)
+    formula = rollback_slot_bytes(off, 1024, torch.float32, budget, lane)
+    assert sum(formula) == 5 * 4 * 3 * 1024
+    if clip is None and not scaler:
+        assert held == (0, 0) and speculated == 0
+    else:
+        assert held == formula and speculated == 5
 
 
 @pytest.mark.parametrize("lane", [0.0, 0.5, 1.0])
@@ -162,6 +276,46 @@ def test_the_command_refuses_a_budget_that_alone_does_not_fit_with_the_largest_t
     assert f"fix: --rollback-bytes {6 * SLOT} or less" in capsys.readouterr().err
 
 
+def test_the_command_counts_the_slots_under_grad_scaler_without_clipping(capsys):
+    """``tiermem plan --grad-scaler --rollback-bytes 4GiB`` (no --max-grad-norm): exit 0, the
+    row with 21 slots in RAM, the step waiting for the scaler's verdict; JSON has the exact
+    bytes and the input. Red before the flag existed (exit 2: unrecognized argument)."""
+    from tiermem.apps.plan import main
+    argv = CLI + ["--grad-scaler", "--rollback-bytes", "4GiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    row = _row(out)
+    assert len(row) == 1
+    gpu, host, nvme, note = re.split(r"\s{2,}", row[0][len(ROLLBACK_ITEM):].strip())
+    assert (gpu, nvme) == ("-", "-") and host == f"{21 * SLOT / GiB:,.1f} GiB"
+    assert note.startswith("21 chunks'")
+    assert "wait for the GradScaler's verdict" in out
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    item = next(i for i in data["items"] if i["name"] == ROLLBACK_ITEM)
+    assert (item["host"], item["gpu"]) == (21 * SLOT, 0) and data["inputs"]["grad_scaler"]
+
+
+def test_the_command_refuses_a_budget_that_alone_does_not_fit_under_grad_scaler(capsys):
+    """Note [rollback refusal] under a scaler without clipping: RAM for 6.5 slots, ``--grad-
+    scaler --rollback-bytes 8GiB`` is refused in one line (exit 2) naming the flag, its field,
+    the largest budget that fits and what the chunks wait for at 0."""
+    from tiermem.apps.plan import main
+    base = plan(N, **NO_CLIP, rollback_bytes=0, grad_scaler=True)
+    host = base.used["host"] + 6 * SLOT + SLOT // 2
+    argv = CLI[:-2] + ["--host-bytes", str(host), "--grad-scaler"]
+    assert main(argv + ["--rollback-bytes", str(6 * SLOT)]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--rollback-bytes", "8GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("tiermem plan: error: --rollback-bytes 8589934592 "
+                          "(optimizer.rollback_bytes) does not fit")
+    assert f"fix: --rollback-bytes {6 * SLOT} or less" in err
+    assert err.endswith("or 0 (every chunk waits for the scaler's verdict)")
+    assert main(argv[:-1] + ["--rollback-bytes", "8GiB"]) == 0  # no scaler, no clip: no slots
+
+
 def test_a_plan_that_does_not_fit_without_the_budget_is_reported_as_any_other(capsys):
     """Too little RAM even with no budget: exit 1, the table's reason names the field."""
     from tiermem.apps.plan import main
@@ -217,6 +371,51 @@ def test_the_waiting_chunks_run_beside_the_next_forward_with_forward_sync():
     assert _hand_case(**kw).overlapped_s == pytest.approx(1 + 2 / 3)
     assert _hand_case(**kw, speculated_chunks=4).overlapped_s == pytest.approx(1 + 0.6 - 1 / 3)
     assert _hand_case(**kw, speculated_chunks=10).overlapped_s == pytest.approx(4 / 3)
+
+
+@pytest.mark.parametrize("speculated, step_s", [(0, 2.0), (4, 1.6), (10, 4 / 3)])
+def test_under_a_grad_scaler_the_chunks_wait_for_the_verdict_as_for_the_norm(speculated,
+                                                                              step_s):
+    """Note [scaler verdict]: without clipping, a GradScaler's step is timed as a clipped one:
+    no overlap but the speculated chunks' (the 2.0 s with none is what the old model, which
+    saw no clipping, put at 4/3 s); clipping as well changes nothing."""
+    st = _hand_case(grad_scaler=True, speculated_chunks=speculated)
+    assert st.overlapped_s == pytest.approx(step_s)
+    assert st.overlapped_s == pytest.approx(
+        _hand_case(max_grad_norm=1.0, speculated_chunks=speculated).overlapped_s)
+    assert st.overlapped_s == pytest.approx(_hand_case(
+        max_grad_norm=1.0, grad_scaler=True, speculated_chunks=speculated).overlapped_s)
+    assert st.grad_scaler and st.speculated_s == pytest.approx(speculated / 10)
+
+
+def test_under_a_grad_scaler_alone_the_next_forward_overlaps_only_held_chunks():
+    """param_sync="forward" under a scaler without clipping: with no budget the chunks queue
+    in backward order as their gradients land (no forward beside them: 1 + 1 s); with 4
+    speculated the held ones go in forward order, as with clipping (Note [held chunks])."""
+    kw = dict(grad_scaler=True, param_sync="forward")
+    assert _hand_case(**kw).overlapped_s == pytest.approx(2.0)
+    assert _hand_case(**kw).forward_overlap_s == 0.0
+    assert _hand_case(**kw, speculated_chunks=4).overlapped_s == pytest.approx(1 + 0.6 - 1 / 3)
+    with pytest.raises(TypeError, match="grad_scaler=1 must be True"):
+        _hand_case(grad_scaler=1)
+
+
+def test_the_plan_times_a_grad_scaler_as_clipping():
+    """plan(grad_scaler=True) without max_grad_norm: the 21 chunks of 4 GiB speculate and the
+    step is the clip case's; no budget: the clipped step (every chunk waits for the verdict),
+    slower than the free one. Red before grad_scaler existed."""
+    clip = plan(N, **KW, rollback_bytes="4GiB").step_time
+    four = plan(N, **NO_CLIP, rollback_bytes="4GiB", grad_scaler=True)
+    waits = plan(N, **NO_CLIP, rollback_bytes=0, grad_scaler=True).step_time
+    free = plan(N, **NO_CLIP, rollback_bytes="4GiB").step_time
+    assert four.step_time.speculated_chunks == 21 and free.speculated_chunks == 0
+    assert four.step_time.overlapped_s == pytest.approx(clip.overlapped_s)
+    assert waits.overlapped_s == pytest.approx(plan(N, **KW, rollback_bytes=0).step_time
+                                               .overlapped_s)
+    assert free.overlapped_s < four.step_time.overlapped_s < waits.overlapped_s
+    table = four.table()
+    assert "the other 59 wait for the GradScaler's verdict" in table
+    assert "rolled back if the scaler skips the step" in table
 
 
 def test_bad_speculated_chunks_are_refused_in_one_line():

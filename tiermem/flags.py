@@ -145,6 +145,8 @@ UNMAPPED: dict[str, dict[str, str]] = {
          "--vocab", "--seq", "--batch", "--experts", "--top-k", "--d-expert",
          "--eager-attention"), "the model's shape, not a configuration field")
     | {"--dtype": "the planner sizes any dtype, float16 too (train.dtype refuses it)",
+       "--grad-scaler": "the training loop uses a torch.amp.GradScaler, which HybridAdam finds "
+                        "at run time (no field says so)",
        "--json": "output format"}
     | dict.fromkeys(("--gpu-tflops", "--gpu-tflops-checkpointed", "--pcie-h2d", "--pcie-d2h",
                      "--pcie-both", "--cpu-adam", "--cpu-adam-bf16", "--nvme-read",

@@ -138,12 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
         "speculate (default: no clipping)")
     add("--rollback-bytes", metavar="SIZE",
         help="HybridAdam's budget of pre-step copies for speculative clipping "
-        "(optimizer.rollback_bytes): with --max-grad-norm the chunks it holds step "
-        "during backward and are rolled back when the norm clips; the memory table "
+        "(optimizer.rollback_bytes): with --max-grad-norm or --grad-scaler the chunks it "
+        "holds step during backward and are rolled back when the norm clips (or the scaler "
+        "skips the step); the memory table "
         "counts the copies in host RAM (the GPU lane's share on the GPU), the time "
         "per step lets those chunks overlap backward (if the norm does not clip); a budget "
         "that alone keeps the plan from fitting is refused with the largest that fits "
         "(default %(default)s: every chunk waits for the norm)")
+    p.add_argument("--grad-scaler", action="store_true",
+                   help="a torch.amp.GradScaler drives the steps (fp16 training): every "
+                   "offloaded chunk waits for its verdict or, within --rollback-bytes, steps "
+                   "speculatively, also without --max-grad-norm, so the memory table counts the "
+                   "rollback copies and the time per step lets only those chunks overlap "
+                   "backward, as with --max-grad-norm (no configuration field: HybridAdam finds "
+                   "the scaler at run time)")
     add("--grad-accumulation-steps", type=int, metavar="N",
         help="micro-batches per optimizer step, for the time per step: tokens per "
         "step = batch x seq x N (default %(default)s; the memory depends on it only with "
@@ -269,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_depth=args.prefetch_depth, eager_attention=args.eager_attention,
             grad_accumulation_steps=args.grad_accumulation_steps,
             gpu_step_fraction=args.gpu_step_fraction, max_grad_norm=args.max_grad_norm,
-            rollback_bytes=args.rollback_bytes, param_sync=args.param_sync,
+            rollback_bytes=args.rollback_bytes, grad_scaler=args.grad_scaler,
+            param_sync=args.param_sync,
             breadth_first_blocks=args.breadth_first_blocks,
             stream_weights=_STREAM[args.stream_weights], stream_tier=args.stream_tier,
             prefetch_blocks=args.prefetch_blocks, stream_schedule=args.stream_schedule,

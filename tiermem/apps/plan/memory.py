@@ -34,9 +34,10 @@ NVMe read-ahead             ``layout.nvme_staging_bytes(c, moments, lookahead)``
 GPU lane slots              ``layout.lane_slot_bytes(c, moments)`` = 3·4·c·(3 or 2, +1) on the
                             GPU with ``gpu_step_fraction`` > 0: three chunks of fp32 state and
                             fp32 gradients (Note [gpu lane])
-rollback copies             with ``max_grad_norm`` and ``rollback_bytes`` R (speculative
-                            clipping): n = min(chunks, R // chunk_state_bytes(c, m)) slots of
-                            4·c·(3 or 2) bytes; int(n·g) of them on the GPU for the GPU lane's
+rollback copies             with ``max_grad_norm`` or a GradScaler and ``rollback_bytes`` R
+                            (speculative step, streamed weights too): n = min(chunks,
+                            R // chunk_state_bytes(c, m)) slots of 4·c·(3 or 2) bytes;
+                            int(n·g) of them on the GPU for the GPU lane's
                             share g (Note [lane rollback on the GPU]), the rest in host RAM
                             (:func:`rollback_slot_bytes`)
 activations, one block      A = b·s·d·a·(9 + 2·r) for the pre-LN GPT block with an MLP ratio
@@ -117,7 +118,8 @@ def rollback_slot_bytes(offloaded_numel: int, chunk_numel: int | None, moments_d
     GPU (the lane's chunks are spread evenly over the speculating order, so that many are
     among the first ``slots`` chunks it admits), the rest in host RAM. (0, 0) without
     offloaded elements or budget; the caller counts them only where the step speculates (with
-    ``max_grad_norm``, weights not streamed).
+    ``max_grad_norm`` or under a GradScaler: ``Speculation._alloc`` sizes them alike either way,
+    streamed weights included).
 
     Raises:
         Nothing: plain arithmetic on checked values.

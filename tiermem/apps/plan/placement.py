@@ -61,14 +61,17 @@ FIELDS = {
 """Each :func:`plan` keyword that is a configuration field -> its dotted name: its default and
 check come from there (Note [one definition] in tiermem/options.py; ``"auto"`` and None are
 the planner's choice where its default says so). The other keywords describe the model
-(``num_params``, ``model``, the shape, ``dtype``: the planner also sizes float16) and the
-machine (``rates``, ``eager_attention``), no configuration field."""
+(``num_params``, ``model``, the shape, ``dtype``: the planner also sizes float16), the
+machine (``rates``, ``eager_attention``) and the training loop (``grad_scaler``: HybridAdam
+finds a GradScaler at run time, no field says one is used), no configuration field."""
 NOT_FIELDS = ("num_params", "model", "n_layers", "d_model", "n_heads", "vocab", "seq", "batch",
-              "mlp_ratio", "n_experts", "top_k", "d_expert", "dtype", "eager_attention", "rates")
+              "mlp_ratio", "n_experts", "top_k", "d_expert", "dtype", "eager_attention", "rates",
+              "grad_scaler")
 """The :func:`plan` keywords that are no configuration field (see :data:`FIELDS`)."""
 _D = {kw: options.default(dotted, "plan") for kw, dotted in FIELDS.items()}
-ROLLBACK_ITEM = "rollback copies (clip speculation)"
-"""The plan's item of HybridAdam's rollback slots (Note [speculative step])."""
+ROLLBACK_ITEM = "rollback copies (speculative step)"
+"""The plan's item of HybridAdam's rollback slots (Note [speculative step]): with clipping or a
+GradScaler (Note [grad scaler overlap] in tiermem/optim/amp_scaling.py)."""
 _WHO = options.Who("plan: ")
 
 
@@ -79,6 +82,17 @@ def _field(keyword: str, value):
         ValueError, TypeError: a bad value, naming the keyword and the fix.
     """
     return options.check(FIELDS[keyword], _WHO, value, "plan", keyword)
+
+
+def waits_for(max_grad_norm: float | None, grad_scaler: bool) -> str:
+    """What HybridAdam's chunks that do not speculate wait for (Note [scaler verdict] in
+    tiermem/apps/plan/timing.py): the norm, the GradScaler's verdict, or both.
+
+    Raises:
+        Nothing.
+    """
+    return " and ".join((["the norm"] if max_grad_norm is not None else [])
+                        + (["the scaler's verdict"] if grad_scaler else [])) or "nothing"
 
 
 def _moe_shape(n_experts, top_k, d_expert) -> bool:
@@ -118,7 +132,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
          breadth_first_blocks: int | str = _D["breadth_first_blocks"],
          stream_weights: bool | str = _D["stream_weights"], stream_tier: str = _D["stream_tier"],
          prefetch_blocks: int = _D["prefetch_blocks"],
-         stream_schedule: str = _D["stream_schedule"],
+         stream_schedule: str = _D["stream_schedule"], grad_scaler: bool = False,
          rates: MachineRates | None = None) -> Plan:
     """Place a training run's state on GPU / host RAM / NVMe and say whether it fits.
 
@@ -172,13 +186,22 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             depends on it (that share crosses PCIe as state both ways instead of being stepped
             by the CPU; :func:`step_time`); the lane's device slots are not in the memory.
         max_grad_norm: HybridAdam's gradient clipping norm (a number > 0), or None (no
-            clipping): only the time per step depends on it (with it the optimizer phase
-            overlaps no backward: Note [optimizer tail]).
+            clipping): the time per step depends on it (with it the optimizer phase
+            overlaps no backward: Note [optimizer tail]), and with ``rollback_bytes`` the
+            memory (the rollback slots).
         rollback_bytes: HybridAdam's budget of pre-step copies for speculative clipping
             (Note [speculative step] in ``tiermem/optim/speculate.py``), bytes or ``"4GiB"``: with
-            ``max_grad_norm`` (weights not streamed) its slots are counted, in host RAM and,
-            for the GPU lane's share, on the GPU (:func:`~tiermem.apps.plan.memory.
-            rollback_slot_bytes`); a plan they overflow names the field.
+            ``max_grad_norm`` or ``grad_scaler`` (streamed weights too: Note [streamed
+            rollback]) its slots are counted, in host RAM and, for the GPU lane's share, on
+            the GPU (:func:`~tiermem.apps.plan.memory.rollback_slot_bytes`); a plan they
+            overflow names the field.
+        grad_scaler: a ``torch.amp.GradScaler`` drives the steps (fp16 training): from the
+            second step every offloaded chunk waits for its verdict or, within
+            ``rollback_bytes``, steps speculatively into a rollback slot, also without
+            ``max_grad_norm`` (Note [grad scaler overlap] in ``tiermem/optim/amp_scaling.py``):
+            the slots are counted and the step timed as with clipping (Note [scaler verdict]
+            in ``tiermem/apps/plan/timing.py``). No configuration field: HybridAdam finds the
+            scaler at run time.
         param_sync: HybridAdam's, ``"step"`` or ``"forward"``: only the time per step depends
             on it (Note [optimizer tail]).
         breadth_first_blocks: blocks run for every micro-batch before the rest of the first
@@ -224,7 +247,8 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             ``num_params`` not above the weights outside the blocks.
         TypeError: ``num_params``/``model`` neither a number nor an ``nn.Module``; a count
             that is not an int, or a fraction or ``max_grad_norm`` that is not a number
-            (naming the argument); ``rates`` not a :class:`MachineRates`.
+            (naming the argument); ``rates`` not a :class:`MachineRates`; ``grad_scaler`` not
+            a bool.
     """
     if model is not None and num_params is not None:
         raise TypeError("plan: pass num_params or model, not both")
@@ -302,6 +326,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     gpu_step_fraction = _field("gpu_step_fraction", gpu_step_fraction)
     max_grad_norm = _field("max_grad_norm", max_grad_norm)
     rollback_bytes = _field("rollback_bytes", rollback_bytes)
+    if not isinstance(grad_scaler, bool):
+        raise TypeError(f"plan: grad_scaler={grad_scaler!r} must be True (a torch.amp."
+                        f"GradScaler drives the steps: fp16) or False (command line: "
+                        f"--grad-scaler)")
+    # Note [scaler verdict]: under clipping or a scaler the chunks wait or speculate alike
+    waits = max_grad_norm is not None or grad_scaler
     param_sync = _field("param_sync", param_sync)
     breadth_first_blocks = _field("breadth_first_blocks", breadth_first_blocks)
     auto_blocks = breadth_first_blocks == "auto"
@@ -344,7 +374,7 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
     inputs = dict(num_params=n, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab=vocab,
                   seq=seq, batch=batch, grad_accumulation_steps=grad_accumulation_steps,
                   gpu_step_fraction=gpu_step_fraction, max_grad_norm=max_grad_norm,
-                  param_sync=param_sync, rollback_bytes=rollback_bytes,
+                  param_sync=param_sync, rollback_bytes=rollback_bytes, grad_scaler=grad_scaler,
                   breadth_first_blocks="auto" if auto_blocks else breadth_first_blocks,
                   n_experts=n_experts, top_k=top_k, d_expert=d_expert,
                   dtype=dtype, moments_dtype=moments_dtype,
@@ -388,7 +418,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
             items.append(Item("GPU lane slots",
                               gpu=lane_slot_bytes(largest_chunk(off_n, chunk_numel), moments_dt),
                               note=f"{LANE_SLOTS} chunks of state + fp32 grads"))
-        spec = (0, 0) if max_grad_norm is None or home is not None else rollback_slot_bytes(
+        # streamed weights' chunks speculate too (Note [streamed rollback]: "local+stream" is
+        # a speculating and a scaler mode), from the same slots
+        spec = (0, 0) if not waits else rollback_slot_bytes(
             off_n, chunk_numel, moments_dt, rollback_bytes, gpu_step_fraction)
         if any(spec):  # Note [speculative step]: the chunks' pre-step copies
             per = 4 * state_numel(largest_chunk(off_n, chunk_numel), moments_dt)
@@ -446,8 +478,9 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
         for t, held in (("gpu", spec[1]), ("host", spec[0])):  # name the field
             if held and used[t] > cap[t]:
                 reasons = [r + (f"; optimizer.rollback_bytes={rollback_bytes} holds "
-                                f"{held / GiB:,.1f} GiB of it (speculative clipping): lower it, "
-                                f"or 0 to wait for the norm" if r.startswith(t) else "")
+                                f"{held / GiB:,.1f} GiB of it (speculative step): lower it, or "
+                                f"0 to wait for {waits_for(max_grad_norm, grad_scaler)}"
+                                if r.startswith(t) else "")
                            for r in reasons]
         if stream is not None and used["gpu"] > cap["gpu"]:  # name what does not fit
             fixes = [("checkpointing (--checkpoint)", not checkpoint),
@@ -512,12 +545,12 @@ def plan(num_params=None, *, model=None, n_layers: int | None = None,
                                                         else per_block),
         activation_tier=activation_tier, gpu_step_fraction=gpu_step_fraction,
         max_grad_norm=max_grad_norm, offloaded_chunks=-(-off_n // chunk) if chunk else 0,
-        speculated_chunks=0 if max_grad_norm is None or st is not None else rollback_slots(
+        speculated_chunks=0 if not waits else rollback_slots(
             off_n, chunk_numel, moments_dt, rollback_bytes),  # as the memory counts them
         param_sync=param_sync, breadth_first_blocks=best.breadth_first_blocks,
         n_layers=n_layers, streamed_bytes=st.streamed_bytes if st else 0,
         stream_kept_bytes=st.kept_bytes if st else 0, stream_schedule=schedule,
-        stream_tier=st.tier if st else "cpu", rates=rates)
+        stream_tier=st.tier if st else "cpu", grad_scaler=grad_scaler, rates=rates)
     add_notes(best, n, cap, host_reserve, param_dt, moments_dtype,
                dict(chunk_numel=chunk_numel, nvme_lookahead_chunks=nvme_lookahead_chunks))
     return best

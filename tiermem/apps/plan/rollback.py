@@ -3,7 +3,8 @@
 the plan from fitting is refused with the largest budget that fits (Note [rollback refusal]).
 
 Note [rollback refusal]: :func:`tiermem.apps.plan.plan` counts the rollback slots (host RAM, the
-GPU lane's share on the GPU) wherever a step can speculate, and a plan they overflow does not
+GPU lane's share on the GPU) wherever a step can speculate (``--max-grad-norm`` or
+``--grad-scaler``, streamed weights too), and a plan they overflow does not
 fit, its reason naming ``optimizer.rollback_bytes``. On the command line the budget is the
 user's explicit request: when the same plan fits with ``--rollback-bytes 0``, the budget is the
 only problem, so the command refuses it as a bad argument (one line, exit 2) naming the flag,
@@ -18,7 +19,7 @@ import torch
 
 from tiermem import options
 from tiermem.apps.plan.memory import largest_chunk
-from tiermem.apps.plan.placement import ROLLBACK_ITEM, plan
+from tiermem.apps.plan.placement import ROLLBACK_ITEM, plan, waits_for
 from tiermem.apps.plan.result import Plan
 from tiermem.optim.layout import chunk_state_bytes
 from tiermem.shapes import GiB
@@ -54,8 +55,9 @@ def rollback_refusal(result: Plan, num_params: int, kw: dict) -> str | None:
             fails = mid
     over = "; ".join(r.split(";")[0] for r in result.reasons)
     best = fits * slot
+    waits = waits_for(result.inputs["max_grad_norm"], result.inputs["grad_scaler"])
     return (f"--rollback-bytes {budget} (optimizer.rollback_bytes) does not fit: with its "
             f"{(item.host + item.gpu) / GiB:,.1f} GiB of pre-step copies ({item.note}) the "
             f"{over}, and the plan fits without them; fix: --rollback-bytes {best} or less "
             f"({fits} chunks of {slot / GiB:,.2f} GiB, {best / GiB:,.1f} GiB), or 0 (every "
-            f"chunk waits for the norm)")
+            f"chunk waits for {waits})")

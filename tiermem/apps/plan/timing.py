@@ -59,6 +59,22 @@ opt_max - spec - forward_overlap_s)``; ``s = 0`` gives the clipped tail, ``s = C
 unclipped one. Not counted: the pre-step copies (a host memcpy of each speculated chunk's
 state; the GPU lane's on the GPU) and a step whose norm clips (its speculated chunks are
 restored and stepped again after the norm: about the clipped step plus the restores).
+
+Note [scaler verdict]
+~~~~~~~~~~~~~~~~~~~~~
+Under a ``torch.amp.GradScaler`` (``grad_scaler=True``: fp16 training) HybridAdam's chunks
+wait for ``step()``'s verdict (inf/NaN or not) from the second step on, also without
+``max_grad_norm``, or speculate within ``rollback_bytes`` exactly as under clipping (Note
+[grad scaler overlap] in ``tiermem/optim/amp_scaling.py``: the same rollback slots, the same
+admission). So :func:`step_time` times such a step as a clipped one: the window only for the
+speculated chunks, the rest after the backward; the bet is that the scaler finds no inf/NaN
+(a skipped step restores the speculated chunks and applies nothing). The next forward runs
+beside the waiting chunks (``param_sync="forward"``) only where they go in forward order:
+with clipping, or under a scaler with speculated chunks (Note [held chunks] in
+``tiermem/optim/speculate.py``); under a scaler alone without them they are queued in
+backward order as their gradients land, and nothing is counted. A budget below one chunk's
+state holds no slot, so nothing is counted there either, though ``step()`` then queues the
+chunks in forward order (a prediction on the slow side).
 """
 
 from __future__ import annotations
@@ -106,8 +122,8 @@ class StepTime:
         optimizer_serial_s: the same resources one after another (seconds): their sum.
         overlap_window_s: seconds of backward the optimizer phase can overlap: the last
             micro-batch's backward, ``seconds["gpu"] / accumulation steps x 4/6`` (6/8 with
-            checkpointing); with ``max_grad_norm`` 0, or that window for the speculated
-            chunks (Note [speculated chunks]).
+            checkpointing); with ``max_grad_norm`` or ``grad_scaler`` 0, or that window for
+            the speculated chunks (Note [speculated chunks], Note [scaler verdict]).
         optimizer_tail_s: what the optimizer adds to forward + backward at the floor
             (seconds): ``max(0, optimizer_overlapped_s - overlap_window_s)`` (Note [speculated
             chunks] with a rollback budget), or more when the
@@ -131,9 +147,11 @@ class StepTime:
         rates: the rates used.
         gpu_step_fraction: HybridAdam's share of the offloaded params the GPU lane steps.
         max_grad_norm: HybridAdam's gradient clipping norm; None: no clipping.
+        grad_scaler: a ``torch.amp.GradScaler`` drives the steps (Note [scaler verdict]).
         forward_overlap_s: seconds of the next step's forward that run beside the optimizer
-            tail (Note [optimizer tail]): with ``param_sync="forward"`` and ``max_grad_norm``,
-            the forward of the first ``breadth_first_blocks`` blocks of every micro-batch and
+            tail (Note [optimizer tail]): with ``param_sync="forward"`` and ``max_grad_norm``
+            (or ``grad_scaler`` and speculated chunks: Note [scaler verdict]), the forward of
+            the first ``breadth_first_blocks`` blocks of every micro-batch and
             of the rest of one; else 0.
         param_sync: HybridAdam's ``param_sync``.
         breadth_first_blocks: blocks run for every micro-batch first (Note [breadth-first
@@ -143,8 +161,9 @@ class StepTime:
             ``stream_h2d_bytes``, ``stream_d2h_bytes`` and ``stream_nvme_read_bytes``); None:
             no weights streamed.
         stream_tier: the streamed weights' home, ``"cpu"`` or ``"nvme"`` (None: none).
-        speculated_chunks: with ``max_grad_norm``, the offloaded chunks stepped during
-            backward on the rollback budget (Note [speculated chunks]); 0: all wait.
+        speculated_chunks: with ``max_grad_norm`` or ``grad_scaler``, the offloaded chunks
+            stepped during backward on the rollback budget (Note [speculated chunks]); 0: all
+            wait.
         speculated_s: their share of ``optimizer_overlapped_s`` (seconds).
     """
 
@@ -175,6 +194,7 @@ class StepTime:
     stream_tier: str | None = None
     speculated_chunks: int = 0
     speculated_s: float = 0.0
+    grad_scaler: bool = False
 
 
 def _field(dotted: str, who: str, value, name: str | None = None):
@@ -196,7 +216,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
               breadth_first_blocks: int = 0, n_layers: int | None = None,
               streamed_bytes: int = 0, stream_kept_bytes: int = 0,
               stream_schedule: str = "block-major", stream_tier: str = "cpu",
-              rates: MachineRates | None = None) -> StepTime:
+              grad_scaler: bool = False, rates: MachineRates | None = None) -> StepTime:
     """Predict one optimizer step's time per resource (docs/sizing.md, "Time per step").
 
     With ``T`` tokens per optimizer step (``micro_batch_tokens x grad_accumulation_steps``):
@@ -262,10 +282,10 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
         offloaded_chunks: HybridAdam's offloaded chunks (``ceil(offloaded_params /
             chunk_numel)``; :func:`plan` passes them), each costing the worker
             ``rates.worker_s_per_chunk``; 0: not counted.
-        speculated_chunks: with ``max_grad_norm``, the offloaded chunks whose pre-step
-            copies the rollback budget holds (``rollback_slots``; at most
+        speculated_chunks: with ``max_grad_norm`` or ``grad_scaler``, the offloaded chunks
+            whose pre-step copies the rollback budget holds (``rollback_slots``; at most
             ``offloaded_chunks``): they overlap the backward as without clipping (Note
-            [speculated chunks]); 0: every chunk waits for the norm.
+            [speculated chunks]); 0: every chunk waits for the norm (the verdict).
         param_sync: HybridAdam's, ``"step"`` or ``"forward"`` (Note [forward sync]).
         breadth_first_blocks: blocks run for every micro-batch before the rest of the first
             (Note [breadth-first blocks]), 0 to ``n_layers``.
@@ -276,6 +296,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             for its backward (``StreamPlan.kept_bytes``), 0 to ``streamed_bytes``.
         stream_schedule: ``"block-major"`` or ``"depth-first"``.
         stream_tier: the streamed weights' home, ``"cpu"`` or ``"nvme"``.
+        grad_scaler: a ``torch.amp.GradScaler`` drives the steps (fp16): the chunks wait for
+            its verdict or speculate, as with ``max_grad_norm`` (Note [scaler verdict]).
         rates: :class:`MachineRates`; None: the H200 machine's.
 
     Raises:
@@ -286,7 +308,8 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
             ``n_layers`` or given without it, ``streamed_bytes`` not a whole number of
             params or more params than are offloaded, ``stream_kept_bytes`` not whole params
             or above ``streamed_bytes``, an unknown schedule or stream tier,
-            ``speculated_chunks`` above ``offloaded_chunks`` or without ``max_grad_norm``.
+            ``speculated_chunks`` above ``offloaded_chunks`` or without ``max_grad_norm``
+            and ``grad_scaler``, ``grad_scaler`` not a bool.
     """
     who = "step_time: "
     rates = MachineRates() if rates is None else rates
@@ -320,11 +343,15 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
     _field("activations.tier", who, activation_tier, "activation_tier")
     share = _field("optimizer.gpu_step_fraction", who, gpu_step_fraction)
     _field("optimizer.max_grad_norm", who, max_grad_norm)
-    if speculated_chunks > offloaded_chunks or (speculated_chunks and max_grad_norm is None):
-        raise ValueError(f"{who}speculated_chunks={speculated_chunks} needs max_grad_norm and "
-                         f"at most offloaded_chunks={offloaded_chunks} (the chunks the "
-                         f"rollback budget holds; Note [speculated chunks]): give 0 to "
-                         f"{offloaded_chunks} with max_grad_norm, else 0")
+    if not isinstance(grad_scaler, bool):
+        raise TypeError(f"{who}grad_scaler={grad_scaler!r} must be True (a torch.amp.GradScaler "
+                        f"drives the steps) or False")
+    waits = max_grad_norm is not None or grad_scaler  # Note [scaler verdict]
+    if speculated_chunks > offloaded_chunks or (speculated_chunks and not waits):
+        raise ValueError(f"{who}speculated_chunks={speculated_chunks} needs max_grad_norm (or "
+                         f"grad_scaler) and at most offloaded_chunks={offloaded_chunks} (the "
+                         f"chunks the rollback budget holds; Note [speculated chunks]): give 0 "
+                         f"to {offloaded_chunks} with max_grad_norm or grad_scaler, else 0")
     _field("optimizer.param_sync", who, param_sync)
     check_int(who, "breadth_first_blocks", breadth_first_blocks, low=0, unit="blocks")
     if breadth_first_blocks:
@@ -392,17 +419,19 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                   + s_read * f_step / r.nvme_read_bytes_per_s)
     opt = (opt_bytes * pcie_per_byte, seconds["cpu_adam"],
            nvme_state_bytes * disk + s_write / r.nvme_write_bytes_per_s)
-    window = 0.0 if max_grad_norm is not None and not speculated_chunks else \
+    window = 0.0 if waits and not speculated_chunks else \
         seconds["gpu"] / grad_accumulation_steps * ((6 / 8) if checkpoint else (4 / 6))
     # Note [speculated chunks]: the optimizer work that may overlap the window: every chunk's
-    # without max_grad_norm, with it the speculated chunks' share
-    if max_grad_norm is None:
+    # unless the step waits for the norm or the scaler's verdict, else the speculated share
+    if not waits:
         spec = max(opt)
     else:
         spec = max(opt) * speculated_chunks / offloaded_chunks if speculated_chunks else 0.0
-    # Note [optimizer tail]: the next forward beside the tail (chunks stepped in forward order)
+    # Note [optimizer tail]: the next forward beside the tail (chunks stepped in forward order:
+    # with clipping, under a scaler only with speculated chunks: Note [scaler verdict])
     ahead = 0.0
-    if param_sync == "forward" and max_grad_norm is not None:
+    if param_sync == "forward" and (max_grad_norm is not None
+                                    or (grad_scaler and speculated_chunks)):
         first = breadth_first_blocks / n_layers if breadth_first_blocks else 0.0
         ahead = seconds["gpu"] * ((2 / 8) if checkpoint else (2 / 6)) * (
             first + (1 - first) / grad_accumulation_steps)
@@ -453,7 +482,7 @@ def step_time(*, active_params: int, offloaded_params: int, param_bytes: int,
                     stream_schedule=stream_schedule if streamed_bytes else None,
                     stream_tier=stream_tier if streamed_bytes else None,
                     speculated_chunks=speculated_chunks,
-                    speculated_s=spec if max_grad_norm is not None else 0.0)
+                    speculated_s=spec if waits else 0.0, grad_scaler=grad_scaler)
 
 
 def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None = None,
@@ -505,16 +534,24 @@ def step_time_lines(st: StepTime, *, batch: int | None = None, seq: int | None =
         lines.append(f"  {RESOURCE_NAMES[k].ljust(width)}  "
                      f"{(f'{s:.3f} s' if s else '-').rjust(9)}  {what[k] if s else ''}".rstrip())
     gpu = st.seconds["gpu"]
-    if st.max_grad_norm is not None and st.speculated_chunks:  # Note [speculated chunks]
+    clip = st.max_grad_norm is not None
+    # Note [scaler verdict]: what the chunks that do not speculate wait for, and what undoes
+    verdict = " and ".join(
+        ([f"the global norm (max_grad_norm={st.max_grad_norm:g})"] if clip else [])
+        + (["the GradScaler's verdict"] if st.grad_scaler else []))
+    undo = " or ".join((["the norm clips"] if clip else [])
+                       + (["the scaler skips the step"] if st.grad_scaler else []))
+    if (clip or st.grad_scaler) and st.speculated_chunks:  # Note [speculated chunks]
         c, s = round(m["offloaded_chunks"]), st.speculated_chunks
         window = (f"overlaps up to {st.overlap_window_s:.3f} s of backward with the {s} of {c} "
                   f"chunks the rollback budget lets speculate (the first in backward order, "
-                  f"{st.speculated_s:.3f} s of the phase; rolled back if the norm clips), "
-                  + (f"the other {c - s}" if c > s else "none") + " wait for the global norm "
-                  f"(max_grad_norm={st.max_grad_norm:g})")
-    elif st.max_grad_norm is not None:
+                  f"{st.speculated_s:.3f} s of the phase; rolled back if {undo}), "
+                  + (f"the other {c - s}" if c > s else "none") + f" wait for {verdict}")
+    elif clip and not st.grad_scaler:
         window = (f"overlaps no backward (max_grad_norm={st.max_grad_norm:g}: the CPU step waits "
                   f"for the global norm)")
+    elif st.grad_scaler:
+        window = f"overlaps no backward (the CPU step waits for {verdict})"
     else:
         window = (f"overlaps up to {st.overlap_window_s:.3f} s of backward (the last "
                   f"micro-batch's, {'6/8' if checkpoint else '4/6'} of its GPU time: gradients "
