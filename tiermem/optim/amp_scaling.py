@@ -85,6 +85,19 @@ Cost: with ``rollback_bytes=0`` the CPU step no longer overlaps backward under a
 waits for the verdict, as with clipping); with it, a pass over each speculated chunk's gradient
 copy (the unscale) and what Note [speculative step] costs.
 
+Note [unscaled before the hand-over]: when backward handed nothing to the CPU step (fewer
+backward passes than ``grad_accumulation_steps``, an epoch's short last window; gradients set
+by hand), :func:`take_scaler` unscales every ``p.grad`` in place at once and ``step()`` then
+ships them all. Admission to the speculative step used to be still open there, so the chunks
+it shipped were admitted, copied the scaler's scale with their gradients and unscaled their
+copies a second time; the scale matched ``step()``'s, so nothing rolled back (CPU, a short
+window under ``GradScaler`` with ``rollback_bytes``: 0.011 from the waiting optimizer's
+weights after 6 steps). :func:`take_scaler` now closes admission before that unscale: those
+chunks wait for the verdict, as with ``rollback_bytes=0``, and read the unscaled gradients
+after their own events (recorded when ``step()`` ships them, behind the unscale on the
+caller's stream). Nothing overlapped backward on such a step, so no overlap is lost.
+tests/optim/test_worker_windows.py.
+
 Note [streamed grad scaler]: streamed weights (Note [streamed write-back] in streamed.py) under
 a GradScaler. Their gradients reach HybridAdam as host tensors handed over by the stream in
 backward (Note [streamed gradient hand-off] in tiermem/stream/grads.py) and are ``p.grad``
@@ -394,6 +407,8 @@ def take_scaler(opt: torch.optim.Optimizer, step: StepState, who: str,
                          f"params fp32 under torch.autocast, or train bf16")
     amp.expected = None if scale is None else float(scale)
     if scale is not None and not early:
+        if spec.active:  # Note [unscaled before the hand-over]: step() ships them all below
+            spec.close(None, wait=False)
         _unscale(grads, scale, opt._mode)  # nothing handed over: no chunk reads them yet
     elif scale is not None:  # the chunks wait (compute_allowed is clear): after the checks
         amp.pending = scale
