@@ -26,7 +26,7 @@ import torch
 from models import make_batch
 from optim.test_hybrid_adam import HP, make_models
 from optim.test_speculate import _bits, assert_same_bits
-from tiermem.optim import HybridAdam, amp_scaling, hybrid_adam, speculate
+from tiermem.optim import HybridAdam, hybrid_adam, speculate
 from tiermem.optim.step_state import StepState
 
 STEPS = 8
