@@ -24,6 +24,18 @@ it steps, as the global forward pre-hook first meets the module (every module a 
 before the first ``step()``; a compiled module's submodules at once): each completes a pending
 step first. Reads of params outside ``state_dict`` (an EMA) still need ``opt.synchronize()``.
 tests/optim/test_forward_sync_state_dict.py.
+
+Note [completion in inference mode]: the forward that completes a step is often an evaluation
+under ``torch.inference_mode()`` (``model.eval()`` after ``step()``), and completing it starts
+the next step on the caller's thread (``_begin_step``), which allocates what that step keeps:
+the speculation's rollback slots at the first step with state (Note [speculative step]), store
+blocks for the first chunks' read-ahead. Made there they were inference tensors, and the
+worker's first in-place copy into one outside inference mode failed the next step ("the CPU
+step failed: Inplace update to inference tensor"; ``param_sync="forward"`` with clipping and
+``rollback_bytes``, with or without a weight stream). ``_begin_step`` therefore runs with
+inference mode off, under ``no_grad`` (it records no graph). Store slabs are made outside it
+anyway (Note [slabs outside inference mode] in tiermem/store/pool.py).
+tests/stream/test_stream_corners.py.
 """
 
 from __future__ import annotations

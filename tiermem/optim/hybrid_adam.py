@@ -357,6 +357,10 @@ class HybridAdam(torch.optim.Optimizer):
             self._worker.enqueue(item)
 
     def _begin_step(self) -> None:
+        with torch.inference_mode(False), torch.no_grad():  # Note [completion in inference mode]
+            self._reset_step()
+
+    def _reset_step(self) -> None:
         self._step.reset(self._layout.params_per_chunk())
         self._watch.begin_step()
         self._worker.begin_step()

@@ -13,6 +13,17 @@ run at c0c5ed4: 1,674) where whole slabs hold 1,699, as tiermem.apps.plan counts
 and written on NVMe every step than planned. So a new slab is cut to the largest multiple of the
 request that opens it (``slab_bytes`` rounded down; a larger request still gets a slab of its
 own size), and only the last slab, cut to what the capacity has left, may keep a tail.
+
+Note [slabs outside inference mode]: a slab lives as long as the pool, but the request that
+opens it may come under the caller's ``torch.inference_mode()`` (a weight stream reading
+``tier="nvme"`` weights up for an evaluation's forward). A tensor made there is an inference
+tensor, and every later in-place write into its blocks outside inference mode (the next
+``put``, a training step's copy) raised "Inplace update to inference tensor outside
+InferenceMode": training could not go on after such an evaluation. Slabs are therefore
+allocated with inference mode off (an allocation records no autograd graph either way). The
+store's device buffers (``Copier.alloc_device``) are left as they are: a ``put`` under inference
+mode and more ``put``s after it into the gpu tier did not fail (each makes a buffer of its own).
+tests/stream/test_stream_corners.py.
 """
 
 from __future__ import annotations
@@ -36,12 +47,13 @@ class _Slab:
     """One contiguous host allocation and the allocator of its free runs."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        if pin:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # page aligned
-        else:
-            raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
-            skip = (-raw.data_ptr()) % ALIGN_BYTES
-            self.tensor = raw[skip:skip + nbytes]
+        with torch.inference_mode(False):  # Note [slabs outside inference mode]
+            if pin:
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # aligned
+            else:
+                raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
+                skip = (-raw.data_ptr()) % ALIGN_BYTES
+                self.tensor = raw[skip:skip + nbytes]
         self.nbytes = nbytes
         self.allocator = ExtentAllocator(nbytes, align=ALIGN_BYTES)
 

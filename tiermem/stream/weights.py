@@ -77,6 +77,7 @@ from tiermem.stream.closing import end_params, read_back
 from tiermem.stream.compose import eager as _eager
 from tiermem.stream.copies import StreamCopies
 from tiermem.stream.grads import HostGrads
+from tiermem.stream.interrupted import forward_died, in_backward as _in_backward, running_call
 from tiermem.stream.major import BlockMajorPass
 from tiermem.stream.nvme_home import home_for
 from tiermem.stream.release import BackwardRelease
@@ -114,14 +115,10 @@ class _Pass:
     token: Any = None               # weakref to the _PassToken of the hooks
     backward_started: bool = False
     release: BackwardRelease = field(default_factory=BackwardRelease)  # Note [backward release]
+    call: Any = None                # the running block's call: Note [interrupted forward]
 
     def graph_alive(self) -> bool:
         return self.token is not None and self.token() is not None
-
-
-def _in_backward() -> bool:
-    """Whether the calling thread runs inside an autograd backward (checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _pre_backward(ref: Any, i: int, token: Any) -> None:
@@ -586,8 +583,9 @@ class WeightStream:
             raise ValueError(
                 f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
                 f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
-                f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy "
-                f"new values in (param.data.copy_(new)) instead")
+                f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy new "
+                f"values in (param.data.copy_(new)); change a dtype (module.to(dtype)) "
+                f"before stream_weights or after close()")
         return True
 
     def _take_replaced(self, p: Param) -> None:
@@ -621,12 +619,13 @@ class WeightStream:
 
     def _settle_idle_pass(self) -> None:
         """End an open pass that nothing can continue: no block running and no graph of it
-        alive (a forward whose outputs were dropped, an evaluation that stopped early)."""
+        alive (a forward whose outputs were dropped, an evaluation that stopped early), or a
+        block's forward left by an interrupt (Note [interrupted forward])."""
         p = self._pass
         if self._major is not None:
             return  # a block-major pass ends when its context is left
-        if p is not None and p.current is None and not p.backward_started \
-                and not p.graph_alive():
+        if p is not None and not p.backward_started and (
+                p.current is None and not p.graph_alive() or forward_died(p.call)):
             self._end_pass()
 
     # ------------------------------------------------------------------ hooks
@@ -668,7 +667,7 @@ class WeightStream:
                 f"called before blocks[{ps.next}]"
             raise RuntimeError(f"weight streaming: blocks[{i}] {what}; each pass runs every "
                                f"streamed-list block once, in order (blocks[{ps.next}] is next)")
-        ps.current = i
+        ps.current, ps.call = i, running_call(self._modules[i])
         if block.streamed:
             self._fetcher.ready(block)
             if torch.is_grad_enabled():  # Note [backward release]
@@ -686,7 +685,7 @@ class WeightStream:
         ps = self._pass
         if ps is None or ps.current != i:
             return
-        ps.current = None
+        ps.current = ps.call = None
         if out is None and sys.exc_info()[0] is not None:  # the block's forward raised
             self._end_pass()
             return
