@@ -399,3 +399,27 @@ def test_store_slab_opened_under_inference_mode(stores):
     assert not store.get("b", "cpu").is_inference()
     assert torch.equal(store.get("a", "cpu"), torch.full((10,), 1.5))
     assert torch.equal(store.get("b", "cpu"), torch.full((10,), 2.5))
+
+
+@pytest.mark.parametrize("name", ["adamw", "ha-forward-acc2-clip-rollback"])
+def test_load_state_dict_assign_is_refused(stores, one_thread, name):
+    """``load_state_dict(assign=True)`` would replace the streamed parameters: refused at the
+    load, naming the fix (before: at the next forward, blaming FSDP); the default load then
+    continues exactly as the resident loop's."""
+    def hook(loop, step):
+        if step != 2:
+            return None
+        sd = {k: v.clone() for k, v in loop.model.state_dict().items()}
+        if loop.stream is not None:
+            old = {m: loop.model.get_submodule(m).weight for m in ("tok", "pos")}
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(assign=True\) reached "
+                                                   r"streamed blocks\[0\].*assign=False"):
+                loop.model.load_state_dict(sd, assign=True)
+            for m, param in old.items():  # torch assigned these before blocks[0]: as unstreamed,
+                setattr(loop.model.get_submodule(m), "weight", param)  # the optimizer's are lost
+        loop.model.load_state_dict(sd)
+        return None
+
+    want = Loop(name, False, stores()).run(hook)
+    got = Loop(name, True, stores()).run(hook)
+    assert_same(got, want, f"{name} assign")

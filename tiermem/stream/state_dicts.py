@@ -30,7 +30,9 @@ module therefore gets:
   the loading model was built with. Every entry over a ``tier="cpu"`` host copy, between
   passes too, then gets a storage of its own bytes (Note [exact state dict storage]).
 - **A load_state_dict pre-hook.** Refused during a pass (the backward needs the weights its
-  forward read). A pending step is completed first (the worker's write-back would race the
+  forward read), and with ``assign=True``, which puts the state dict's tensors in place of the
+  streamed parameters (the next forward then refused them with a message about FSDP; the
+  modules loaded before the first streamed block, the embeddings, are assigned by torch). A pending step is completed first (the worker's write-back would race the
   load; resident weights a load reaches before the first streamed block, the embeddings, still
   need ``opt.synchronize()`` first: Note [forward sync]). A host copy is loaded in place by
   torch (``param.copy_``: its version moves, so the next pass streams it, the NVMe copy is rewritten, and HybridAdam takes it into its masters:
@@ -203,6 +205,12 @@ class StateDictHooks:
         me = self._stream()
         if me is None:
             return
+        if args and isinstance(args[0], dict) and args[0].get("assign_to_params_buffers"):
+            raise RuntimeError(  # (local_metadata) Note [streamed state dicts]
+                f"model.load_state_dict(assign=True) reached streamed blocks[{i}]: it would put "
+                f"the state dict's tensors in place of the parameters the stream moves; load "
+                f"with assign=False (the default: the values are copied into the streamed "
+                f"weights), or close() the stream first")
         me._settle_idle_pass()
         if me._pass is not None:
             raise RuntimeError(
