@@ -17,6 +17,7 @@ test_worker_windows_cuda.py.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -141,3 +142,85 @@ def test_chunks_shipped_after_the_in_place_unscale_are_not_unscaled_again(monkey
     assert all(speculated[s] == 0 for s in SHORT), speculated
     assert_same_bits(a, opt_a.state_dict(), b, opt_b.state_dict())
     opt_a.close(), opt_b.close()
+
+
+# Note [reduced gradients untouched] (dist_modes.py): ZeRO with overlap=True reduces p.grad into
+# its bucket in the hook; a change to p.grad after backward used to be ignored silently.
+
+
+@contextlib.contextmanager
+def world_of_one(tmp_path, backend: str = "gloo"):
+    """A torch.distributed group of this process alone (ZeRO's collectives run, on one rank)."""
+    dist = torch.distributed
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _zero(model, overlap: bool) -> HybridAdam:
+    return HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024,
+                      data_parallel=True, overlap=overlap)
+
+
+def _change(kind: str, model, loss, scaler, delay=None) -> None:
+    """Backward, then change the gradients behind it as ``kind`` says (after ``delay()``:
+    the CUDA twin holds the caller's stream back there)."""
+    (scaler.scale(loss) if kind == "scaler" else loss).backward()
+    if delay is not None:
+        delay()
+    if kind == "clip":  # moves the versions
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    elif kind == "data":  # moves no version: the checksums see it
+        for p in model.parameters():
+            p.grad.data.mul_(0.5)
+
+
+def zero_refuses(device: str, kind: str, tmp_path, delay=None) -> None:
+    """ZeRO (overlap=True) refuses a step whose gradients ``kind`` changed after backward, on
+    its first step; the optimizer stays usable (two plain steps after)."""
+    with world_of_one(tmp_path, "nccl" if device == "cuda" else "gloo"):
+        model = make_models(device=device)
+        opt = _zero(model, overlap=True)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12)
+        _change(kind, model, model(*make_batch(0, device=device))[1], scaler, delay)
+        with pytest.raises(RuntimeError, match="data-parallel reduce bucket"):
+            scaler.step(opt) if kind == "scaler" else opt.step()
+        opt.zero_grad(set_to_none=True)
+        for step in (1, 2):
+            model(*make_batch(step, device=device))[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        opt.close()
+
+
+def zero_untouched(device: str, tmp_path) -> None:
+    """The must-pass twin: ZeRO with overlap=True and untouched gradients is bit-identical at
+    every step to ZeRO with overlap=False (buckets filled in step()) fed clones of them."""
+    with world_of_one(tmp_path, "nccl" if device == "cuda" else "gloo"):
+        a, b = make_models(device=device), make_models(device=device)
+        opt_a, opt_b = _zero(a, overlap=True), _zero(b, overlap=False)
+        for step in range(STEPS):
+            for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+                assert torch.equal(_bits(pa), _bits(pb)), (step, name)
+            a(*make_batch(step, device=device))[1].backward()
+            for pa, pb in zip(a.parameters(), b.parameters()):
+                pb.grad = pa.grad.detach().clone()
+            for opt in (opt_a, opt_b):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert_same_bits(a, opt_a.state_dict(), b, opt_b.state_dict())
+        opt_a.close(), opt_b.close()
+
+
+@pytest.mark.parametrize("kind", ["clip", "data", "scaler"])
+def test_zero_refuses_a_gradient_changed_after_its_bucket_was_filled(kind, tmp_path,
+                                                                     one_thread):
+    zero_refuses("cpu", kind, tmp_path)  # the old code stepped the unchanged gradients
+
+
+def test_zero_with_untouched_gradients_steps_as_without_overlap(tmp_path, one_thread):
+    zero_untouched("cpu", tmp_path)

@@ -13,6 +13,24 @@ HybridAdam on several ranks (torch.distributed):
   the communication; ``max_grad_norm`` all-reduces the squared norm; ``state_dict()`` returns
   DTensors for ``torch.distributed.checkpoint``.
 Spill directories are per rank (``nvme_dir/rank{r}``) and errors name the rank.
+
+Note [reduced gradients untouched]: with ZeRO and ``overlap=True`` a param's post-accumulate-grad
+hook copies ``p.grad`` into its reduce bucket during backward, and the rank steps its shard from
+the reduced bucket, never from ``p.grad``. A change to ``p.grad`` after backward
+(``torch.nn.utils.clip_grad_norm_``; ``torch.amp.GradScaler``, which unscales ``p.grad`` in
+place here since ZeRO does not take the scale itself; a write through ``p.grad.data``) reached
+nothing and was silently ignored: a world-1 gloo run stepped the unclipped (or still scaled)
+gradients, 0.006 (clip) and 0.012 (scaler) from torch's AdamW after 4 steps; one process
+refuses it (Note [gradient checksums] in grad_sums.py), data parallel did not. Now the hook
+takes the gradient's :func:`~tiermem.optim.grad_sums.shipped_mark` (version, pointer,
+checksum on the hook's stream) and ``step()`` compares it on every rank before it ships the
+buckets; whether some rank saw a change rides on the has-a-gradient flags' all-reduce
+(``ZeroComm.flush``), so every rank refuses together (no collective left waiting), after the
+caller's stream waits for the buckets' reduces. Chunks stepped during backward stay stepped
+(the message says to restart from a checkpoint). Cost: a checksum kernel per gradient at its
+hook and in ``step()``, and one host read of them per step. ``overlap=False`` fills the
+buckets in ``step()`` from ``p.grad`` as it is then: nothing to compare.
+tests/optim/test_worker_windows.py.
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from tiermem.optim import distributed as _dist
+from tiermem.optim.grad_sums import changed_since_ship, shipped_mark
 from tiermem.optim.hyperparams import check_dense_grad
 from tiermem.optim.layout import Group, StateLayout, local_view
 from tiermem.optim.modes import Mode, grad_hook
@@ -114,6 +133,7 @@ class ZeroMode(_DistMode):
         self._process_group = process_group
         self._bucket_numel = bucket_numel
         self.zero: _dist.ZeroComm | None = None
+        self._marks: dict = {}  # (group, param) -> its gradient's Mark at the hook
 
     def attach(self, param_groups: list[dict], device: torch.device) -> None:
         self.zero = _dist.ZeroComm([list(g["params"]) for g in param_groups],
@@ -147,7 +167,10 @@ class ZeroMode(_DistMode):
             opt._step.acc_count[(g, i)] = count
             if not opt.overlap or count < opt.grad_accumulation_steps:
                 return
-        launched = self.zero.grad_arrived(g, i, opt._groups[g].params[i].grad)
+        grad = opt._groups[g].params[i].grad
+        if grad is not None:  # Note [reduced gradients untouched]: step() compares it
+            self._marks[(g, i)] = shipped_mark(grad, None, opt._step)
+        launched = self.zero.grad_arrived(g, i, grad)
         self._ship_buckets(opt, launched)
 
     def _ship_buckets(self, opt: Any, launched: list[tuple[int, int]]) -> None:
@@ -163,8 +186,18 @@ class ZeroMode(_DistMode):
                         opt._ship(g, li)
 
     def begin_step(self) -> None:
+        self._marks = {}
         if self.zero is not None:
             self.zero.begin_step()
+
+    def _changed(self, opt: Any) -> bool:
+        """Whether a gradient copied into its bucket during backward changed since (this
+        rank; Note [reduced gradients untouched]): replaced, another version, or other bytes."""
+        marks = self._marks
+        grads = {k: opt._groups[k[0]].params[k[1]].grad for k in marks}
+        moved = [k for k, (version, ptr, _) in marks.items() if grads[k] is None
+                 or grads[k]._version != version or grads[k].data_ptr() != ptr]
+        return bool(moved) or bool(changed_since_ship(marks, grads))
 
     def grad_of(self, g: Group, i: int) -> torch.Tensor | None:
         s = g.segments[i]
@@ -177,7 +210,22 @@ class ZeroMode(_DistMode):
 
     def ship_rest(self, opt: Any, ship: Callable[[], None]) -> None:
         # buckets not reduced in backward, then the has-grad flags
-        self._ship_buckets(opt, self.zero.flush(lambda g, i: opt._groups[g].params[i].grad))
+        launched = self.zero.flush(lambda g, i: opt._groups[g].params[i].grad,
+                                   changed=self._changed(opt))
+        if self.zero.changed_any:  # Note [reduced gradients untouched]: on every rank
+            self.zero.join_stream()  # the next backward refills the buckets these reduce
+            opt._step.abandon()  # chunks not yet stepped are not
+            opt._begin_step()
+            raise RuntimeError(
+                f"{self.who}: a gradient was changed after backward had already copied it into "
+                f"its data-parallel reduce bucket (overlap=True) on some rank, e.g. by "
+                f"torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler (which unscales p.grad "
+                f"after backward) or a write through p.grad.data: the step would use the "
+                f"unchanged gradients. Clip with HybridAdam(max_grad_norm=...), or build "
+                f"HybridAdam with overlap=False (gradients are reduced in step(), after a "
+                f"scaler's unscale), or train bf16 without a scaler. This step was not applied "
+                f"consistently: restart from a checkpoint")
+        self._ship_buckets(opt, launched)
         with self.zero.on_stream():
             ship()
         self.zero.join_stream()  # the GPU side and clipping read the reduced gradients

@@ -315,6 +315,7 @@ class ZeroComm:
         self.ready: set[tuple[int, int]] = set()
         self.next = 0
         self.flags: torch.Tensor | None = None
+        self.changed_any = False  # set by flush
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -376,9 +377,11 @@ class ZeroComm:
             if lo < hi and self.world > 1:
                 zg.flat[lo:hi].div_(self.world)
 
-    def flush(self, grads) -> list[tuple[int, int]]:
+    def flush(self, grads, changed: bool = False) -> list[tuple[int, int]]:
         """Launch every bucket not launched yet, in order, taking missing gradients from
-        ``grads(g, i)`` (``None``: zeros); then agree on which params have a gradient.
+        ``grads(g, i)`` (``None``: zeros); then agree on which params have a gradient and
+        whether some rank's gradient ``changed`` after its bucket was filled (``changed_any``:
+        Note [reduced gradients untouched] in dist_modes.py), in the same all-reduce.
 
         Returns the buckets launched here.
         """
@@ -387,12 +390,14 @@ class ZeroComm:
             for i in range(len(zg.numels)):
                 if (g, i) not in self.arrived:
                     launched += self.grad_arrived(g, i, grads(g, i))
-        flags = torch.zeros(self._flag_offsets[-1], dtype=torch.int32, device=self.device)
+        flags = torch.zeros(self._flag_offsets[-1] + 1, dtype=torch.int32, device=self.device)
         have = [self._flag_offsets[g] + i for g, i in sorted(self._with_grad)]
         if have:
             flags[torch.tensor(have, device=self.device)] = 1
+        flags[-1] = int(changed)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
         self.flags = flags.cpu()
+        self.changed_any = bool(self.flags[-1])
         return launched
 
     def any_failed(self, failed: bool) -> bool:

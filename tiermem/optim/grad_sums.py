@@ -23,7 +23,9 @@ stepped; the worker's D2H copies wait for that backward anyway. ``step()`` reads
 its current stream, which orders them after the hook's when backward ran on the caller's
 stream (one-stream loops; a backward on a side stream not joined before ``step()`` could be
 read early, which can only refuse wrongly, never pass a change). Sums are taken only for
-gradients handed over during backward in one process (a gradient handed over in ``step()``
+gradients handed over during backward in one process (ZeRO's hooks take the same marks of the
+gradients they copy into reduce buckets: Note [reduced gradients untouched] in
+dist_modes.py; a gradient handed over in ``step()``
 cannot have been changed behind it; ``overlap=False`` and clipping without speculation take
 none) and only for device gradients or CPU gradients complete at the hand-over (a streamed
 weight's host gradient still landing behind its D2H event is left to the version check).
