@@ -32,8 +32,8 @@ from torch import nn
 
 from tiermem import options
 from tiermem._graphs import refuse_capture
-from tiermem.offload.calibration import (_CALIBRATION_FORWARD, _Calibration, copy_rates,
-                                         plan_layers)
+from tiermem.offload.calibration import (_CALIBRATION_FORWARD, _TIMING_TRIES, _Calibration,
+                                         copy_rates, plan_layers)
 from tiermem.offload.context import _ACTIVE, _in_backward, active_offloader
 from tiermem.offload.defaults import available_host_bytes, default_store_config
 from tiermem.offload.double_buffer import DoubleBuffer
@@ -86,6 +86,8 @@ class ActivationOffloader:
         """With ``layers="auto"``: the choice and what it was made from, once made (see
         :meth:`_plan_layers`); None before (or with explicit layers)."""
         self._calibration: _Calibration | None = _Calibration(len(blocks)) if auto else None
+        self._timed_fwd = _CALIBRATION_FORWARD  # the forward being timed (Note [timed forward])
+        self._timing_tries = 0  # timed forwards that did not time every block
         self._own_store = store is None
         self._store = store
         self._uid = next(self._uids)
@@ -109,6 +111,7 @@ class ActivationOffloader:
         self._regions: list[Hashable] = []
         self._region_seq = itertools.count()
         self._blocks_run = 0  # block pre-hooks run since entry (Note [offload rules], rule 9)
+        self._blocks_no_grad = 0  # block pre-hooks run under no_grad since entry (rule 9)
         self._unassigned = 0  # candidates saved outside every block since entry
         # records
         self._by_storage: dict[tuple, _Record] = {}
@@ -164,6 +167,7 @@ class ActivationOffloader:
         self._fresh = True
         self._current = None
         self._blocks_run = 0
+        self._blocks_no_grad = 0
         self._unassigned = 0
         _ACTIVE.offloader = self
         self._thread = threading.get_ident()
@@ -185,6 +189,14 @@ class ActivationOffloader:
             self._closing = True
             self._maybe_close()
             silent = self._unassigned and not self._blocks_run and self.policy.layers
+        if silent and exc[0] is None and self._blocks_no_grad:  # Note [offload rules], rule 9
+            raise RuntimeError(
+                f"offload_activations: the forward saved {self._unassigned} tensors outside "
+                f"every block, and the blocks ran only under torch.no_grad(), so nothing was "
+                f"offloaded: torch.utils.checkpoint(block, ..., use_reentrant=True) runs them so "
+                f"(transformers' gradient_checkpointing_enable() too, unless given "
+                f"{{'use_reentrant': False}}); pass use_reentrant=False, which offloads each "
+                f"checkpointed block's input with it")
         if silent and exc[0] is None:  # Note [offload rules], rule 9
             raise RuntimeError(
                 f"offload_activations: the forward saved {self._unassigned} tensors but none of "
@@ -234,16 +246,22 @@ class ActivationOffloader:
         return hook
 
     def _on_block_enter(self, index: int) -> None:
-        if not torch.is_grad_enabled() or _in_backward() or not self._own_thread():
-            return  # eval forwards and checkpoint recomputation change no state
+        if _in_backward() or not self._own_thread():
+            return  # checkpoint recomputation and other threads' forwards change no state
+        if not torch.is_grad_enabled():
+            self._blocks_no_grad += 1  # eval forwards (and a reentrant checkpoint's: rule 9)
+            return
         with self._lock:
             self._offload_deferred()  # an enclosing block's, or one whose exit hook never ran
             if self._fresh or index <= self._last_block:
                 self._fwd += 1
                 self._fresh = False
                 cal = self._calibration
-                if cal is not None and self._fwd > _CALIBRATION_FORWARD and cal.complete():
-                    self._plan_layers()
+                if cal is not None and self._fwd > self._timed_fwd:
+                    if cal.complete():
+                        self._plan_layers()
+                    else:  # the timed forward raised or skipped blocks (Note [timed forward])
+                        self._time_again(cal)
             self._last_block = index
             self._current = index
             self._blocks_run += 1
@@ -298,7 +316,25 @@ class ActivationOffloader:
     # ------------------------------------------------------------------ layers="auto"
 
     def _calibrating(self) -> bool:
-        return self._calibration is not None and self._fwd == _CALIBRATION_FORWARD
+        return self._calibration is not None and self._fwd == self._timed_fwd
+
+    def _time_again(self, cal: _Calibration) -> None:
+        """The timed forward ended without timing every block (it raised, or did not run
+        them all): time the forward starting now instead, at most ``_TIMING_TRIES`` times;
+        then keep offloading all blocks but the last, with a warning (Note [timed forward])."""
+        self._timing_tries += 1
+        if self._timing_tries >= _TIMING_TRIES:
+            self._calibration = None
+            untimed = [i for i in range(len(self.blocks)) if i not in cal.marks
+                       or cal.marks[i][1] is None]
+            warnings.warn(f"offload_activations(layers='auto'): {_TIMING_TRIES} timed forwards "
+                          f"did not run blocks {untimed} to their end, so no choice was made; "
+                          f"every block but the last stays offloaded: pass layers=[...] to "
+                          f"choose", RuntimeWarning, stacklevel=4)
+            return
+        fresh = _Calibration(len(self.blocks))
+        fresh.bandwidths = cal.bandwidths  # measured once
+        self._calibration, self._timed_fwd = fresh, self._fwd
 
     def _copy_rates(self) -> tuple[float, float]:
         """``(offload, reload)`` bytes/s (:func:`tiermem.offload.calibration.copy_rates`)."""
@@ -414,6 +450,31 @@ class ActivationOffloader:
 
     # ------------------------------------------------------------------ unpack
 
+    # Note [handed-out reloads]: an offloaded tensor's unpack returns a fresh ``as_strided``
+    # view of memory the offloader may use again: the store's reloaded copy (kept while other
+    # handles of its key live, e.g. for the next backward of a retained graph) or a slice of
+    # a double-buffer set (overwritten by a later load). Autograd can keep that tensor past
+    # the node that unpacked it, and write it: AccumulateGrad takes a gradient nothing else
+    # refers to as the parameter's ``.grad`` without copying, and later adds into it in place;
+    # a backward that returns a saved tensor itself as a gradient (fused loss kernels do:
+    # Liger's fused linear cross-entropy returns its saved ``grad_weight``) hands it exactly
+    # that. A double-backward graph (``create_graph=True``) saves the unpacked tensors too.
+    # Without offload autograd hands out the saved tensor itself, which the saved variable
+    # still refers to, so AccumulateGrad copies it. Two rules keep the offloader's memory its
+    # own: (1) while autograd keeps the graph (``retain_graph=True``, ``create_graph=True``)
+    # the unpack returns a private copy of the reloaded storage (one device copy per unpack,
+    # in such backwards only): the old code handed the store's copy to ``.grad``, and each
+    # later backward read what had been accumulated into it (a saved gradient returned by
+    # three backwards came out 4x, not 3x); (2) a double-buffer set whose memory is still
+    # referenced elsewhere when its next load comes takes new memory and leaves the old to
+    # its holder (tiermem/offload/double_buffer.py; ``stats()["buffer_replaced"]``, 0 in
+    # plain training): the old code overwrote a ``.grad`` taken that way with a later
+    # layer's data, and raised a false in-place error in double backward. Not covered, no
+    # model known to do it: without a kept graph, a gradient taken that way shares the store's
+    # copy while another saved tensor on the same storage (rule 2 of Note [offload rules]) is
+    # still to be unpacked, and a second accumulation into that ``.grad`` before then would
+    # change what it reads. Tested by tests/offload/test_offload_corners.py.
+
     def _unpack(self, handle: Any) -> torch.Tensor:
         if type(handle) is Kept:
             return handle.unpack()
@@ -426,9 +487,13 @@ class ActivationOffloader:
             if rec is None:
                 return handle.tensor
             self._enter_group(handle.group)
-            data = self._load(rec)
+            # Note [handed-out reloads]: a kept graph reads the same copy again
+            data = self._load(rec, private=torch._C._autograd._get_current_graph_task_keep_graph())
         base = data.view(handle.dtype)  # as_strided's offset counts from the storage start
-        return base.as_strided(handle.size, handle.stride, base.storage_offset() + handle.offset)
+        out = base.as_strided(handle.size, handle.stride, base.storage_offset() + handle.offset)
+        if handle.neg:  # Note [offload rules], rule 2: the bits as_strided does not carry
+            out = torch._neg_view(out)
+        return out.conj() if handle.conj else out
 
     def _note_backward(self) -> None:
         """On the first unpack of a backward: drop pending tensors, prefetch the last groups."""
@@ -473,15 +538,17 @@ class ActivationOffloader:
             for rec in records:
                 rec.slot = None
 
-    def _load(self, rec: _Record) -> torch.Tensor:
-        """The record's bytes on the compute device (uint8, ``rec.nbytes``)."""
+    def _load(self, rec: _Record, private: bool = False) -> torch.Tensor:
+        """The record's bytes on the compute device (uint8, ``rec.nbytes``); ``private``: a
+        copy nothing else refers to (Note [handed-out reloads])."""
         self.counters["reloads"] += 1
         if self._buffers is not None:
             data = self._buffers.view(rec)
             if data is not None:
-                return data
+                return data.clone() if private else data
         try:
-            return self._store.get(rec.key).reshape(-1).view(torch.uint8)
+            data = self._store.get(rec.key).reshape(-1).view(torch.uint8)
+            return data.clone() if private else data
         except TierFullError:  # the store's gpu tier cannot take it: copy it out directly
             self.counters["gpu_full"] += 1
             host = self._store.get(rec.key, tier="cpu").reshape(-1).view(torch.uint8)
@@ -515,6 +582,7 @@ class ActivationOffloader:
         out = dict(self.counters, live_keys=self._records)
         if self._buffers is not None:
             out.update(buffer_loads=self._buffers.loads, buffer_fallbacks=self._buffers.fallbacks,
+                       buffer_replaced=self._buffers.replaced,
                        buffer_bytes=self._buffers.capacity_bytes())
         return out
 

@@ -20,6 +20,7 @@ from tiermem.schedule.layers import (BlockCosts, choose_layers, copy_bandwidths,
                                      kept_budget_bytes, simulate)
 
 _CALIBRATION_FORWARD = 2  # layers="auto" times this forward (the first one warms up)
+_TIMING_TRIES = 3  # timed forwards that may end untimed before auto gives up (Note [timed forward])
 _BWD_PER_FWD = 2.0  # backward compute of a block, in forwards (its two matmuls per forward one)
 _ROOM_FRACTION = 0.8  # share of the device memory left unused that auto may fill with activations
 
@@ -46,7 +47,11 @@ class _Calibration:
     choose_layers runs a host clock beside the device's (tiermem/schedule/layers.py), so a
     block whose puts would leave the device waiting for the host is not chosen; on the CPU the
     host computes the blocks, and its clock is the one timed. The peak of the timed forward
-    grows by at most one block's saved tensors.
+    grows by at most one block's saved tensors. A timed forward that ends without timing
+    every block (it raised, or did not run them all) is followed by another, up to
+    ``_TIMING_TRIES`` in all; after that no choice is made (a warning; all blocks but the
+    last stay offloaded). The old code waited for a complete timing that never came: after
+    one failed step auto never chose.
     """
 
     def __init__(self, num_blocks: int) -> None:

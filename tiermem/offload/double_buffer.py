@@ -5,6 +5,10 @@ consecutive groups alternate between, instead of fresh allocations.
 A set is loaded on its own H2D stream, which first waits for the compute stream (the set's
 previous readers were queued before backward entered this layer); a reader's stream waits for
 the load's event before it reads a set (:meth:`DoubleBuffer.view`). Units: bytes.
+
+A set whose memory is still referenced outside it when its next load comes (a reloaded tensor
+kept beyond its layer) gets new memory instead of being overwritten: Note [handed-out reloads]
+in tiermem/offload/activations.py.
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ from tiermem.store import TierStore
 
 
 ALIGN_BYTES = 512  # offsets of records inside a set (any dtype view is aligned)
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _referenced_elsewhere(buf: torch.Tensor) -> bool:
+    """True if a tensor other than ``buf`` still refers to its memory (a view handed out by
+    :meth:`DoubleBuffer.view` and kept: Note [handed-out reloads]). Without torch's count it
+    says True: a new buffer is always correct."""
+    if _use_count is None:
+        return True
+    storage = buf.untyped_storage()
+    return _use_count(storage._cdata) > 2  # buf's own reference and the Python storage's
 
 
 @dataclass
@@ -40,6 +56,7 @@ class DoubleBuffer:
         self.next_set = 0
         self.loads = 0
         self.fallbacks = 0
+        self.replaced = 0  # loads that found their set's memory still referenced elsewhere
 
     def capacity_bytes(self) -> int:
         return sum(s.buf.numel() for s in self.sets if s.buf is not None)
@@ -57,6 +74,10 @@ class DoubleBuffer:
         for rec in records:
             offsets.append(total)
             total += -(-rec.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        if bset.buf is not None and _referenced_elsewhere(bset.buf):
+            # Note [handed-out reloads]: its holder keeps the old memory; the set takes new
+            self.replaced += 1
+            bset.buf = None
         if bset.buf is None or bset.buf.numel() < total:
             bset.buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         bset.generation += 1

@@ -29,7 +29,7 @@ class _Saved:
     """What the pack hook returns: a saved tensor, offloaded (``record``) or kept (``tensor``)."""
 
     __slots__ = ("owner", "tensor", "record", "group", "dtype", "size", "stride", "offset",
-                 "version", "marked", "tracker", "__weakref__")
+                 "conj", "neg", "version", "marked", "tracker", "__weakref__")
 
     def __init__(self, owner: "ActivationOffloader", tensor: torch.Tensor,
                  marked: bool = False) -> None:
@@ -43,6 +43,10 @@ class _Saved:
         self.size = tuple(tensor.size())
         self.stride = tuple(tensor.stride())
         self.offset = tensor.storage_offset()
+        # lazy conjugate / negative views (a.conj(), a.conj().imag): their bytes are a's, and
+        # as_strided does not carry the bit (Note [offload rules], rule 2)
+        self.conj = tensor.is_conj()
+        self.neg = tensor.is_neg()
         self.version = tensor._version  # a deferred offload must copy what was saved
         self.tracker: torch.Tensor | None = None  # offloaded: Note [saved versions]
 

@@ -16,7 +16,9 @@ Note [offload rules] (referred to from code and tests):
    the same live storage with the same version counter share one store key (a tensor saved by
    two ops, or ``q``/``k``/``v`` views of one projection). Unpack rebuilds each saved tensor with
    ``as_strided`` (same size, stride and storage offset) on the reloaded storage, so views come
-   back as views of the same data.
+   back as views of the same data, with the conjugate and negative bits of lazy views
+   (``a.conj()``, ``a.conj().imag``: their bytes are ``a``'s), which ``as_strided`` does not
+   carry (the old code dropped them: ``a.conj() * b`` gave wrong gradients, silently).
 3. *Lifetime.* The pack hook keeps no reference to the device tensor (the store marks it used by
    its D2H stream). Each saved tensor's handle lives exactly as long as autograd keeps the saved
    variable: backward without ``retain_graph`` releases a node's saved variables right after the
@@ -24,7 +26,11 @@ Note [offload rules] (referred to from code and tests):
    frees the reloaded copy as soon as backward no longer needs it. With ``retain_graph=True`` the
    handles live on, so the reloaded copies stay in the store's ``"gpu"`` tier (under its budget;
    the store evicts them back down under pressure) until the graph is freed; a second backward
-   then works. A graph dropped without backward deletes its keys the same way.
+   then works. While autograd keeps the graph (``retain_graph=True``, ``create_graph=True``)
+   each unpack returns a private copy of the reloaded storage, so nothing autograd keeps or
+   writes (a ``.grad``, a double-backward graph) shares the copy the next backward reads
+   (Note [handed-out reloads] in tiermem/offload/activations.py). A graph dropped without
+   backward deletes its keys the same way.
 4. *Forwards.* Every forward gets a new id (a block index that does not increase, or a forward
    after a backward started, starts a new one), so several forwards before one backward
    (gradient accumulation) keep separate keys; forwards under ``torch.no_grad()`` save nothing
@@ -39,8 +45,11 @@ Note [offload rules] (referred to from code and tests):
    overwritten two loads later, when backward has entered the next layer, i.e. (for a
    sequential stack of blocks) when no kernel reading the old layer can still be queued after
    the overwrite. A saved tensor unpacked after its set was reused is reloaded from the store
-   instead (still correct); a *reloaded tensor kept alive by autograd beyond its layer* would see
-   the overwrite, so use double buffering only for sequential stacks of blocks.
+   instead (still correct). A *reloaded tensor still referenced when its set's next load comes*
+   (taken as a ``.grad`` without a copy, or otherwise held past its layer) makes the set take
+   new memory and leave the old to its holder (Note [handed-out reloads];
+   ``stats()["buffer_replaced"]``); the old code overwrote it. The sets save allocations only
+   where reloads die with their layer, as in a sequential stack of blocks.
 7. *Full tiers.* A saved tensor the store cannot take (``TierFullError`` from ``put``) stays on
    the device (one ``RuntimeWarning``, counted in ``stats()["store_full"]``). A reload that the
    store's ``"gpu"`` tier cannot take is copied straight out of the ``"cpu"`` tier with a
@@ -66,7 +75,10 @@ Note [offload rules] (referred to from code and tests):
    those) round differently. A graph compiled *before* the hooks existed ignores them (dynamo
    does not guard on module hooks): if a forward inside the context saves tensors but no block
    hook runs, ``__exit__`` raises ``RuntimeError`` instead of silently offloading nothing.
-   Tested by tests/offload/test_compile.py and the CUDA parity matrix.
+   Tested by tests/offload/test_compile.py and the CUDA parity matrix. The same holds when
+   the block hooks ran only under ``torch.no_grad()``: ``torch.utils.checkpoint(...,
+   use_reentrant=True)`` runs its blocks so and saves their inputs outside them; the message
+   then names ``use_reentrant=False`` (the old one blamed torch.compile).
 10. *Tensor-level offload* (:mod:`tiermem.offload.tensors`). Inside an ``offload_tensors()``
    region every candidate tensor autograd saves is offloaded, whatever block it is in; one
    region entry is one group, prefetched in backward like a block (regions and blocks share
@@ -81,6 +93,10 @@ Note [offload rules] (referred to from code and tests):
 12. *In-place changes.* A saved tensor (kept or offloaded) changed in place before backward
    unpacks it raises autograd's ``RuntimeError``, naming where it was saved: autograd skips
    its check under saved-tensor hooks (Note [saved versions] in tiermem/offload/versions.py).
+   A write no version counter sees (through ``x.data``, or a tensor made with ``set_`` on the
+   same storage) raises nowhere: plain autograd then reads the new values in backward, an
+   offloaded tensor the values it had when it was offloaded (not detectable; kept tensors
+   read the new values, as plain autograd does).
 
 Where each rule lives: 1 and 8's choice here (:class:`LayerPolicy`) and in
 tiermem/offload/activations.py (the hooks); 2-5, 7, 9 and 10 in the hooks; 6 in
