@@ -463,7 +463,8 @@ class ActivationOffloader:
     # still refers to, so AccumulateGrad copies it. Two rules keep the offloader's memory its
     # own: (1) while autograd keeps the graph (``retain_graph=True``, ``create_graph=True``)
     # the unpack returns a private copy of the reloaded storage (one device copy per unpack,
-    # in such backwards only): the old code handed the store's copy to ``.grad``, and each
+    # in such backwards only; the copies a double-backward graph saves live as long as it
+    # does, beside the store's reloaded copies, which a kept graph keeps too): the old code handed the store's copy to ``.grad``, and each
     # later backward read what had been accumulated into it (a saved gradient returned by
     # three backwards came out 4x, not 3x); (2) a double-buffer set whose memory is still
     # referenced elsewhere when its next load comes takes new memory and leaves the old to
