@@ -39,10 +39,11 @@ from _stream_train import CFG, batches, make_model
 
 STEPS = 6
 
-# name -> HybridAdam keywords (None: torch AdamW); "n_micro": micro-batches per step
+# name -> HybridAdam keywords, or torch AdamW (None, or "torch": True); "n_micro": micro-batches
+# per step, "clip": HybridAdam's max_grad_norm, or torch's clip_grad_norm_ before AdamW's step
 OPTS = {
     "adamw": None,
-    "adamw-acc2-clip": {"n_micro": 2, "clip": 0.5},
+    "adamw-acc2-clip": {"torch": True, "n_micro": 2, "clip": 0.5},
     "ha-step": {},
     "ha-step-acc2-no-overlap": {"n_micro": 2, "overlap": False},
     "ha-forward": {"param_sync": "forward"},
@@ -58,7 +59,8 @@ class Interrupt(BaseException):
 class Loop:
     """One training loop: the test GPT (streamed or not), an optimizer per ``OPTS[name]``,
     ``hook(loop, step)`` called before each step's forward (it may return an evaluation's
-    output to record) and ``mid(loop, step)`` between a step's micro-batches."""
+    output to record), ``mid(loop, step)`` between a step's micro-batches and
+    ``before_step(loop, step)`` after the step's last backward."""
 
     def __init__(self, name, streamed, store, tier="cpu"):
         cfg = OPTS[name]
@@ -68,7 +70,7 @@ class Loop:
         self.stream = stream_weights(self.model.blocks, store=store, tier=tier,
                                      prefetch_blocks=1) if streamed else None
         params = self.model.parameters()
-        if cfg is None:
+        if cfg is None or cfg.get("torch"):
             self.opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
         else:
             kw = {k: v for k, v in cfg.items() if k not in ("n_micro", "clip")}
@@ -76,14 +78,19 @@ class Loop:
                                   max_grad_norm=cfg.get("clip"),
                                   grad_accumulation_steps=self.n_micro, **kw)
 
-    def run(self, hook=None, mid=None, steps=STEPS, data=None, fb=None):
-        """Train; returns (losses per step, recorded evaluations, final weights)."""
+    def run(self, hook=None, mid=None, steps=STEPS, data=None, fb=None, before_step=None,
+            zero_first=False):
+        """Train; returns (losses per step, recorded evaluations, final weights);
+        ``zero_first``: ``zero_grad()`` after ``hook``, before each step's forward (the
+        textbook loop), instead of after ``step()``."""
         losses, evals = [], []
         data = data or (lambda step: batches(step, self.n_micro))
         try:
             for step in range(steps):
                 if hook is not None and (out := hook(self, step)) is not None:
                     evals.append(out)
+                if zero_first:
+                    self.opt.zero_grad(set_to_none=True)
                 if fb is not None:
                     got = fb(self.model, data(step))
                 else:
@@ -94,10 +101,13 @@ class Loop:
                         _, loss = self.model(idx, targets)
                         (loss / self.n_micro).backward()
                         got.append(loss.detach())
+                if before_step is not None:
+                    before_step(self, step)
                 if isinstance(self.opt, torch.optim.AdamW) and self.cfg.get("clip"):
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["clip"])
                 self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
+                if not zero_first:
+                    self.opt.zero_grad(set_to_none=True)
                 losses.append(torch.stack(got).detach())
             if isinstance(self.opt, HybridAdam):
                 self.opt.synchronize()
@@ -423,3 +433,94 @@ def test_load_state_dict_assign_is_refused(stores, one_thread, name):
     want = Loop(name, False, stores()).run(hook)
     got = Loop(name, True, stores()).run(hook)
     assert_same(got, want, f"{name} assign")
+
+
+
+@pytest.mark.parametrize("name", ["adamw-acc2-clip", "ha-step", "ha-forward-acc2-clip-rollback"])
+def test_evaluation_loss_kept_over_the_step(stores, one_thread, name):
+    """A validation loss computed with autograd on after the last backward and still referenced
+    at ``step()``: its pass is open, so the step is refused in one line naming the fix (drop
+    the outputs, or evaluate under no_grad) and changes nothing; with the loss dropped the same
+    step goes on exactly."""
+    def before_step(loop, step):
+        if step != 2 or loop.stream is None:
+            return
+        kept = loop.model(*batches(50, 1)[0])[1]
+        with pytest.raises(RuntimeError, match=r"\.step\(\) during a weight-streaming pass.*"
+                                               r"drop outputs no backward will use"):
+            loop.opt.step()
+        del kept
+
+    want = Loop(name, False, stores()).run()
+    got = Loop(name, True, stores()).run(before_step=before_step)
+    assert_same(got, want, f"{name} loss kept over step()")
+
+
+def _validation_loss(loop, step):
+    """A validation loss with autograd on, read with ``.item()`` (its graph dropped at once)
+    and no backward: the stream's pass stays open until the next forward or step."""
+    if step in (1, 2, 4):
+        loop.val = loop.model(*batches(50 + step, 1)[0])[1].item()
+
+
+@pytest.mark.parametrize("name", ["adamw-tight-clip"] + list(OPTS))
+def test_validation_loss_before_clip_and_step(stores, one_thread, name):
+    """Between the last backward and ``clip_grad_norm_`` / ``step()``: the streamed ``.grad``
+    read None there (Note [gradients at backward]), so AdamW's clip left them out of the norm
+    and unclipped; silently different losses from step 2 on before the fix (``adamw-tight-clip``:
+    a norm the clip reaches every step)."""
+    OPTS["adamw-tight-clip"] = {"torch": True, "clip": 0.05}
+    want = Loop(name, False, stores()).run()
+    got = Loop(name, True, stores()).run(before_step=_validation_loss)
+    del OPTS["adamw-tight-clip"]
+    assert_same(got, want, f"{name} validation loss before clip")
+
+
+@pytest.mark.parametrize("name", list(OPTS))
+def test_validation_loss_before_zero_grad(stores, one_thread, name):
+    """The textbook loop (``zero_grad()`` first) with a validation loss after ``step()``: the
+    ``zero_grad()`` fell in the open pass and was undone at its end, so the next step added its
+    gradients to the last step's; silently different losses before the fix."""
+    def hook(loop, step):
+        _validation_loss(loop, step)
+
+    want = Loop(name, False, stores()).run(zero_first=True)
+    got = Loop(name, True, stores()).run(hook, zero_first=True)
+    assert_same(got, want, f"{name} validation loss before zero_grad")
+
+
+class _ZeroAfterForward(Loop):
+    """PyTorch's quickstart order: ``loss = model(x)``, ``zero_grad()``, ``loss.backward()``,
+    ``step()``."""
+
+    def run(self, steps=STEPS):
+        losses = []
+        try:
+            for step in range(steps):
+                got = []
+                for idx, targets in batches(step, self.n_micro):
+                    _, loss = self.model(idx, targets)
+                    if not got:
+                        self.opt.zero_grad(set_to_none=True)
+                    (loss / self.n_micro).backward()
+                    got.append(loss.detach())
+                if isinstance(self.opt, torch.optim.AdamW) and self.cfg.get("clip"):
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["clip"])
+                self.opt.step()
+                losses.append(torch.stack(got))
+            if isinstance(self.opt, HybridAdam):
+                self.opt.synchronize()
+            weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        finally:
+            self.close()
+        return losses, [], weights
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw-acc2-clip", "ha-step", "ha-forward"])
+def test_zero_grad_between_forward_and_backward(stores, one_thread, name):
+    """``zero_grad()`` after the forward, before its backward: it fell in the open pass, whose
+    backward then added to the gradients taken aside at the forward (Note [gradients at
+    backward]); silently different losses before the fix."""
+    want = _ZeroAfterForward(name, False, stores()).run()
+    got = _ZeroAfterForward(name, True, stores()).run()
+    assert_same(got, want, f"{name} zero_grad between forward and backward")

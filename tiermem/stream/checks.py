@@ -194,6 +194,44 @@ def check_grad_flags(entries: Sequence[Any], hooked: set[int]) -> None:
                 f"stream and stream again after changing requires_grad")
 
 
+def check_host_grads(entries: Sequence[Any]) -> None:
+    """Refuse a streamed weight whose ``.grad`` is not a host tensor like its weight (or None):
+    at a pass start, and when its backward takes the gradients (Note [gradients at backward]).
+
+    Raises:
+        ValueError: naming the weight, the gradient's dtype, shape and device, and the rule.
+    """
+    for p in entries:
+        grad = p.param.grad
+        if grad is not None and (grad.device.type != "cpu" or grad.shape != p.host.shape
+                                 or grad.dtype != p.host.dtype):
+            raise ValueError(
+                f"weight streaming: blocks[{p.block.index}].{p.name}.grad is a "
+                f"{grad.dtype} tensor of shape {tuple(grad.shape)} on {grad.device}; "
+                f"between passes a streamed parameter's gradient is a host tensor like "
+                f"its weight ({p.host.dtype}, {tuple(p.host.shape)}, cpu), or None")
+
+
+def replaced(p: Any) -> bool:
+    """Whether streamed weight ``p``'s ``param.data`` was replaced between passes (Note [param
+    changes]): it is no longer its host copy.
+
+    Raises:
+        ValueError: the new data has another shape or dtype.
+    """
+    data = p.param.data
+    if data.data_ptr() == p.host.data_ptr() and data.shape == p.host.shape:
+        return False
+    if data.shape != p.host.shape or data.dtype != p.host.dtype:
+        raise ValueError(
+            f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
+            f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
+            f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy new "
+            f"values in (param.data.copy_(new)); change a dtype (module.to(dtype)) "
+            f"before stream_weights or after close()")
+    return True
+
+
 def check_composition(modules: Sequence[nn.Module], blocks: Sequence[Any]) -> None:
     """At each pass start, refuse what a stream does not compose with (docs/streaming.md,
     "What it refuses"): a streamed parameter replaced after ``stream_weights`` (FSDP2's

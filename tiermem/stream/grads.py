@@ -18,6 +18,23 @@ staging tensor, and :meth:`HostGrads.flush` at the pass end waits for all of the
 the gradient autograd made is kept as the host gradient (no copy), and later ones are
 enqueued as they are and added by the same thread.
 
+Note [gradients at backward]: the host gradient is taken aside (``entry.acc``, ``.grad``
+None) when the pass's backward begins (its first pre-backward hook, ``_take_grads``; a
+block-major pass at its start), not when its forward begins. A pass whose forward recorded a
+graph stays open until its backward, or, when its outputs are dropped without one (a
+validation loss computed with autograd on), until the next forward, state dict, optimizer
+step or ``close()`` settles it. The gradients used to go aside at the forward, so in that
+window every streamed ``.grad`` read None: ``clip_grad_norm_`` after such an evaluation left
+the streamed gradients out of the norm and unclipped, and the step took them whole; a
+``zero_grad()`` there was undone when the pass ended, and the next step's gradients were
+added to the last step's. So was a ``zero_grad()`` between a training forward and its
+backward (PyTorch's quickstart loop: ``loss = model(x)``, ``zero_grad()``, ``backward()``):
+the backward added to the gradients taken aside at the forward. All three were silent. Now a forward leaves ``.grad`` as it is, the
+pass end puts back only what its backward took, and a gradient set during the forward is
+checked when the backward takes it (``check_host_grads``). ``.data`` of a released block is
+still the empty placeholder in that window (docs/streaming.md).
+tests/stream/test_stream_corners.py.
+
 Note [streamed gradient hand-off]: ``HostGrads.take`` is the one place a streamed weight's
 gradient lands on the host, so it is also where an optimizer that steps the host copies
 (HybridAdam, tiermem/optim/streamed.py) is told about it: a ``sink(entry, passes, event)`` set

@@ -98,6 +98,7 @@ class BlockMajorPass:
                                "(its graph is alive); run its backward or drop its outputs "
                                "first")
         s._begin_pass()
+        s._take_grads()  # its backward phase comes: Note [gradients at backward]
         s._major = self
         self._host_acc = {id(p.param) for b in s._blocks for p in b.params
                           if p.acc is not None}

@@ -32,9 +32,10 @@ module therefore gets:
 - **A load_state_dict pre-hook.** Refused during a pass (the backward needs the weights its
   forward read), and with ``assign=True``, which puts the state dict's tensors in place of the
   streamed parameters (the next forward then refused them with a message about FSDP; the
-  modules loaded before the first streamed block, the embeddings, are assigned by torch). A pending step is completed first (the worker's write-back would race the
-  load; resident weights a load reaches before the first streamed block, the embeddings, still
-  need ``opt.synchronize()`` first: Note [forward sync]). A host copy is loaded in place by
+  modules loaded before the first streamed block, the embeddings, are assigned by torch).
+  A pending step is completed first (the worker's write-back would race the load; resident
+  weights a load reaches before the first streamed block, the embeddings, still need
+  ``opt.synchronize()`` first: Note [forward sync]). A host copy is loaded in place by
   torch (``param.copy_``: its version moves, so the next pass streams it, the NVMe copy is rewritten, and HybridAdam takes it into its masters:
   Note [param changes]). A weight homed on NVMe whose key is in the state dict gets a dense
   RAM tensor of its stand-in's NaN as ``.data`` for torch to copy into (one block at a time).

@@ -70,8 +70,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tiermem.stream.blocks import Block, Fetcher, Param
 from tiermem.stream.checks import (STREAMED_BLOCKS, block_params, check_composition,
-                                   check_grad_flags, check_options, placeholder,
-                                   select_frozen, unpinned_warning)
+                                   check_grad_flags, check_host_grads, check_options,
+                                   placeholder, replaced, select_frozen, unpinned_warning)
 from tiermem.stream.checksums import host_checksum
 from tiermem.stream.closing import end_params, read_back
 from tiermem.stream.compose import eager as _eager
@@ -116,6 +116,7 @@ class _Pass:
     backward_started: bool = False
     release: BackwardRelease = field(default_factory=BackwardRelease)  # Note [backward release]
     call: Any = None                # the running block's call: Note [interrupted forward]
+    grads: bool = False             # host gradients taken aside: Note [gradients at backward]
 
     def graph_alive(self) -> bool:
         return self.token is not None and self.token() is not None
@@ -286,7 +287,7 @@ class WeightStream:
             ValueError: ``param`` is not streamed by this stream.
         """
         p = self._entry(param)
-        return p.acc if self._pass is not None else param.grad
+        return p.acc if self._pass is not None and self._pass.grads else param.grad
 
     def mark_changed(self, param: nn.Parameter) -> None:
         """Say that ``param``'s host copy was written (by a connected optimizer): with
@@ -322,7 +323,7 @@ class WeightStream:
                 shape or dtype.
         """
         p = self._entry(param)
-        if self._pass is None and self._replaced(p):
+        if self._pass is None and replaced(p):
             self._take_replaced(p)
 
     def connect(self, link: Any) -> None:
@@ -506,7 +507,8 @@ class WeightStream:
             if me._pass is not None:
                 raise RuntimeError(f"{type(opt).__name__}.step() during a weight-streaming "
                                    f"pass: the streamed parameters hold no data or gradient "
-                                   f"until the backward has ended; step after backward()")
+                                   f"until the backward has ended; step after backward(); drop "
+                                   f"outputs no backward will use (or evaluate under no_grad)")
 
         def post_step(opt: Any, args: Any, kwargs: Any) -> None:
             me = ref()
@@ -530,18 +532,10 @@ class WeightStream:
         entries = [p for b in self._blocks for p in b.params]
         check_grad_flags(entries, self._hooked)
         check_composition(self._modules, self._blocks)
-        taken = [p for p in entries if self._replaced(p)]  # checks first: a refusal
+        taken = [p for p in entries if replaced(p)]  # checks first: a refusal
         if self._home is not None:                           # changes nothing
             self._home.check_unwritten(entries)  # Note [NVMe home]
-        for p in entries:
-            grad = p.param.grad
-            if grad is not None and (grad.device.type != "cpu" or grad.shape != p.host.shape
-                                     or grad.dtype != p.host.dtype):
-                raise ValueError(
-                    f"weight streaming: blocks[{p.block.index}].{p.name}.grad is a "
-                    f"{grad.dtype} tensor of shape {tuple(grad.shape)} on {grad.device}; "
-                    f"between passes a streamed parameter's gradient is a host tensor like "
-                    f"its weight ({p.host.dtype}, {tuple(p.host.shape)}, cpu), or None")
+        check_host_grads(entries)
         for p in taken:
             self._take_replaced(p)
         if self.tier == "nvme" and self._home is None:  # no host copy to write back
@@ -560,33 +554,13 @@ class WeightStream:
                 p.written_sum = host_checksum(p.host) if now is None else now
                 self._fetcher.stats["nvme_writes"] += 1
         self._stepped = False
-        for p in entries:
-            p.acc = p.param.grad
-            p.param.grad = None
+        for p in entries:  # the gradients stay until the backward: Note [gradients at backward]
             p.pass_version = p.param._version
             p.param.data = placeholder(p.host.dtype, self.device)
         for b in self._blocks:
             b.accumulated = 0
         self._fetcher.checks.new_pass(self._blocks)  # Note [streamed weight checksums]
         self._pass = _Pass()
-
-    def _replaced(self, p: Param) -> bool:
-        """Whether ``p.param.data`` was replaced between passes (Note [param changes]).
-
-        Raises:
-            ValueError: the new data has another shape or dtype.
-        """
-        data = p.param.data
-        if data.data_ptr() == p.host.data_ptr() and data.shape == p.host.shape:
-            return False
-        if data.shape != p.host.shape or data.dtype != p.host.dtype:
-            raise ValueError(
-                f"weight streaming: blocks[{p.block.index}].{p.name}.data was replaced "
-                f"by a {data.dtype} tensor of shape {tuple(data.shape)}; a streamed "
-                f"weight keeps its {p.host.dtype} shape {tuple(p.host.shape)}: copy new "
-                f"values in (param.data.copy_(new)); change a dtype (module.to(dtype)) "
-                f"before stream_weights or after close()")
-        return True
 
     def _take_replaced(self, p: Param) -> None:
         """Copy a replaced ``.data`` into the host copy, which becomes ``.data`` again."""
@@ -607,15 +581,26 @@ class WeightStream:
             if b.streamed:
                 self._fetcher.release(b, check=False)  # checked below, with the pass ended
         self._grads.flush()
+        taken = self._pass is not None and self._pass.grads  # else .grad stayed the user's
         for b in self._blocks:
             for p in b.params:
                 p.param.data = p.host
-                p.param.grad = p.acc
+                if taken:
+                    p.param.grad = p.acc
                 p.acc = None
         self._pass = None
         self._major = None
         self._grads.raise_failed()  # an adder thread's error, now the pass has ended
         self._fetcher.checks.raise_changed()  # Note [streamed weight checksums]
+
+    def _take_grads(self) -> None:
+        """The pass's backward begins: its host gradients go aside, ``.grad`` is None until
+        the pass ends (Note [gradients at backward])."""
+        entries = [p for b in self._blocks for p in b.params]
+        check_host_grads(entries)  # a gradient set during the pass: refused, nothing moved
+        for p in entries:
+            p.acc, p.param.grad = p.param.grad, None
+        self._pass.grads = True
 
     def _settle_idle_pass(self) -> None:
         """End an open pass that nothing can continue: no block running and no graph of it
@@ -721,6 +706,7 @@ class WeightStream:
                                f"run one backward per forward")
         try:
             if not ps.backward_started:
+                self._take_grads()
                 ps.backward_started = True
                 ref = weakref.ref(self)
                 torch.autograd.Variable._execution_engine.queue_callback(
