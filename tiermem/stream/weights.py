@@ -533,7 +533,7 @@ class WeightStream:
         check_grad_flags(entries, self._hooked)
         check_composition(self._modules, self._blocks)
         taken = [p for p in entries if replaced(p)]  # checks first: a refusal
-        if self._home is not None:                           # changes nothing
+        if self._home is not None:                     # changes nothing
             self._home.check_unwritten(entries)  # Note [NVMe home]
         check_host_grads(entries)
         for p in taken:
