@@ -38,6 +38,9 @@
 #                                       (test_speculate_restep.py), tests/optim's CUDA tests
 #                                       under -n 4 twice (the load that showed it), the streamed
 #                                       speculation and scaler CUDA files (bounded 530 s)
+#   cuda_s18b          nvidia-h200      session 18's audit twins (worker windows, offload corners,
+#                                       the re-step), then pytest -m cuda tests/offload and
+#                                       tests/stream, 3 xdist workers each (bounded 480 s)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs, no clipping
@@ -242,6 +245,11 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
       run cuda_s18_optim_b 170 "${PYTEST[@]}" -n 4 tests/optim
       run cuda_s18_stream 100 "${PYTEST[@]}" -n 3 tests/stream/test_stream_speculate_cuda.py \
         tests/stream/test_stream_grad_scaler_cuda.py ;;
+    cuda_s18b)  # session 18's audits: the new CUDA twins, then tests/offload and tests/stream
+      run cuda_s18b_twins 150 "${PYTEST[@]}" -n 3 tests/optim/test_worker_windows_cuda.py \
+        tests/offload/test_offload_corners_cuda.py tests/optim/test_speculate_restep.py
+      run cuda_s18b_offload 150 "${PYTEST[@]}" -n 3 tests/offload
+      run cuda_s18b_stream 180 "${PYTEST[@]}" -n 3 tests/stream ;;
     spec_rows) run spec_rows 300 "${PYTEST[@]}" -v -s "$PARITY" -k "test_training_parity and hybrid_spec" ;;
     stream_cuda)
       run stream_cuda 120 "${PYTEST[@]}" -v -s tests/stream
