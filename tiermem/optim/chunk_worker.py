@@ -24,7 +24,9 @@ written only by the clip and a GradScaler's unscale, which ``step()`` applies be
 worker may read it (a chunk stepped speculatively before the clip is stepped again unless the
 clip multiplied by exactly 1: Note [speculative step]; one speculated under a scaler reads no
 piece in place: Note [streamed grad scaler] in amp_scaling.py), or after the step is complete
-(the next pass: ``Link.before_pass`` synchronizes; ``zero_grad(set_to_none=False)`` too); the
+(the next pass: ``Link.before_pass`` synchronizes; ``zero_grad(set_to_none=False)`` too; a
+``model.zero_grad(set_to_none=False)`` before that, with ``param_sync="forward"``, is refused
+if it came first: Note [gradient writes after a forward-synced step] in grad_reads.py); the
 host copy is written when the ring's memcpy would have written it, and no fill of that pass reads it. The kernel's write bumps no
 version: none is needed (HybridAdam marks every weight it stepped changed before the next
 pass, and the watch of Note [param changes] only excuses HybridAdam's own bumps).
@@ -287,7 +289,7 @@ class ChunkWorker:
             slot = group.grad_next
             group.grad_next = (slot + 1) % GRAD_SLOTS  # the slot's last chunk has been stepped
             buf = group.grad_ring[slot][:chunk.numel]
-            pairs = []
+            pairs, read_host, read_copied = [], [], []  # read_*: (local tensor, piece)
             for pc in chunk.pieces:
                 if refs[pc.param] is None or pc.param in direct:
                     continue
@@ -297,13 +299,19 @@ class ChunkWorker:
                     ring_bytes += pc.numel * buf.element_size()
                 if self._copier.cuda and grad.device.type == "cpu":  # a streamed one's, landed
                     buf[rel:rel + pc.numel].copy_(grad)  # Note [streamed write-back]
+                    read_host.append((pc.param, grad))
                     continue
                 pairs.append((buf[rel:rel + pc.numel], grad))
+                read_copied.append((pc.param, grad))
                 nbytes += pc.numel * buf.element_size()
             if scale is not None:  # also alone: streamed gradients copied host to host
                 pairs.append(scale)  # the scale the loss was scaled by, read with the grads
                 scale_host = scale[0]
             last = self._copier.d2h_many(pairs, after=waits or None) if pairs else None
+            # Note [gradient writes after a forward-synced step]: what these copies read
+            self._step.reads.read(g, c, read_host, None)
+            self._step.reads.read(g, c, read_copied,
+                                  self._copier.d2h_stream if self._copier.cuda else None)
         in_place = sum(grad[0].element_size() * pc.numel for pc in chunk.pieces
                        if (grad := refs[pc.param]) is not None and pc.param in direct)
         self._step.add_stats(d2h_bytes=nbytes, copy_wait_s=t_copy - t_wait,
@@ -367,6 +375,9 @@ class ChunkWorker:
                 if sum_as is not None:
                     sums[(pc.param, pc.start)] = s
             adam_s = time.perf_counter() - t0
+            self._step.reads.read(g, c, [(pc.param, direct[pc.param][pc.start:pc.start + n])
+                                         for _, n, _, pc in calls if pc is not None],
+                                  None)  # the kernel read these host gradients in place
             pairs, h2d = [], 0
             for pc in chunk.pieces:
                 if not has_grad[pc.param] or pc.param in direct:

@@ -9,8 +9,11 @@ state completes the step first: the next ``step()``, the next backward's first g
 Note [model state dicts after a forward-synced step]), ``synchronize()``, ``close`` and
 ``zero_grad(set_to_none=False)`` (which overwrites gradients the CPU side may not have copied
 yet). Code that reads a
-param outside a module's forward (an EMA, logging a norm) or writes a gradient in place
-(``model.zero_grad(set_to_none=False)``) must call ``opt.synchronize()`` first.
+param outside a module's forward (an EMA, logging a norm) must call ``opt.synchronize()``
+first. A gradient written in place before the CPU side read it (``model.zero_grad(
+set_to_none=False)``, ``p.grad.zero_()``: torch's, not the optimizer's) is refused when the
+step completes, and one written after every read passes: Note [gradient writes after a
+forward-synced step] in grad_reads.py; ``opt.synchronize()`` first makes any write safe.
 One process only (data parallel all-gathers the updated shards in ``step()``; FSDP2 gathers
 params in its own pre-forward hooks).
 

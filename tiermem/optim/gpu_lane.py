@@ -286,6 +286,9 @@ class GpuLane:
                         src = refs[pc.param][0][pc.start:pc.start + pc.numel]
                         grads[rel:rel + pc.numel].copy_(src)  # widened to fp32
                         pieces.append((grads[rel:rel + pc.numel], src.dtype))
+                self._step.reads.read(  # Note [gradient writes after a forward-synced step]
+                    g, c, [(pc.param, refs[pc.param][0][pc.start:pc.start + pc.numel])
+                           for pc in chunk.pieces if has_grad[pc.param]], self._stream)
                 if scaled is not None:  # Note [lane unscale]: the copy, never p.grad
                     self._unscale(g, c, pieces, waits, *scaled)
                 hp = self._step.hyperparams(g, self._param_groups)

@@ -33,7 +33,9 @@ Cost per step, ``overlap=True``: two reads of the gradients handed over in backw
 hand-over, on the backward's stream, and in ``step()``): ~0.7 ms each for 1.3B bf16 gradients
 at ~4 TB/s, a sum kernel per gradient at each, and the one host wait above (on the CPU the
 sums are taken synchronously: in the hook, a read of the gradient). The refusal keeps
-the message of ``check_grads_untouched``, which names the fixes.
+the message of ``check_grads_untouched``, which names the fixes. A change after ``step()``,
+while a ``param_sync="forward"`` step still reads the gradients, is watched by sums of the
+pieces read instead: Note [gradient writes after a forward-synced step] in grad_reads.py.
 """
 
 from __future__ import annotations

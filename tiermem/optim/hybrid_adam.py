@@ -253,6 +253,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._layout.watch = self._watch
         self._copier = Copier(self.device)
         self._step = StepState()  # cross-thread step state: hooks, worker and caller share it
+        # Note [gradient writes after a forward-synced step]: kept with param_sync="forward" only
+        self._step.reads.enabled = param_sync == "forward"
         self._last_stats = new_stats()
         self._moved0: dict = {}
         # Note [trace placement]: record the first backward's gradient order, plan at step()
@@ -471,6 +473,8 @@ class HybridAdam(torch.optim.Optimizer):
                          if self._mode.has_grad(g, i)]
         if self.param_sync == "forward":
             self._pending = True  # the next forward waits per module (Note [forward sync])
+            # Note [gradient writes after a forward-synced step]: the bytes still to be read
+            self._step.reads.watch(self._step, self._groups, self._copier.consumer_stream())
             return loss
         self._finish_step()
         return loss
@@ -509,8 +513,9 @@ class HybridAdam(torch.optim.Optimizer):
         ``set_to_none=False`` zeroes the gradient tensors in place, which the CPU side of a
         ``param_sync="forward"`` step may not have copied yet: that step is completed first
         (``set_to_none=True`` drops the references instead, and the CPU side keeps its own).
-        The same holds for ``model.zero_grad(set_to_none=False)``: call ``synchronize()``
-        before it.
+        ``model.zero_grad(set_to_none=False)`` bypasses this: call ``synchronize()`` before
+        it, or the completion refuses a gradient it zeroed before the CPU side read it (Note
+        [gradient writes after a forward-synced step] in grad_reads.py).
 
         After a backward without ``step()`` (a skipped step) the step is abandoned: exact when
         none of its chunks could be stepped during backward, else refused (Note [skipped

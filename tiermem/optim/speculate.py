@@ -229,6 +229,7 @@ class Speculation:
         self.scaler = False  # a GradScaler drives the steps (Note [grad scaler overlap])
         self.amp = ScalerState(self, supported=overlap and mode in SCALER_MODES)
         self.undone = 0  # chunks the last undo() restored
+        self.undone_items: frozenset = frozenset()  # which (check_accumulation's message)
         self.switch = SpeculationSwitch()
         self._slots: list[torch.Tensor] = []  # host slots
         self._allocated = False  # _alloc ran (at the first step with state)
@@ -585,6 +586,7 @@ class Speculation:
             if (g, c) in layout.nvme_chunks:
                 layout.store.evict(key, "nvme").wait()
         self.undone = len(items)
+        self.undone_items = frozenset(item for item, _ in items)
         return len(items)
 
     def settle(self, mode: Any, groups: list, device: torch.device, max_norm: float | None,

@@ -38,21 +38,32 @@ logger = logging.getLogger("tiermem")
 
 def check_accumulation(step: StepState, grad_accumulation_steps: int, who: str) -> None:
     """Refuse a step after more backward passes than ``grad_accumulation_steps``: gradients
-    were copied off the GPU after the last counted pass.
+    were copied off the GPU after the last counted pass. The step is abandoned first
+    (:meth:`StepState.abandon`), so that the message can say whether chunks stepped during
+    backward (with the gradients of pass ``grad_accumulation_steps``, not put back by a
+    speculative step's rollback) stay stepped: then only a checkpoint is exact.
 
     Raises:
         RuntimeError: a param accumulated more passes than ``grad_accumulation_steps``.
     """
     with step.lock:
         extra = [(k, n) for k, n in step.acc_count.items() if n > grad_accumulation_steps]
-    if extra:
-        raise RuntimeError(
-            f"{who}: {extra[0][1]} backward passes accumulated into a "
-            f"parameter before step(), but grad_accumulation_steps="
-            f"{grad_accumulation_steps}: gradients were copied off the GPU after pass "
-            f"{grad_accumulation_steps}; set grad_accumulation_steps to the number of "
-            f"backward passes per step (or, to skip a step after backward, call "
-            f"opt.zero_grad(), not model.zero_grad(): Note [skipped steps])")
+    if not extra:
+        return
+    step.abandon()  # chunks not yet stepped are not; speculated ones go back
+    undone = getattr(step.speculation, "undone_items", frozenset())
+    with step.lock:
+        stayed = len([item for item in step.chunk_h2d if item not in undone])
+    tail = (f" {stayed} offloaded chunks were already stepped during backward with the "
+            f"gradients of pass {grad_accumulation_steps} and stay stepped: restart from a "
+            f"checkpoint to stay exact" if stayed else " Nothing of this step was applied")
+    raise RuntimeError(
+        f"{who}: {extra[0][1]} backward passes accumulated into a "
+        f"parameter before step(), but grad_accumulation_steps="
+        f"{grad_accumulation_steps}: gradients were copied off the GPU after pass "
+        f"{grad_accumulation_steps}; set grad_accumulation_steps to the number of "
+        f"backward passes per step (or, to skip a step after backward, call "
+        f"opt.zero_grad(), not model.zero_grad(): Note [skipped steps]).{tail}")
 
 
 def check_grads_untouched(step: StepState, groups: list[Group], who: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tiermem.optim.grad_reads import ReadGuard
 from tiermem.optim.hyperparams import check_group, hp_differences
 from tiermem.optim.partition import Chunk
 
@@ -122,6 +123,9 @@ class StepState:
     speculation: Any = None
     """Set once by HybridAdam: its :class:`~tiermem.optim.speculate.Speculation`, which admits
     chunks before ``step()`` has the norm (Note [speculative step] in speculate.py)."""
+    reads: ReadGuard = field(default_factory=ReadGuard)
+    """Its own lock; the worker and the lane record their gradient reads, the caller marks and
+    compares them (Note [gradient writes after a forward-synced step] in grad_reads.py)."""
     stats_lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``stats``."""
     stats: dict = field(default_factory=new_stats)
@@ -151,6 +155,7 @@ class StepState:
             self.queued.clear()
             self.h2d_events = []
             self.chunk_missing = chunk_missing
+        self.reads.reset()  # Note [gradient writes after a forward-synced step]
         self.clip_event = None
         self.abandoned = False
 
@@ -162,6 +167,8 @@ class StepState:
         Raises:
             Nothing.
         """
+        if self.abandoned:
+            return  # given up already: drained, speculated chunks put back (idempotent)
         self.abandoned = True
         self.compute_allowed.set()  # chunks waiting for the clip wake up and fail
         self.drain()

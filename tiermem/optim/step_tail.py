@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tiermem.optim.gpu_lane import fused_adam_, fused_adam_moments_
+from tiermem.optim.grad_reads import refuse_written_grads
 from tiermem.optim.layout import WIDE_BATCH_NUMEL, Group, wide_batches
 from tiermem.optim.modes import Mode
 
@@ -50,6 +51,8 @@ def finish_step(opt: Any) -> None:
     opt._mode.gather_params(opt._groups)
     raced = [(g.index, i) for g, i in opt._stepped  # Note [param changes]
              if i in g.plan.chunks_of_param and opt._watch.changed(g.index, i)]
+    # Note [gradient writes after a forward-synced step]: compared on the copy stream
+    written = step.reads.verdict(opt._copier.d2h_stream if opt._copier.cuda else None)
     for g, i in opt._stepped:
         g.steps[i] += 1  # after the worker: it steps chunks with steps[i] + 1
     moved = opt._store.stats()["moved_bytes"]
@@ -64,6 +67,7 @@ def finish_step(opt: Any) -> None:
             f"{opt._who}: param {raced[0][1]} of param group {raced[0][0]} was changed while "
             f"the step was still updating it (param_sync='forward'), racing with its copy "
             f"back: call opt.synchronize() before changing parameters after step()")
+    refuse_written_grads(opt._who, written)  # the step is complete and counted
 
 
 def step_gpu_side(g: Group, hp: dict, mode: Mode, moments_dtype: torch.dtype) -> None:
