@@ -25,6 +25,7 @@ import torch
 from models import make_batch
 from optim.test_hybrid_adam import HP, make_models
 from optim.test_speculate import STEPS, _bits, assert_same_bits
+from optim.test_worker_windows import drain
 from tiermem.optim import HybridAdam, speculate
 from tiermem.optim.step_state import StepState
 
@@ -78,18 +79,6 @@ def _opt(model, lane: float, budget: int) -> HybridAdam:
                       placement="given")
 
 
-def _drain(opt, limit_s: float = 60.0) -> None:
-    """Wait (bounded) until the worker has stepped every chunk it was given, so that it is
-    idle when ``step()`` re-queues the rolled-back ones (on CUDA backward runs ahead of the
-    worker, which otherwise is still blocked on a chunk that came too late to be admitted,
-    the re-queued ones behind it: the window stays shut)."""
-    step = opt._step
-    end = time.monotonic() + limit_s
-    with step.idle:
-        while step.outstanding and time.monotonic() < end:
-            step.idle.wait(1.0)
-
-
 def _train_pair(device: str, lane: float) -> tuple:
     """A speculating optimizer (A: its hooks ship gradients as they land) and a waiting one
     (B: ``rollback_bytes=0``, handed clones of A's gradients); every step clips. Parameters
@@ -103,7 +92,7 @@ def _train_pair(device: str, lane: float) -> tuple:
         a(*make_batch(step, device=device))[1].backward()
         for pa, pb in zip(a.parameters(), b.parameters()):
             pb.grad = pa.grad.detach().clone()  # before A's step() clips A's in place
-        _drain(opt_a)
+        drain(opt_a)  # idle when step() re-queues: else on CUDA the window stays shut
         opt_a.step()
         opt_b.step()
         for opt in (opt_a, opt_b):
