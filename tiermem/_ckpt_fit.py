@@ -26,7 +26,9 @@ from tiermem._ckpt_errors import CheckpointMismatch
 # - for torch.optim's and tiermem's optimizers, each per-param state tensor that they keep in
 #   the param's shape (:data:`_PARAM_SHAPED`) against its param; an empty param (a streamed
 #   weight's placeholder during a pass) is not compared. Other optimizers may keep such names
-#   in other shapes (a low-rank projection's ``exp_avg``).
+#   in other shapes (a low-rank projection's ``exp_avg``);
+# - for torch.optim.Adam / AdamW, a HybridAdam group's weight decay style against the one the
+#   optimizer would step with (Note [saved weight decay style] in tiermem/optim/state_dict.py).
 # A mismatch raises :class:`CheckpointMismatch`, one line naming the file, the first keys and
 # both shapes. An optimizer with a ``check_state_dict`` (HybridAdam) then runs its own refusals
 # (an amsgrad state, non-finite hyper-parameters; no room for its state on first use,
@@ -112,6 +114,7 @@ def check_optimizer_fits(path: str, optimizer: Any, saved: Any) -> None:
         if len(ids) != len(params):
             refuse(f"param group {gi} has {len(ids)} params in the checkpoint but "
                    f"{len(params)} in the optimizer")
+        _check_decay_style(path, optimizer, gi, group)
         if not (ours or cls.__module__.startswith("torch.optim")):
             continue
         for sid, p in zip(ids, params):
@@ -123,6 +126,29 @@ def check_optimizer_fits(path: str, optimizer: Any, saved: Any) -> None:
                 if isinstance(t, torch.Tensor) and t.shape != p.shape:
                     refuse(f"{name} of param {sid} (group {gi}) has shape {_shape(t)} but the "
                            f"param has {_shape(p)}; the state is for another model")
+
+
+def _check_decay_style(path: str, optimizer: Any, gi: int, group: dict) -> None:
+    """Note [saved weight decay style] in tiermem/optim/state_dict.py: a HybridAdam group
+    (``adamw``, no ``decoupled_weight_decay``) with weight decay, loaded into torch.optim.Adam
+    (L2 when the group does not say) or AdamW (always decoupled) of the other style.
+
+    Raises:
+        CheckpointMismatch: names the group, both styles and the class to load it into.
+    """
+    if not isinstance(optimizer, torch.optim.Adam) or "adamw" not in group or \
+            "decoupled_weight_decay" in group or not group.get("weight_decay"):
+        return
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    if bool(group["adamw"]) == decoupled:
+        return
+    want = "torch.optim.AdamW" if group["adamw"] else "torch.optim.Adam"
+    raise CheckpointMismatch(
+        f"load_checkpoint: checkpoint {path} does not fit the optimizer (param group {gi} was "
+        f"saved by HybridAdam with adamw={bool(group['adamw'])}, weight_decay="
+        f"{group['weight_decay']}, but {type(optimizer).__name__} would decay the weights "
+        f"{'decoupled' if decoupled else 'as an L2 penalty'}); {_NOTHING_LOADED}; fix: load "
+        f"it into {want}", path)
 
 
 def check_optimizer_accepts(path: str, optimizer: Any, saved: Any) -> None:

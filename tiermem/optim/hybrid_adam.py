@@ -84,7 +84,7 @@ from tiermem.optim.layout import Group, StateLayout
 from tiermem.optim.lifetime import OWNERS, call_weak_forward, claim_params, release
 from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.speculate import Speculation
-from tiermem.optim.state_dict import check_loadable, scatter, torch_format
+from tiermem.optim.state_dict import check_loadable, hyper_params_of, scatter, torch_format
 from tiermem.optim.state_setup import ensure_state, init_state, make_groups, private_store_for
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step, hold_for_late_hyperparams,
@@ -610,7 +610,7 @@ class HybridAdam(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         check_loadable(state_dict, self._groups, self._who)
         for saved, hp in zip(groups, self.param_groups):
-            hp.update({k: v for k, v in saved.items() if k != "params"})
+            hp.update(hyper_params_of(saved))  # Note [saved weight decay style]
         for saved, g in zip(groups, self._groups):
             sts = [state_dict["state"].get(sid) for sid in saved["params"]]
             check_grads_untouched(self._step, self._groups, self._who)

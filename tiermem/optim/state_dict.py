@@ -215,3 +215,28 @@ def torch_format(states: list[list[dict]], param_groups: list[dict]) -> dict:
         groups.append({**{k: v for k, v in hp.items() if k != "params"}, "params": ids})
         index += len(g)
     return {"state": flat_state, "param_groups": groups}
+
+
+# Note [saved weight decay style]
+# A load takes the saved group's hyper-parameters (lr, betas, eps, weight_decay, maximize,
+# adamw), as torch's optimizers do, so a resumed run steps as the saved one did. torch.optim.Adam
+# and AdamW save the decay style as ``decoupled_weight_decay``, which HybridAdam does not read:
+# a torch Adam run (L2 decay) resumed into HybridAdam(adamw=True) went on with decoupled decay,
+# and an AdamW run into adamw=False with L2, silently (tests/test_resume_exact.py). So a saved
+# group without ``adamw`` gives its ``decoupled_weight_decay`` as ``adamw``. The other way round
+# torch's optimizers do not read ``adamw`` (AdamW always decouples, Adam takes L2 when the
+# saved group does not say): load_checkpoint refuses those loads (Note [checkpoint fit]).
+
+
+def hyper_params_of(saved: dict) -> dict:
+    """The hyper-parameters a load takes from the saved param group ``saved`` (all its keys
+    but ``params``), with a torch Adam/AdamW group's ``decoupled_weight_decay`` as ``adamw``
+    (Note [saved weight decay style]).
+
+    Raises:
+        Nothing.
+    """
+    hp = {k: v for k, v in saved.items() if k != "params"}
+    if "adamw" not in hp and "decoupled_weight_decay" in hp:
+        hp["adamw"] = bool(hp["decoupled_weight_decay"])
+    return hp
