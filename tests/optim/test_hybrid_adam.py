@@ -300,6 +300,7 @@ def test_a_failing_gpu_lane_chunk_fails_the_step_and_releases_its_state(monkeypa
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
                      gpu_step_fraction=0.5)
     train(model, opt, 1, accum=1)  # allocates the state (trace placement)
+    state = opt.state_dict()
     calls = []
 
     def broken(*args, **kwargs):
@@ -316,7 +317,11 @@ def test_a_failing_gpu_lane_chunk_fails_the_step_and_releases_its_state(monkeypa
     assert sorted(k[-1] for k in held) == ["grad", "out"], held
     monkeypatch.undo()
     opt.zero_grad(set_to_none=True)
-    train(model, opt, 1, accum=1)  # the optimizer takes the next step
+    with pytest.raises(RuntimeError, match=r"step\(\) refused"):  # Note [failed steps]
+        train(model, opt, 1, accum=1)
+    opt.zero_grad(set_to_none=True)
+    opt.load_state_dict(state)
+    train(model, opt, 1, accum=1)  # a loaded state: the optimizer takes the next step
     opt.close()
 
 

@@ -91,7 +91,7 @@ from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched
                                         refuse_skipped_step, refuse_stale_hyperparams,
                                         shipped_mark)
 from tiermem.optim.step_state import StepState, new_stats
-from tiermem.optim.step_tail import finish_step, step_gpu_side
+from tiermem.optim.step_tail import finish_step, refuse_after_failure, step_gpu_side
 from tiermem.optim.streamed import stand_ins, streamed_mode
 from tiermem.store.store import TierStore
 from tiermem.store.transfer import Copier
@@ -275,6 +275,7 @@ class HybridAdam(torch.optim.Optimizer):
             self._state_ready = True
         # param_sync="forward": a step() whose CPU side may still run (Note [forward sync])
         self._pending = False
+        self._failed = None  # a failed CPU step's error: Note [failed steps] in step_tail.py
         # the loop sets hyper-parameters after backward: chunks wait for step()
         self._late_hp = False  # (Note [late hyper-parameters] in hyperparams.py)
         self._chunks_of = self._layout.param_chunks()
@@ -413,7 +414,8 @@ class HybridAdam(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: the CPU step failed (the worker's error is chained; the message
-                names the rank under torch.distributed), too many backward passes, gradients
+                names the rank under torch.distributed), or an earlier one did and the state
+                was not loaded since (Note [failed steps]), too many backward passes, gradients
                 changed after backward or a GradScaler with overlap (Note [grad scaler]), a
                 forked child, or a call inside a CUDA graph capture (Note [cuda graphs]).
             TierFullError: the first step could not allocate the state (no room in the store);
@@ -425,6 +427,10 @@ class HybridAdam(torch.optim.Optimizer):
         self._step.backward_seen = False  # this backward's step: Note [skipped steps]
         if self._pending:
             self._finish_step()  # two steps without a forward between them
+        if self._failed is not None:  # Note [failed steps]: this backward's chunks step nothing
+            self._step.abandon()
+            self._begin_step()
+            refuse_after_failure(self, "step()")
         try:  # Note [finite hyper-parameters]: nothing is stepped with a bad value
             check_groups(self._who, self.param_groups, self.max_grad_norm)
             for g in self._groups:
@@ -579,12 +585,14 @@ class HybridAdam(torch.optim.Optimizer):
         on any world size and by a single-process optimizer.
 
         Raises:
-            RuntimeError: a forked child; chunks stepped before step() (Note [state between steps]).
+            RuntimeError: a forked child; chunks stepped before step() (Note [state between steps]);
+                a failed CPU step since the state was last loaded (Note [failed steps]).
             TierFullError: the state could not be allocated yet (first use) and the store has
                 no room; nothing is left half-allocated, so it can be retried.
         """
         self._check_process()
         self.synchronize()
+        refuse_after_failure(self, "state_dict()")  # Note [failed steps]: a mixed state
         ensure_state(self)
         self._step.drain(f"{self._who}.state_dict()")  # Note [state between steps]
         for g in self._groups:  # Note [param changes]: the masters of changed params
@@ -615,8 +623,13 @@ class HybridAdam(torch.optim.Optimizer):
             sts = [state_dict["state"].get(sid) for sid in saved["params"]]
             check_grads_untouched(self._step, self._groups, self._who)
             self._mode.refresh_views(self._layout)
-            scatter(self._layout, g, sts, self._mode.local_state)
+            try:
+                scatter(self._layout, g, sts, self._mode.local_state)
+            except BaseException as exc:  # part loaded: Note [failed steps] refuses the mix
+                self._failed = exc
+                raise
         self._watch.record_all()  # Note [param changes]: the masters are the loaded ones
+        self._failed = None  # Note [failed steps]: the state is one step's again
 
     def check_state_dict(self, state_dict: dict) -> None:
         """Refuse ``state_dict`` as :meth:`load_state_dict` would, loading nothing (so that

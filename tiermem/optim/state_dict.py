@@ -16,19 +16,31 @@ import torch
 from tiermem.optim.hyperparams import check_group
 from tiermem.optim.layout import Group, StateLayout, local_view, param_index, state_views
 from tiermem.optim.local_tensor import local_of
+from tiermem.store.spill_errors import SpillError
 
 
-def offloaded_pieces(layout: StateLayout, g: Group) -> Iterator[tuple]:
+def offloaded_pieces(layout: StateLayout, g: Group, overwrite: bool = False) -> Iterator[tuple]:
     """Yield ``(piece, slice of the local tensor, (master, exp_avg, exp_avg_sq) views of the
     piece's state)`` for every offloaded piece of ``g``, chunk by chunk; a chunk's state is
     held in RAM while its pieces are visited and written back to NVMe after.
 
+    ``overwrite``: the caller writes every piece's state (a load), so a chunk whose NVMe copy
+    cannot be read (a truncated or corrupted spill file, Note [failed steps] in step_tail.py)
+    is replaced by a fresh blob instead of failing the load.
+
     Raises:
         StoreClosedError: the store was closed.
+        SpillError: (not ``overwrite``) a chunk's state could not be read back, naming it.
     """
     store = layout.store
     for chunk, key in zip(g.plan.chunks, g.chunk_keys):
-        blob = store.get(key, "cpu", hold=True)
+        try:
+            blob = store.get(key, "cpu", hold=True)
+        except SpillError:
+            if not overwrite:
+                raise
+            store.put(key, layout.initial_state(g, chunk), tier="cpu")  # every byte rewritten
+            blob = store.get(key, "cpu", hold=True)
         try:
             views = state_views(blob, chunk.numel, layout.moments_dtype)
             for pc in chunk.pieces:
@@ -142,7 +154,7 @@ def scatter(layout: StateLayout, g: Group, param_sts: list[dict | None],
         g.gpu_steps[k].fill_(float(g.steps[pc.param]))
         if g.gpu_masters[k] is not g.gpu_views[k]:
             g.gpu_masters[k].copy_(master_of(pc.param)[sl])
-    for pc, sl, (master, exp_avg, exp_avg_sq) in offloaded_pieces(layout, g):
+    for pc, sl, (master, exp_avg, exp_avg_sq) in offloaded_pieces(layout, g, overwrite=True):
         master.copy_(master_of(pc.param)[sl])
         for moment, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
             if sts[pc.param]:

@@ -3,6 +3,21 @@ caller's stream (:func:`step_gpu_side`), then the step completed (:func:`finish_
 the CPU side, make the caller's stream wait for its H2D copies, count the step, record its
 stats), at once or, with ``param_sync="forward"``, in the next forward (Note [forward sync]).
 The optimizer is passed in: this module never imports ``hybrid_adam``.
+
+Note [failed steps]: when the CPU side of a step fails (an NVMe read or write of a chunk's
+state, out of host memory, a lane kernel), the chunks stepped before the error kept their
+update (moments, master, parameter), the failed and later chunks did not, the GPU side was
+stepped and no step count moved. No later step can make that exact, so ``finish_step`` raises
+the error once and marks the optimizer failed (``opt._failed``, the error): from then on
+``step()`` and ``state_dict()`` refuse (:func:`refuse_after_failure`; a checkpoint saved from
+the mixed state would resume inexactly) until ``load_state_dict()`` replaces the state, as
+``tiermem.checkpoint.load_checkpoint`` does with the model's weights. Nothing is lost by the
+failure itself: a key whose NVMe write failed stays in RAM, one whose read failed keeps its
+NVMe copy, so a checkpoint taken before the failed step resumes bit for bit. A load rewrites
+every byte of each chunk, so a chunk whose NVMe copy cannot be read (a spill file truncated or
+changed by someone else) is replaced by a fresh blob rather than failing the load
+(``offloaded_pieces(overwrite=True)``, state_dict.py); a load that fails partway leaves the
+optimizer failed too.
 """
 
 from __future__ import annotations
@@ -16,6 +31,28 @@ from tiermem.optim.gpu_lane import fused_adam_, fused_adam_moments_
 from tiermem.optim.grad_reads import refuse_written_grads
 from tiermem.optim.layout import WIDE_BATCH_NUMEL, Group, wide_batches
 from tiermem.optim.modes import Mode
+
+
+_REFUSED = ("step() and state_dict() refuse until the model and the optimizer are restored "
+            "from a checkpoint (Note [failed steps])")
+
+
+def refuse_after_failure(opt: Any, what: str) -> None:
+    """Refuse ``what`` (``"step()"``, ``"state_dict()"``) of HybridAdam ``opt`` after a failed
+    CPU step (Note [failed steps]).
+
+    Raises:
+        RuntimeError: a step failed since the state was last loaded; names the error and the fix.
+    """
+    failed = getattr(opt, "_failed", None)
+    if failed is not None:
+        raise RuntimeError(
+            f"{opt._who}.{what} refused: an earlier step's CPU side or load_state_dict() "
+            f"failed partway ({failed}), so this optimizer's state is no longer one step's "
+            f"and continuing cannot be exact (Note [failed steps]); fix: restore the "
+            f"model and the optimizer from a checkpoint taken before it "
+            f"(tiermem.checkpoint.load_checkpoint, or load_state_dict on both), or make a new "
+            f"HybridAdam") from failed
 
 
 def finish_step(opt: Any) -> None:
@@ -37,14 +74,15 @@ def finish_step(opt: Any) -> None:
         events = step.h2d_events
     stall = time.perf_counter() - t_wait
     if opt._mode.other_rank_failed(bool(errors)) and not errors:
-        opt._begin_step()  # the optimizer takes the next step; this one is lost
+        opt._begin_step()  # this step is lost: Note [failed steps]
+        opt._failed = RuntimeError("another rank's CPU step failed")
         raise RuntimeError(f"{opt._who}: another rank's CPU step failed (its error names "
-                           f"it); this step was abandoned on every rank")
+                           f"it); this step was abandoned on every rank, {_REFUSED}")
     if errors:
         opt._begin_step()
+        opt._failed = errors[0]  # Note [failed steps]
         raise RuntimeError(f"{opt._who}: the CPU step failed: {errors[0]} (some offloaded "
-                           f"chunks may have been updated: resume from a checkpoint to stay "
-                           f"exact)") from errors[0]
+                           f"chunks may have been updated: {_REFUSED})") from errors[0]
     consumer = opt._copier.consumer_stream()
     for event in events if consumer is not None else ():
         consumer.wait_event(event)  # the next forward reads the parameters copied H2D

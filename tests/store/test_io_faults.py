@@ -1,0 +1,253 @@
+"""I/O faults of the NVMe tier seen by its users, injected at the lowest call the store makes
+(``os.preadv`` / ``os.pwritev`` of tiermem/store/io/posix.py) or on the spill file itself.
+
+The store's own fault handling (ENOSPC, EIO, short reads and writes, truncation, bit flips) is
+tested in tests/reliability/test_store_faults.py and tests/store/test_nvme.py; the activation
+offload's in tests/offload/test_spill_failure.py, the streamed weights' NVMe home in
+tests/stream/test_stream_nvme_home.py. Here: HybridAdam's state on NVMe (``state_tier="nvme"``
+and ``"split"``) when a step's chunk read (the worker's ``get``, the read-ahead's ``prefetch``)
+or write-back fails, or the spill file is cut short: the step raises naming the key and the
+file, the optimizer then refuses to step or save a state mixed of two steps (Note [failed
+steps] in tiermem/optim/step_tail.py), and a checkpoint taken before the failure resumes bit
+for bit like a run that never failed. A file tiermem did not make in the spill directory
+survives all of it and ``close()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+
+import pytest
+import torch
+
+import tiermem.store.io.posix as posix_mod
+from models import TinyGPT
+from tiermem import StoreConfig, TierStore
+from tiermem.checkpoint import load_checkpoint, save_checkpoint
+from tiermem.optim import HybridAdam
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS, GOOD, BAD = 6, 2, 3  # checkpoint after step GOOD; the fault hits step BAD
+FOREIGN = "not-tiermems.txt"
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 64, (2, 8), generator=gen),
+             torch.randint(0, 64, (2, 8), generator=gen)) for _ in range(STEPS)]
+
+
+def _optimizer(model, tier, nvme_dir):
+    kw = dict(lr=1e-2, weight_decay=0.1, offload_fraction=0.75, chunk_numel=1024,
+              state_tier=tier)
+    if tier == "split":  # half the chunks in RAM, half on NVMe
+        store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=512 << 10, nvme_bytes=8 << 20,
+                                      nvme_dir=nvme_dir, pool_slab_bytes=64 << 10,
+                                      io_backend="posix", io_threads=2, o_direct=False))
+        return HybridAdam(model.parameters(), store=store, **kw), store
+    return HybridAdam(model.parameters(), nvme_dir=nvme_dir, **kw), None
+
+
+def _step(model, opt, batch):
+    model(*batch)[1].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _reference(tmp_path, tier):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt, store = _optimizer(model, tier, str(tmp_path))
+    assert opt.memory_bytes()["nvme"] > 0, "no state on NVMe: the test tests nothing"
+    out = [_step(model, opt, b) for b in _batches()]
+    opt.close()
+    if store is not None:
+        store.close()
+    return out
+
+
+def _fault(kind, opt, monkeypatch):
+    """Start fault ``kind``; return the function that clears it (the disk recovers)."""
+    if kind == "truncated":  # someone cut the spill file: the state on it is gone
+        os.truncate(opt.store._spill.path, 0)
+        return lambda: None
+    name, err = ("preadv", errno.EIO) if kind == "read EIO" else ("pwritev", errno.ENOSPC)
+
+    def failing(*args, **kwargs):
+        raise OSError(err, f"{os.strerror(err)} (injected)")
+
+    monkeypatch.setattr(posix_mod.os, name, failing)
+    return monkeypatch.undo
+
+
+@pytest.mark.parametrize("tier", ["nvme", "split"])
+@pytest.mark.parametrize("kind", ["read EIO", "write ENOSPC", "truncated"])
+def test_a_failed_state_read_or_write_refuses_the_mixed_state_and_resumes_exactly(
+        tmp_path, monkeypatch, tier, kind):
+    """The step whose chunk I/O failed raises, naming the chunk's key and the spill file; the
+    next step() and state_dict() refuse (some chunks of the failed step were updated, the rest
+    and the step counts not: continuing silently diverged from the run without the fault);
+    loading the checkpoint taken before it resumes bit for bit like that run. The old code
+    stepped on from the mixed state (red: DID NOT RAISE)."""
+    (tmp_path / "ref").mkdir()
+    ref = _reference(tmp_path / "ref", tier)
+    nvme_dir = tmp_path / "run"
+    nvme_dir.mkdir()
+    (nvme_dir / FOREIGN).write_text("keep me")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt, store = _optimizer(model, tier, str(nvme_dir))
+    batches = _batches()
+    spill = None
+    try:
+        for step in range(GOOD):
+            _step(model, opt, batches[step])
+        save_checkpoint(tmp_path / "good.pt", model=model, optimizer=opt)
+        spill = opt.store._spill.path
+        clear = _fault(kind, opt, monkeypatch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "spilling ... failed": in RAM
+            with pytest.raises(RuntimeError, match="the CPU step failed") as info:
+                _step(model, opt, batches[BAD - 1])
+        clear()
+        cause = info.value.__cause__
+        assert spill in str(info.value), str(info.value)
+        assert "hybrid_adam" in str(info.value), "the chunk's key is not named"
+        assert getattr(cause, "key", None) is not None or "hybrid_adam" in str(cause)
+        opt.zero_grad(set_to_none=True)
+        model(*batches[BAD - 1])[1].backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) refused.*Note \[failed steps\]"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) refused"):
+            opt.state_dict()
+        with pytest.raises(RuntimeError, match="refused"):
+            save_checkpoint(tmp_path / "bad.pt", model=model, optimizer=opt)
+        assert not (tmp_path / "bad.pt").exists()
+        load_checkpoint(tmp_path / "good.pt", model=model, optimizer=opt)
+        for step in range(GOOD, STEPS):
+            got = _step(model, opt, batches[step])
+            bad = [i for i, (a, b) in enumerate(zip(ref[step], got)) if not torch.equal(a, b)]
+            assert not bad, f"step {step + 1}: params {bad[:4]} differ from the run without it"
+    finally:
+        opt.close()
+        if store is not None:
+            store.close()
+    assert sorted(os.listdir(nvme_dir)) == [FOREIGN], os.listdir(nvme_dir)
+    assert (nvme_dir / FOREIGN).read_text() == "keep me"
+
+
+def test_the_refusal_is_needed_continuing_diverges(tmp_path, monkeypatch):
+    """The twin that must fail: stepping on after the failed step (the refusal bypassed, as the
+    old code did) gives other parameters than the run without the fault."""
+    (tmp_path / "ref").mkdir()
+    ref = _reference(tmp_path / "ref", "nvme")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt, _ = _optimizer(model, "nvme", str(tmp_path))
+    batches = _batches()
+    try:
+        for step in range(GOOD):
+            _step(model, opt, batches[step])
+        clear = _fault("read EIO", opt, monkeypatch)
+        with pytest.raises(RuntimeError, match="the CPU step failed"):
+            _step(model, opt, batches[BAD - 1])
+        clear()
+        opt._failed = None  # what the old code did: the next step went ahead
+        opt.zero_grad(set_to_none=True)
+        got = [_step(model, opt, batches[step]) for step in range(BAD - 1, STEPS)]
+    finally:
+        opt.close()
+    assert any(not torch.equal(a, b) for a, b in zip(ref[-1], got[-1]))
+
+
+def test_a_resume_over_a_truncated_spill_file_loads_and_trains_exactly(tmp_path):
+    """The spill file cut short between steps (no step failed): the old load read each chunk's
+    NVMe copy before overwriting all of it, so load_checkpoint raised SpillCorruption and the
+    optimizer could never be restored in place. A load now replaces an unreadable chunk and
+    the run goes on bit for bit like the one without the damage."""
+    (tmp_path / "ref").mkdir()
+    ref = _reference(tmp_path / "ref", "nvme")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt, _ = _optimizer(model, "nvme", str(tmp_path))
+    batches = _batches()
+    try:
+        for step in range(GOOD):
+            _step(model, opt, batches[step])
+        save_checkpoint(tmp_path / "good.pt", model=model, optimizer=opt)
+        os.truncate(opt.store._spill.path, 0)
+        load_checkpoint(tmp_path / "good.pt", model=model, optimizer=opt)
+        for step in range(GOOD, STEPS):
+            got = _step(model, opt, batches[step])
+            assert all(torch.equal(a, b) for a, b in zip(ref[step], got)), step
+    finally:
+        opt.close()
+
+
+def test_a_load_that_fails_partway_refuses_the_mixed_state(tmp_path, monkeypatch):
+    """A load_state_dict whose write-back fails after some chunks were loaded leaves a state
+    of two checkpoints: step() refuses it (the old code stepped from it), and a load that
+    succeeds clears the refusal."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt, _ = _optimizer(model, "nvme", str(tmp_path))
+    batches = _batches()
+    try:
+        _step(model, opt, batches[0])
+        state = opt.state_dict()
+        real, calls = opt.store.evict, []
+
+        def evict(key, tier="cpu"):
+            calls.append(key)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return real(key, tier)
+
+        monkeypatch.setattr(opt.store, "evict", evict)
+        with pytest.raises(OSError, match="injected"):
+            opt.load_state_dict(state)
+        monkeypatch.undo()
+        model(*batches[1])[1].backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) refused.*injected"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt.load_state_dict(state)
+        _step(model, opt, batches[1])
+    finally:
+        opt.close()
+
+
+def test_a_failure_of_a_forward_synced_step_surfaces_at_the_next_forward(tmp_path,
+                                                                          monkeypatch):
+    """param_sync="forward": step() returns before the CPU side is done; its read failure is
+    raised by the next forward (naming the key and the file), and the step after refuses."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = HybridAdam(model.parameters(), lr=1e-2, offload_fraction=0.75, chunk_numel=1024,
+                     state_tier="nvme", nvme_dir=str(tmp_path), param_sync="forward")
+    batches = _batches()
+    try:
+        for step in range(GOOD):
+            _step(model, opt, batches[step])
+        spill = opt.store._spill.path
+        opt.synchronize()  # the last good step's CPU side is done before the disk fails
+        clear = _fault("read EIO", opt, monkeypatch)
+        model(*batches[GOOD])[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match="the CPU step failed") as info:
+            model(*batches[GOOD + 1])
+            opt.synchronize()
+        clear()
+        assert spill in str(info.value) and "hybrid_adam" in str(info.value)
+        model(*batches[GOOD + 1])[1].backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) refused"):
+            opt.step()
+    finally:
+        opt.zero_grad(set_to_none=True)
+        opt.close()
