@@ -428,3 +428,73 @@ def test_a_torch_optimizer_that_would_decay_another_way_is_refused(tmp_path, sav
         load_checkpoint(path, model=other.model, optimizer=other.opt)
     assert "\n" not in str(info.value)
     assert all(torch.equal(v, before[k]) for k, v in other.model.state_dict().items())
+
+
+# ------------------------------------------------------------------ placement after a resume
+
+
+class _Reversed(torch.nn.Module):
+    """Params registered in the reverse of their execution order: the traced placement (Note
+    [trace placement]) and the given one differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(64, 64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.inp = torch.nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+
+def _placed_run(seed: int, steps: int, load=None):
+    """(GPU-side param indices, params, state) of a HybridAdam run on :class:`_Reversed`."""
+    torch.manual_seed(seed)
+    model = _Reversed()
+    opt = HybridAdam(model.parameters(), **HP, offload_fraction=0.5, chunk_numel=1024)
+    try:
+        start = 0
+        if load is not None:
+            start = load_checkpoint(load, model=model, optimizer=opt)["extra"]["step"]
+        for s in range(start, start + steps):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(s))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        gpu = sorted({pc.param for g in opt._groups for pc in g.plan.gpu_pieces})
+        return gpu, opt, model
+    except BaseException:
+        opt.close()
+        raise
+
+
+@pytest.mark.parametrize("drop_order", [False, True], ids=["saved order", "twin: order dropped"])
+def test_a_resumed_hybrid_adam_places_its_state_as_the_traced_run_did(tmp_path, drop_order):
+    """placement="trace" splits GPU side / offloaded by the first backward's gradient order.
+    A HybridAdam that loads a state before its first step had no order yet and fixed the split
+    from the given order: a resumed run kept the last layer's state on the GPU and offloaded
+    the first layers' (on a GPU: another split, so other last bits than the uninterrupted run,
+    and no overlap for the first layers under param_sync="forward"). The state dict now holds
+    the traced order (Note [saved gradient order]); the twin drops it and must differ."""
+    want_gpu, ref_opt, ref_model = _placed_run(0, N + M)
+    ref = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    ref_opt.close()
+    gpu, opt, model = _placed_run(0, N)
+    payload = opt.state_dict()
+    assert gpu == want_gpu
+    if drop_order:
+        for group in payload["param_groups"]:
+            group.pop("tiermem_grad_order", None)
+    ckpt.atomic_save({"format": "tiermem.checkpoint", "version": ckpt.FORMAT_VERSION,
+                      "time": 0.0, "model": model.state_dict(), "optimizer": payload,
+                      "extra": {"step": N}}, tmp_path / "c.pt")
+    opt.close()
+    got_gpu, opt, model = _placed_run(1, M, load=tmp_path / "c.pt")
+    try:
+        assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())  # the CPU
+        if drop_order:
+            assert got_gpu != want_gpu, "the twin placed as traced: the test tests nothing"
+        else:
+            assert got_gpu == want_gpu, f"resumed GPU side {got_gpu}, traced {want_gpu}"
+    finally:
+        opt.close()

@@ -84,7 +84,8 @@ from tiermem.optim.layout import Group, StateLayout
 from tiermem.optim.lifetime import OWNERS, call_weak_forward, claim_params, release
 from tiermem.optim.read_ahead import ReadAhead
 from tiermem.optim.speculate import Speculation
-from tiermem.optim.state_dict import check_loadable, hyper_params_of, scatter, torch_format
+from tiermem.optim.state_dict import (check_loadable, hyper_params_of, scatter, torch_format,
+                                      with_grad_order)
 from tiermem.optim.state_setup import ensure_state, init_state, make_groups, private_store_for
 from tiermem.optim.step_checks import (check_accumulation, check_grads_untouched,
                                         check_params_before_step, hold_for_late_hyperparams,
@@ -598,7 +599,12 @@ class HybridAdam(torch.optim.Optimizer):
         for g in self._groups:  # Note [param changes]: the masters of changed params
             for i in range(g.n_local):
                 self._watch.sync(g.index, i, mark=False)
-        return torch_format(self._mode.param_states(self._layout, self.device), self.param_groups)
+        out = torch_format(self._mode.param_states(self._layout, self.device), self.param_groups)
+        if not self._trace_placement:
+            return out
+        with self._step.lock:
+            arrived = dict(self._arrived)
+        return with_grad_order(out, arrived)  # Note [saved gradient order]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from :meth:`state_dict` (or torch.optim.Adam/AdamW's ``state_dict``).
@@ -613,7 +619,7 @@ class HybridAdam(torch.optim.Optimizer):
         """
         self._check_process()
         self.synchronize()
-        ensure_state(self)
+        ensure_state(self, state_dict)  # Note [saved gradient order]
         self._step.drain(f"{self._who}.load_state_dict()")
         groups = state_dict["param_groups"]
         check_loadable(state_dict, self._groups, self._who)
@@ -644,7 +650,7 @@ class HybridAdam(torch.optim.Optimizer):
             RuntimeError: a forked child.
         """
         self._check_process()
-        ensure_state(self)
+        ensure_state(self, state_dict)  # Note [saved gradient order]
         check_loadable(state_dict, self._groups, self._who)
 
     # ------------------------------------------------------------------ misc

@@ -248,7 +248,64 @@ def hyper_params_of(saved: dict) -> dict:
     Raises:
         Nothing.
     """
-    hp = {k: v for k, v in saved.items() if k != "params"}
+    hp = {k: v for k, v in saved.items() if k not in ("params", GRAD_ORDER)}
     if "adamw" not in hp and "decoupled_weight_decay" in hp:
         hp["adamw"] = bool(hp["decoupled_weight_decay"])
     return hp
+
+
+# Note [saved gradient order]
+# With placement="trace" the GPU side / offloaded split follows the first backward's gradient
+# order (Note [trace placement] in state_setup.py). A HybridAdam that loads a state before its
+# first backward (every resume) had no order yet, so the load fixed the split from the given
+# order: a resumed run kept other params' state on the GPU than the run it resumed (on a GPU
+# other last bits, as docs/compatibility.md says of the split, and the first layers' state
+# offloaded where the traced run kept it on the GPU). So ``state_dict()`` saves each group's
+# traced order (local tensor indices in gradient arrival order) under :data:`GRAD_ORDER`, and
+# a load or ``check_state_dict`` before the first backward and before the state is allocated
+# takes it as if that backward had given it. The key rides in the param groups (torch's
+# optimizers carry it along unread); the load does not copy it into ``param_groups``. An
+# order that does not fit the groups (another model's state) is not taken: the load's own
+# checks refuse that state. Only one process traces (data parallel and FSDP2 place as given),
+# and a state saved before any backward has no order: neither has the key, so a
+# torch.distributed.checkpoint template made by a fresh optimizer has the keys of a sharded
+# run's checkpoint (DCP refuses a template key the checkpoint lacks: a template made after
+# training in one process has the key, and then needs a checkpoint that has it too).
+
+GRAD_ORDER = "tiermem_grad_order"
+"""The param-group key of Note [saved gradient order]."""
+
+
+def with_grad_order(state_dict: dict, arrived: dict[tuple[int, int], int]) -> dict:
+    """``state_dict`` (torch's format) with each group's traced gradient order, from
+    ``arrived`` (``{(group, local index): arrival rank}``) (Note [saved gradient order]).
+
+    Raises:
+        Nothing.
+    """
+    if not arrived:  # nothing traced: no key (a template for DCP, which wants the same keys)
+        return state_dict
+    for gi, group in enumerate(state_dict["param_groups"]):
+        group[GRAD_ORDER] = [i for _, i in sorted((rank, i) for (g, i), rank in arrived.items()
+                                                  if g == gi)]
+    return state_dict
+
+
+def saved_grad_order(state_dict: dict, layout_groups: list[Group]) -> dict[tuple[int, int], int]:
+    """The ``{(group, local index): arrival rank}`` saved in ``state_dict`` (empty when it has
+    none, or one that does not fit ``layout_groups``) (Note [saved gradient order]).
+
+    Raises:
+        Nothing.
+    """
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(layout_groups):
+        return {}
+    out: dict[tuple[int, int], int] = {}
+    for gi, (saved, g) in enumerate(zip(groups, layout_groups)):
+        order = saved.get(GRAD_ORDER) if isinstance(saved, dict) else None
+        if not isinstance(order, (list, tuple)) or len(set(order)) != len(order) or \
+                not all(type(i) is int and 0 <= i < g.n_local for i in order):
+            return {}
+        out.update({(gi, i): len(out) + k for k, i in enumerate(order)})
+    return out

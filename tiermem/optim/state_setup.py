@@ -15,8 +15,9 @@ arrival order -- and only then allocates the state (masters copied from the para
 zero: nothing has been updated yet, so no state moves). That first step is therefore not
 overlapped. Anything that needs the state before the first ``step()`` (``state_dict``,
 ``load_state_dict``, ``memory_bytes``, ``chunk_tiers``) fixes the partition then, from the
-gradients seen so far or else the given order. ``placement="given"``: the given order, state
-allocated at construction.
+gradients seen so far, else (``load_state_dict``, ``check_state_dict``) the order the loaded
+state was traced with (Note [saved gradient order] in state_dict.py), else the given order.
+``placement="given"``: the given order, state allocated at construction.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from tiermem.optim.layout import Group, private_store
 from tiermem.optim.modes import Mode
 from tiermem.optim.partition import auto_chunk_numel, plan_group
+from tiermem.optim.state_dict import check_loadable, saved_grad_order
 from tiermem.store.store import TierStore
 
 
@@ -85,16 +87,26 @@ def init_state(opt: Any) -> None:
         raise
 
 
-def ensure_state(opt: Any) -> None:
+def ensure_state(opt: Any, loading: dict | None = None) -> None:
     """Note [trace placement]: plan HybridAdam ``opt``'s partition from the recorded gradient
-    order (when there is one) and allocate the state, once.
+    order (when there is one; else the order traced for ``loading``, a state dict about to be
+    loaded or checked: Note [saved gradient order]) and allocate the state, once.
 
     Raises:
         TierFullError: the store has no room for the state; nothing is left half-allocated.
     """
     if opt._state_ready:
         return
+    order = {}
+    if loading is not None and opt._trace_placement:
+        try:
+            check_loadable(loading, opt._groups, opt._who)  # (another model's: not its order)
+            order = saved_grad_order(loading, opt._groups)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass  # the load's own checks refuse it
     with opt._step.lock:
+        if not opt._arrived:
+            opt._arrived.update(order)
         arrived = dict(opt._arrived)
     opt._layout.replan(arrived)
     init_state(opt)
