@@ -27,6 +27,7 @@ from models import TinyGPT
 from tiermem import StoreConfig, TierStore
 from tiermem.checkpoint import load_checkpoint, save_checkpoint
 from tiermem.optim import HybridAdam
+from tiermem.store.spill_errors import SpillError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -251,3 +252,40 @@ def test_a_failure_of_a_forward_synced_step_surfaces_at_the_next_forward(tmp_pat
     finally:
         opt.zero_grad(set_to_none=True)
         opt.close()
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_a_spill_file_cut_then_regrown_by_a_later_write_is_never_read_as_data(tmp_path,
+                                                                              checksum):
+    """Note [cut spill file]: someone truncates the spill file, then the store's next write
+    grows it past the cut again (a hole reading as zeros). Without checksums the old code
+    returned the zeros as the key's bytes; now every key the cut reached raises
+    SpillCorruption ("truncated") naming it and the file, keys written after the cut read
+    back exactly, and the store (and a foreign file beside it) survives."""
+    (tmp_path / FOREIGN).write_text("keep me")
+    store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=64 << 10, nvme_bytes=1 << 20,
+                                  nvme_dir=str(tmp_path), pool_slab_bytes=64 << 10,
+                                  io_backend="posix", io_threads=2, o_direct=False,
+                                  checksum=checksum, io_chunk_bytes=16 << 10))
+    gen = torch.Generator().manual_seed(0)
+    values = {k: torch.randn(3000, generator=gen) for k in ("a", "b", "c")}
+    try:
+        for key in ("a", "b"):
+            store.put(key, values[key], "nvme")
+        store.synchronize()
+        spill = store._spill.path
+        os.truncate(spill, 4096)  # "a" keeps its first page, "b" is gone
+        store.put("c", values["c"], "nvme")  # grows the file past the cut again
+        store.synchronize()
+        assert os.path.getsize(spill) > 4096, "the file did not grow back: tests nothing"
+        for key in ("a", "b"):
+            with pytest.raises(SpillError, match="truncated") as info:
+                store.get(key, "cpu")
+            assert info.value.key == key and info.value.path == spill
+        assert torch.equal(store.get("c", "cpu"), values["c"])
+        store.put("a", values["a"], "nvme")  # a key written again after the cut is readable
+        store.synchronize()
+        assert torch.equal(store.get("a", "cpu"), values["a"])
+    finally:
+        store.close()
+    assert sorted(os.listdir(tmp_path)) == [FOREIGN]

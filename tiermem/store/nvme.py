@@ -88,12 +88,14 @@ class Extent:
         alloc_bytes: bytes reserved and written, ``nbytes`` rounded up to 4096.
         checksums: one checksum per ``chunk_bytes`` chunk of the logical bytes (empty when
             checksums are off).
+        generation: cuts of the spill file seen when its write began (Note [cut spill file]).
     """
 
     offset: int
     nbytes: int
     alloc_bytes: int
     checksums: tuple[int, ...] = ()
+    generation: int = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -206,7 +208,7 @@ class _Op:
     """One extent write or read in flight: counts outstanding chunks, keeps the first error."""
 
     __slots__ = ("kind", "key", "offset", "nbytes", "alloc_bytes", "data", "data_np", "user_buf",
-                 "checksums", "future", "remaining", "error", "lock")
+                 "checksums", "future", "remaining", "error", "lock", "generation")
 
     def __init__(self, kind: str, key: Hashable, offset: int, nbytes: int, alloc_bytes: int,
                  data: torch.Tensor, user_buf: torch.Tensor | None, nchunks: int) -> None:
@@ -220,6 +222,7 @@ class _Op:
         self.remaining = 1                # +1 held by the submitter until all chunks are queued
         self.error: tuple[BaseException, int] | None = None
         self.lock = threading.Lock()      # chunk callbacks run concurrently on backend threads
+        self.generation = 0               # Note [cut spill file]: set by write() before I/O
 
     def fail(self, exc: BaseException, file_offset: int) -> None:
         """Record a chunk's failure; the one at the lowest file offset is reported."""
@@ -297,6 +300,7 @@ class SpillSpace:
         self._bytes_written = 0
         self._bytes_read = 0
         self._file_bytes = 0
+        self._cuts: list[int] = []  # sizes the file was cut to by others: Note [cut spill file]
 
         base = os.fspath(base_dir)
         self.removed_stale_dirs = cleanup_stale(base) if os.path.isdir(base) else []
@@ -503,7 +507,7 @@ class SpillSpace:
             op = self._new_op("write", key, offset, nbytes, alloc_bytes, buf, view.nbytes)
             self._ops.add(op)
         try:
-            self._grow_file(offset + alloc_bytes)
+            op.generation = self._grow_file(offset + alloc_bytes)
         except OSError as exc:
             op.fail(exc, offset)
         else:
@@ -539,6 +543,11 @@ class SpillSpace:
             raise ValueError(f"SpillSpace.read: {extent} has {len(extent.checksums)} "
                              f"checksums, expected {nchunks} (key={key!r})")
         self._check_open()  # a forked child refuses before any lock (Note [inherited])
+        cut = self._cut_error(key, extent)
+        if cut is not None:
+            failed: Future = Future()
+            failed.set_exception(cut)
+            return failed
         with self._lock:  # see __init__
             self._check_open()
             if not self._alloc.is_allocated(extent.offset, extent.alloc_bytes):
@@ -632,10 +641,12 @@ class SpillSpace:
             return _Op(kind, key, offset, nbytes, alloc_bytes, data, None, nchunks)
         return _Op(kind, key, offset, nbytes, alloc_bytes, data, flat, nchunks)
 
-    def _grow_file(self, end: int) -> None:
+    def _grow_file(self, end: int) -> int:
+        """Grow the file to ``end`` bytes; return the cuts seen so far (Note [cut spill file])."""
         with self._grow_lock:  # see __init__
+            self._see_cut()
             if end <= self._file_bytes:
-                return
+                return len(self._cuts)
             try:
                 os.posix_fallocate(self._fd, self._file_bytes, end - self._file_bytes)
             except OSError as exc:
@@ -643,6 +654,34 @@ class SpillSpace:
                     raise
                 os.ftruncate(self._fd, end)  # filesystem without fallocate: sparse growth
             self._file_bytes = end
+            return len(self._cuts)
+
+    def _see_cut(self) -> None:
+        """Record a cut of the file by someone else (Note [cut spill file]); the caller holds
+        ``_grow_lock``. Best effort: an fstat that fails records nothing."""
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return
+        if size < self._file_bytes:
+            logger.warning("tiermem: the spill file %s was cut from %d to %d bytes by another "
+                           "process; extents beyond that raise SpillCorruption", self._path,
+                           self._file_bytes, size)
+            self._cuts.append(size)
+            self._file_bytes = size
+
+    def _cut_error(self, key: Hashable, extent: Extent) -> SpillCorruption | None:
+        """The error of reading ``extent`` if the file was cut below its end since its write
+        began (Note [cut spill file]), else None."""
+        with self._grow_lock:  # see __init__
+            self._see_cut()
+            cut = min(self._cuts[extent.generation:], default=None)
+        if cut is None or cut >= extent.offset + extent.nbytes:
+            return None
+        return SpillCorruption(f"spill read of {extent.nbytes} bytes failed: spill file "
+                               f"truncated: cut to {cut} bytes by someone else after this "
+                               f"extent was written (Note [cut spill file])", key=key,
+                               path=self._path, offset=max(cut, extent.offset))
 
     def _submit_chunks(self, op: _Op) -> None:
         for index, start in enumerate(range(0, op.alloc_bytes, self._chunk_bytes)):
@@ -718,7 +757,8 @@ class SpillSpace:
             self._ops.discard(op)
         if op.kind == "write":
             checksums = tuple(op.checksums) if self._checksum else ()
-            op.future.set_result(Extent(op.offset, op.nbytes, op.alloc_bytes, checksums))
+            op.future.set_result(Extent(op.offset, op.nbytes, op.alloc_bytes, checksums,
+                                        op.generation))
         else:
             op.future.set_result(None)
 

@@ -5,6 +5,16 @@ extent large enough) is raised by :meth:`tiermem.store.nvme.SpillSpace.write` it
 tier at once; I/O errors arrive through the future. Idempotent positional I/O is retried
 (``io_retries`` times) on EIO, on a short read and, for reads, on a checksum mismatch; ENOSPC
 is never retried.
+
+Note [cut spill file]: a spill file truncated by another process reads short only until a
+later write past the cut grows it again (``pwrite`` beyond the end of a file leaves a hole that
+reads as zeros); with checksums the zeros fail their CRC, without them (``checksum=False``)
+they came back as data. So the space compares the file's size (``fstat``) with the bytes it
+grew it to before every write and read: a smaller size is a cut, recorded (and logged) with
+its size, and each extent keeps the number of cuts seen when its write began
+(``Extent.generation``); a read of an extent that a later cut reached raises
+``SpillCorruption`` ("truncated") without reading. A cut and the regrowing write both landing
+between two checks (while that write is in flight) is not seen this way: keep checksums on.
 """
 
 from __future__ import annotations
