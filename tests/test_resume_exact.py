@@ -498,3 +498,29 @@ def test_a_resumed_hybrid_adam_places_its_state_as_the_traced_run_did(tmp_path, 
             assert got_gpu == want_gpu, f"resumed GPU side {got_gpu}, traced {want_gpu}"
     finally:
         opt.close()
+
+
+def test_a_resumed_run_speculates_where_the_uninterrupted_one_did_not_and_is_exact(
+        tmp_path, monkeypatch):
+    """Note [speculation switch]'s history is not saved: after two clipped steps in four the
+    uninterrupted run stops speculating, the resumed one starts afresh and speculates (and rolls
+    back the clipped steps). A speculated step is exact, so the bits agree; this pins that the
+    exactness test above covers steps speculated by one run and not the other."""
+    cfg = CONFIGS["clip_rollback"]
+    decisions: list[bool] = []
+    real = HybridAdam._begin_step
+
+    def record(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        decisions.append(bool(self._spec.active))  # the next step speculates
+        return out
+
+    monkeypatch.setattr(HybridAdam, "_begin_step", record)
+    want = reference(cfg, tmp_path)
+    straight = decisions[N:N + M]  # steps N..N+M-1 (the first entry is the constructor's)
+    decisions.clear()
+    got = resumed(cfg, tmp_path)
+    again = decisions[N + 1:N + 1 + M]  # the first run's N+1 entries, then the second's
+    assert len(straight) == len(again) == M
+    assert any(a and not s for a, s in zip(again, straight)), (straight, again)
+    assert_same(got, want, "resumed with other speculation decisions")
