@@ -289,3 +289,74 @@ def test_a_spill_file_cut_then_regrown_by_a_later_write_is_never_read_as_data(tm
     finally:
         store.close()
     assert sorted(os.listdir(tmp_path)) == [FOREIGN]
+
+
+def _cuda_resume(tmp_path, ckpt, lane: float, fault: bool, bypass: bool = False) -> list:
+    """From checkpoint ``ckpt``: (fault) a step whose NVMe reads fail with EIO, then (unless
+    ``bypass``) the refusal and the load of ``ckpt`` again; then 8 steps on CUDA. Returns the
+    loss of every step and the params after the last."""
+    torch.manual_seed(1)
+    model = TinyGPT().cuda()
+    opt = HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.75,
+                     chunk_numel=1024, state_tier="nvme", nvme_dir=str(tmp_path),
+                     param_sync="step", gpu_step_fraction=lane)
+    load_checkpoint(ckpt, model=model, optimizer=opt)
+    batches = [(x.cuda(), y.cuda()) for x, y in _batches()] * 2
+    losses = []
+    try:
+        if fault:
+            with pytest.MonkeyPatch.context() as mp:
+                _fault("read EIO", opt, mp)
+                model(*batches[0])[1].backward()
+                with pytest.raises(RuntimeError, match="the CPU step failed") as info:
+                    opt.step()
+            assert opt.store._spill.path in str(info.value) and "hybrid_adam" in str(info.value)
+            opt.zero_grad(set_to_none=True)
+            if bypass:
+                opt._failed = None  # the old code: on from the mixed state
+            else:
+                model(*batches[0])[1].backward()
+                with pytest.raises(RuntimeError, match=r"step\(\) refused"):
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                load_checkpoint(ckpt, model=model, optimizer=opt)
+        for batch in batches[:8]:
+            loss = model(*batch)[1]
+            losses.append(loss.item())  # compared at every step
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return losses, [p.detach().cpu() for p in model.parameters()]
+    finally:
+        opt.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lane", [0.0, 0.5])
+def test_a_failed_nvme_read_on_cuda_refuses_and_the_loaded_run_is_bit_identical(tmp_path,
+                                                                                 lane):
+    """CUDA twin (not run here: no GPU; the CPU kernel, torch's fused Adam on the GPU side and,
+    lane=0.5, the GPU lane): a step whose NVMe state reads fail raises naming key and file,
+    the next step() refuses (Note [failed steps]), and the run resumed from the checkpoint
+    equals, at each of 8 steps, the same resume without the fault; must-fail twin: stepping on
+    from the mixed state differs."""
+    torch.manual_seed(1)
+    model = TinyGPT().cuda()
+    opt = HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.75,
+                     chunk_numel=1024, state_tier="nvme", nvme_dir=str(tmp_path),
+                     param_sync="step", gpu_step_fraction=lane)
+    for x, y in _batches()[:GOOD]:
+        model(x.cuda(), y.cuda())[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ckpt = tmp_path / "good.pt"
+    save_checkpoint(ckpt, model=model, optimizer=opt)
+    opt.close()
+    ref_losses, ref_params = _cuda_resume(tmp_path, ckpt, lane, fault=False)
+    losses, params = _cuda_resume(tmp_path, ckpt, lane, fault=True)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    bad_losses, bad_params = _cuda_resume(tmp_path, ckpt, lane, fault=True, bypass=True)
+    assert bad_losses != ref_losses or any(not torch.equal(a, b)
+                                           for a, b in zip(bad_params, ref_params))
