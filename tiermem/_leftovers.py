@@ -18,6 +18,7 @@ whose start time differs from the one in the marker (pid reuse).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -216,7 +217,9 @@ def remove_owned_dir(path: str, names: tuple[str, ...]) -> bool:
     except FileNotFoundError:
         return True
     except OSError as exc:
-        logger.warning("tiermem: left %s in place: it holds files tiermem did not write (%s)",
-                       path, exc.strerror or exc)
+        why = ("it holds files tiermem did not write" if exc.errno in (errno.ENOTEMPTY,
+                                                                        errno.EEXIST)
+               else "it cannot be removed")  # e.g. EROFS, EACCES: its own files stay too
+        logger.warning("tiermem: left %s in place: %s (%s)", path, why, exc.strerror or exc)
         return False
     return True

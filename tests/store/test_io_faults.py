@@ -360,3 +360,42 @@ def test_a_failed_nvme_read_on_cuda_refuses_and_the_loaded_run_is_bit_identical(
     bad_losses, bad_params = _cuda_resume(tmp_path, ckpt, lane, fault=True, bypass=True)
     assert bad_losses != ref_losses or any(not torch.equal(a, b)
                                            for a, b in zip(bad_params, ref_params))
+
+
+def test_a_spill_dir_that_turns_read_only_loses_nothing_and_says_why_it_stays(tmp_path,
+                                                                              caplog):
+    """The spill filesystem turns read-only (EROFS on every write, unlink and rmdir; as root a
+    chmod would not stop the test's own process): a spill write fails naming the key and the
+    file and the key stays readable in RAM, keys already spilled read back, close() raises
+    nothing, and the log says the directory cannot be removed (it said it "holds files tiermem
+    did not write", sending the user after files that are not there). A user's file beside
+    it survives."""
+    (tmp_path / FOREIGN).write_text("keep me")
+    store = TierStore(StoreConfig(gpu_bytes=0, cpu_bytes=1 << 20, nvme_bytes=1 << 20,
+                                  nvme_dir=str(tmp_path), io_backend="posix", o_direct=False))
+    a, b = torch.arange(1000.0), torch.arange(2000.0)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system (injected)")
+
+    try:
+        store.put("a", a, "nvme")
+        store.synchronize()
+        spill_dir = store._spill.dir_path
+        with pytest.MonkeyPatch.context() as mp:
+            for name in ("pwritev", "unlink", "rmdir"):
+                mp.setattr(os, name, read_only)
+            with pytest.warns(RuntimeWarning, match=rf"spilling 'b' failed.*Errno {errno.EROFS}"
+                                                    rf".*{store._spill.path}"):
+                store.put("b", b, "nvme")
+                store.synchronize()
+            assert store.tier_of("b") == "cpu"
+            assert torch.equal(store.get("a", "cpu"), a) and torch.equal(store.get("b", "cpu"), b)
+            with caplog.at_level("WARNING", logger="tiermem"):
+                store.close()
+        left = [r.getMessage() for r in caplog.records if "left" in r.getMessage()]
+        assert left and spill_dir in left[0] and "cannot be removed" in left[0], left
+        assert not any("did not write" in m for m in left), left
+    finally:
+        store.close()
+    assert (tmp_path / FOREIGN).read_text() == "keep me"
