@@ -346,10 +346,38 @@ def test_resume_across_weight_streaming_is_exact(tmp_path, direction):
 
 # ------------------------------------------------------------------ 5. saves over saves
 
-def test_saving_twice_and_a_save_failing_halfway_keep_an_exact_resume(tmp_path, monkeypatch):
-    """Two saves to one path (the second wins), then a third save whose writer raises halfway
-    through the payload: the second checkpoint is still there, loads, and resumes exactly; the
-    run that saw the failure trains on exactly too; a checkpoint cut short never loads."""
+class _FailingFile:
+    """The checkpoint's file: its writes raise ``exc`` once 20 kB were written."""
+
+    def __init__(self, f, exc):
+        self.f, self.exc, self.written = f, exc, 0
+
+    def write(self, data):
+        self.written += memoryview(data).nbytes
+        if self.written > 20_000:
+            raise self.exc
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("interrupted halfway"), KeyboardInterrupt()],
+                         ids=["RuntimeError", "KeyboardInterrupt"])
+def test_saving_twice_and_a_save_failing_halfway_keep_an_exact_resume(tmp_path, monkeypatch,
+                                                                      exc):
+    """Two saves to one path (the second wins), then a third save whose file write raises
+    halfway through the payload: the save raises that error (torch's zip writer turned it into
+    "RuntimeError: [enforce fail at inline_container.cc] unexpected pos", so a Ctrl-C during a
+    save surfaced as a RuntimeError: red on the old code), the second checkpoint is still
+    there, loads, and resumes exactly; the run that saw the failure trains on exactly too; a
+    checkpoint cut short never loads."""
     cfg = CONFIGS["scaler_clip_lane"]
     want = reference(cfg, tmp_path)
     path = tmp_path / "c.pt"
@@ -360,17 +388,17 @@ def test_saving_twice_and_a_save_failing_halfway_keep_an_exact_resume(tmp_path, 
     run.save(path)  # over the first: step N
     good = path.read_bytes()
     run.train(1)
-    real = ckpt._HashingWriter.write
+    real = ckpt.os.fdopen
 
-    def write_then_fail(self, data):
-        if self.nbytes > 20_000:
-            raise RuntimeError("interrupted halfway")
-        return real(self, data)
+    def fdopen(*args, **kwargs):
+        f = real(*args, **kwargs)
+        return _FailingFile(f, exc) if args[1:2] == ("w+b",) else f  # the data file
 
-    monkeypatch.setattr(ckpt._HashingWriter, "write", write_then_fail)
-    with pytest.raises(RuntimeError):
+    monkeypatch.setattr(ckpt.os, "fdopen", fdopen)
+    with pytest.raises(type(exc)) as info:
         run.save(path)
     monkeypatch.undo()
+    assert info.value is exc, f"{type(info.value).__name__}: {info.value}"
     assert path.read_bytes() == good
     assert not [n for n in (p.name for p in tmp_path.iterdir()) if ".tiermem-tmp-" in n]
     run.train(M - 1)

@@ -86,17 +86,18 @@ class _HashingWriter:
         self._f = f
         self.sha = hashlib.sha256()
         self.nbytes = 0
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.sha.update(view)
-        self.nbytes += view.nbytes
         try:
+            view = memoryview(data).cast("B")
+            self.sha.update(view)
+            self.nbytes += view.nbytes
             self._f.write(view)
-        except OSError as exc:
-            # torch.save's zip writer turns this into an unrelated RuntimeError on its way
-            # out; keep the real cause (e.g. ENOSPC) for atomic_save to raise
+        except BaseException as exc:
+            # torch.save's zip writer turns any error of a write into an unrelated
+            # RuntimeError ("unexpected pos") on its way out; keep the real one (ENOSPC, a
+            # Ctrl-C's KeyboardInterrupt) for _write_and_replace to raise
             self.error = self.error or exc
             raise
         return view.nbytes
