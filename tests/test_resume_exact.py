@@ -59,6 +59,8 @@ class Run:
         self.cfg = cfg
         torch.manual_seed(seed)
         self.model = TinyGPT(n_layers=2)
+        if cfg.get("bf16"):  # bf16 params: HybridAdam keeps fp32 masters (saved as "master")
+            self.model = self.model.to(torch.bfloat16)
         self.stores, self.stream = [], None
         if cfg.get("stream"):
             from tiermem.stream import stream_weights
@@ -155,7 +157,7 @@ class Run:
             self.opt.synchronize()
         state = self.opt.state_dict()
         moments = [{k: v.detach().clone().cpu() for k, v in st.items()
-                    if k in ("exp_avg", "exp_avg_sq", "step")}
+                    if k in ("exp_avg", "exp_avg_sq", "step", "master")}
                    for _, st in sorted(state["state"].items())]
         return {"losses": list(self.losses),
                 "params": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -185,7 +187,8 @@ def assert_same(got: dict, want: dict, what: str) -> None:
         assert torch.equal(_bits(got["params"][k]), _bits(v)), f"{what}: param {k} differs"
     assert len(got["moments"]) == len(want["moments"]), what
     for i, (a, b) in enumerate(zip(got["moments"], want["moments"])):
-        for name in ("exp_avg", "exp_avg_sq", "step"):
+        assert a.keys() == b.keys(), f"{what}: state of param {i}: {a.keys()} != {b.keys()}"
+        for name in a:
             assert torch.equal(_bits(a[name]), _bits(b[name])), \
                 f"{what}: {name} of param {i} differs"
     assert got["lr"] == want["lr"] and got["scale"] == want["scale"], what
@@ -239,6 +242,9 @@ CONFIGS = {
     "clip_no_rollback": dict(opt=dict(BASE, max_grad_norm=1.0, rollback_bytes=0), clip=True),
     "accumulation": dict(opt=dict(BASE, grad_accumulation_steps=2), accum=2),
     "forward_sync": dict(opt=dict(BASE, param_sync="forward")),
+    "bf16_params": dict(opt=BASE, bf16=True),
+    "bf16_params_lane_bf16_moments": dict(opt=dict(BASE, **LANE, moments_dtype=torch.bfloat16),
+                                          bf16=True),
     "groups": dict(opt=BASE, groups=True),
     "lambda_lr": dict(opt=BASE, groups=True, sched="lambda"),
     "onecycle": dict(opt=BASE, groups=True, sched="onecycle"),
@@ -552,3 +558,23 @@ def test_a_resumed_run_speculates_where_the_uninterrupted_one_did_not_and_is_exa
     assert len(straight) == len(again) == M
     assert any(a and not s for a, s in zip(again, straight)), (straight, again)
     assert_same(got, want, "resumed with other speculation decisions")
+
+
+def test_a_save_while_a_forward_synced_step_is_in_flight_resumes_exactly(tmp_path, monkeypatch):
+    """param_sync="forward": the save comes right after a step() whose CPU side is still
+    running (asserted: the worker is slowed); the checkpoint holds that step whole and the
+    resume is the uninterrupted run."""
+    cfg = CONFIGS["forward_sync"]
+    want = reference(cfg, tmp_path)
+    real = ChunkWorker._step_chunk
+
+    def slow(self, *args):
+        time.sleep(0.005)
+        return real(self, *args)
+
+    def in_flight(run):
+        assert run.opt._pending, "the step is not in flight: the test tests nothing"
+
+    monkeypatch.setattr(ChunkWorker, "_step_chunk", slow)
+    got = resumed(cfg, tmp_path, before_save=in_flight)
+    assert_same(got, want, "saved with the step in flight")
