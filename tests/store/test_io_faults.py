@@ -15,6 +15,7 @@ survives all of it and ``close()``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import warnings
@@ -399,3 +400,109 @@ def test_a_spill_dir_that_turns_read_only_loses_nothing_and_says_why_it_stays(tm
     finally:
         store.close()
     assert (tmp_path / FOREIGN).read_text() == "keep me"
+
+
+def test_offloaded_activations_cut_from_the_spill_file_fail_backward_and_training_goes_on(
+        tmp_path):
+    """Activation offload to NVMe, the spill file cut between a step's forward and its
+    backward: backward raises SpillCorruption naming an activation key and the file (never
+    zeros as activations), nothing stays live, and the steps after it train bit for bit like
+    a run without offload that skips that batch. A user's file beside it survives close()."""
+    from models import make_batch
+    from tiermem.offload import offload_activations
+
+    def train(offload: bool) -> list:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        store = off = None
+        if offload:
+            store = TierStore(StoreConfig(gpu_bytes=1 << 20, cpu_bytes=1 << 20,
+                                          nvme_bytes=4 << 20, nvme_dir=str(tmp_path),
+                                          io_backend="posix", o_direct=False))
+            off = offload_activations(model.blocks, store=store, tier="nvme", num_layers=3)
+        try:
+            for step in range(5):
+                if step == 2:  # this batch's backward fails (or, without offload, is skipped)
+                    if offload:
+                        with off:
+                            loss = model(*make_batch(step))[1]
+                        os.truncate(store._spill.path, 0)
+                        with pytest.raises(SpillError, match="truncated|corrupted") as info:
+                            loss.backward()
+                        key, path = info.value.key, info.value.path
+                        del loss, info  # the error's frames hold the graph until it is dropped
+                        assert key[0] == "act" and path == store._spill.path
+                        assert off.live_keys == 0 and len(store) == 0
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                with off if offload else contextlib.nullcontext():
+                    loss = model(*make_batch(step))[1]
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            if store is not None:
+                store.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    (tmp_path / FOREIGN).write_text("keep me")
+    ref = train(False)
+    got = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert sorted(os.listdir(tmp_path)) == [FOREIGN]
+
+
+def test_a_streamed_nvme_home_whose_placement_writes_fail_keeps_them_in_ram_and_trains_exactly(
+        tmp_path):
+    """Weight streaming with an NVMe home (the LoRA base, staging_blocks): ENOSPC on some of
+    the placement's writes warns naming the weight's key and the spill file, those weights
+    stay in RAM (nothing lost), and LoRA training equals the run without streaming bit for
+    bit; a user's file beside the spill directory survives close()."""
+    pytest.importorskip("peft")
+    import dataclasses
+
+    from tiermem.models.lora_llama import SHAPES, adapter_parameters, lora_batches, lora_llama
+    from tiermem.models.lora_stream import stream_lora_base
+
+    shape = dataclasses.replace(SHAPES["tiny"], layers=4)
+
+    def train(stream: bool) -> list:
+        model = lora_llama(shape, seed=0)
+        handle = store = None
+        if stream:
+            real, calls = posix_mod.os.pwritev, [0]
+
+            def flaky(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] in (2, 5, 9):
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                return real(*args, **kwargs)
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(posix_mod.os, "pwritev", flaky)
+                with pytest.warns(RuntimeWarning, match=r"spilling \('tiermem.stream'.*Errno 28"
+                                                        r".*spill\.bin") as seen:
+                    handle, store = stream_lora_base(model, device="cpu", tier="nvme",
+                                                     nvme_dir=str(tmp_path))
+            assert any(store._spill.path in str(w.message) for w in seen)
+        opt = torch.optim.AdamW(adapter_parameters(model), lr=2e-3)
+        out = []
+        try:
+            for ids in lora_batches(shape.vocab, 2, 16, 4):
+                loss = model(input_ids=ids, labels=ids).loss
+                out.append(loss.detach().clone())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            if handle is not None:
+                handle.close()
+                store.close()
+        return out + [p.detach().clone() for p in adapter_parameters(model)]
+
+    (tmp_path / FOREIGN).write_text("keep me")
+    ref = train(False)
+    got = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert sorted(os.listdir(tmp_path)) == [FOREIGN]
