@@ -9,8 +9,11 @@ and ``"split"``) when a step's chunk read (the worker's ``get``, the read-ahead'
 or write-back fails, or the spill file is cut short: the step raises naming the key and the
 file, the optimizer then refuses to step or save a state mixed of two steps (Note [failed
 steps] in tiermem/optim/step_tail.py), and a checkpoint taken before the failure resumes bit
-for bit like a run that never failed. A file tiermem did not make in the spill directory
-survives all of it and ``close()``.
+for bit like a run that never failed (also over a truncated file, and on CUDA: not run here).
+Then the spill file cut and grown again by a later write (Note [cut spill file]), a spill
+filesystem turning read-only, activation offload with the file cut between forward and
+backward, and a streamed NVMe home whose placement writes hit ENOSPC. A file tiermem did not
+make beside the spill directory survives all of it and ``close()``.
 """
 
 from __future__ import annotations
