@@ -41,6 +41,8 @@
 #   cuda_s18b          nvidia-h200      session 18's audit twins (worker windows, offload corners,
 #                                       the re-step), then pytest -m cuda tests/offload and
 #                                       tests/stream, 3 xdist workers each (bounded 480 s)
+#   cuda_s18d          nvidia-h200      session 18's CUDA tests not yet run: resume exactness and
+#                                       the traced placement, the failed-NVMe-step refusal (150 s)
 #   bench_activations  nvidia-h200      activation offload table (reference GPT), 3 runs
 #   bench_activations_chunked nvidia-h200  the same rows with --loss-chunk-tokens 1024
 #   bench_optim        nvidia-h200      optimizer placement table (reference GPT), 3 runs, no clipping
@@ -250,6 +252,8 @@ print('pinned allocation s/GiB', round((time.perf_counter() - t) / 4, 3))"; done
         tests/offload/test_offload_corners_cuda.py tests/optim/test_speculate_restep.py
       run cuda_s18b_offload 150 "${PYTEST[@]}" -n 3 tests/offload
       run cuda_s18b_stream 180 "${PYTEST[@]}" -n 3 tests/stream ;;
+    cuda_s18d) run cuda_s18d 150 "${PYTEST[@]}" -n 3 tests/test_resume_exact_cuda.py \
+      tests/store/test_io_faults.py ;;
     spec_rows) run spec_rows 300 "${PYTEST[@]}" -v -s "$PARITY" -k "test_training_parity and hybrid_spec" ;;
     stream_cuda)
       run stream_cuda 120 "${PYTEST[@]}" -v -s tests/stream
