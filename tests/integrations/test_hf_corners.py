@@ -3,7 +3,7 @@ reference] in hf_tiny.py), on the CPU: gradient accumulation 4 over 2 epochs of 
 micro-batches, so every epoch ends with a window of 1 (Note [trainer accumulation]); resume
 with ``resume_from_checkpoint=True`` from a checkpoint taken inside the second epoch; clipping
 at 2.0 (some steps clip, some do not) with HybridAdam's speculative step (``rollback_bytes``),
-and clipping off; evaluation during training (``eval_strategy="steps"``) with activation
+with its twin (Trainer's clip left on as well: weights off, or refused), and clipping off; evaluation during training (``eval_strategy="steps"``) with activation
 offload and ``param_sync="forward"``. Each is bit-identical to the reference: losses, eval
 losses and grad norms at every step, and the final weights. Weight streaming has no trainer
 switch (docs/huggingface.md), so it is not covered here."""
@@ -86,16 +86,19 @@ def test_short_last_window_of_each_epoch(reference, tmp_path, opts):
     opt.close()
 
 
-def test_resume_latest_checkpoint_inside_the_second_epoch(reference, tmp_path):
+@pytest.mark.parametrize("opts", [{"offload_fraction": 0.5},
+                                  {"offload_fraction": 1.0, "param_sync": "forward"}])
+def test_resume_latest_checkpoint_inside_the_second_epoch(reference, tmp_path, opts):
     """Checkpoints at steps 7 (two windows into epoch 2) and 14 (never reached); the first run
     stops at 8. A fresh trainer on a differently seeded model with
     ``resume_from_checkpoint=True`` takes checkpoint-7 (the latest), skips the 8 micro-batches
     of epoch 2 already trained, restores HybridAdam's state, the schedule and the step, and
-    trains 8-10 exactly as the uninterrupted run."""
+    trains 8-10 exactly as the uninterrupted run (``param_sync="forward"``: the save comes
+    while step 7 may still be writing)."""
     ref_logs, ref_weights = reference
     out = str(tmp_path / "out")
     kw = dict(save_strategy="steps", save_steps=7)
-    opts = {"offload_fraction": 0.5, "chunk_numel": 4096}
+    opts = dict(opts, chunk_numel=4096)
     first, logs, _, _, _ = train(TiermemTrainer, out, stop_at=8, trainer_kw={"hybrid_adam": opts},
                                  **kw)
     assert logs == ref_logs[:8]
@@ -128,6 +131,32 @@ def test_clip_at_2_clips_some_steps_once(tmp_path, rollback):
         assert stats["speculated_chunks"] == 0
     assert logs == ref_logs
     assert max_diff(weights, ref_weights) == 0.0
+    trainer.hybrid_adam.close()
+
+
+class ClipTwice(TiermemTrainer):
+    """Slip: Trainer's own clip left on, in addition to HybridAdam's."""
+
+    def _clip_grad_norm(self, model):
+        return Trainer._clip_grad_norm(self, model)
+
+
+@pytest.mark.parametrize("rollback", [0, "1MiB"])
+def test_clip_twice_is_caught(tmp_path, rollback):
+    """The twin of the test above: Trainer's in-place clip on top of HybridAdam's. Without
+    ``rollback_bytes`` the chunks wait for the norm, so the twice-clipped gradients are
+    stepped (the weights move off the reference); with it, speculated chunks have copied
+    their gradients and the in-place write is refused."""
+    _, _, _, ref_weights, _ = train(ClipInGroupOrder, str(tmp_path / "ref"), max_grad_norm=2.0)
+    opts = {"offload_fraction": 1.0, "chunk_numel": 4096, "rollback_bytes": rollback}
+    if rollback:
+        with pytest.raises(RuntimeError, match="gradient was changed after backward"):
+            train(ClipTwice, str(tmp_path / "out"), max_grad_norm=2.0,
+                  trainer_kw={"hybrid_adam": opts})
+        return
+    trainer, _, _, weights, _ = train(ClipTwice, str(tmp_path / "out"), max_grad_norm=2.0,
+                                      trainer_kw={"hybrid_adam": opts})
+    assert max_diff(weights, ref_weights) > 0.0
     trainer.hybrid_adam.close()
 
 
