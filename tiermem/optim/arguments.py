@@ -65,14 +65,36 @@ def check_arguments(*, lr: float, betas: Any, eps: float, weight_decay: float, a
 def params_device(all_params: list[torch.Tensor]) -> torch.device:
     """The one device of ``all_params``.
 
+    Note [shared storage]: two distinct Parameters viewing one storage (slices of one buffer,
+    ``nn.Parameter(p.data)``) share its version counter and bytes, while HybridAdam keeps one
+    fp32 master and one change record per param (Note [param changes]): each write-back looked
+    like a user change of the other, and the first step failed with a misleading "changed
+    while the step was still updating it". They are refused here, at construction. A tied
+    weight (one Parameter used twice) is one param and is fine.
+
     Raises:
         TypeError: a param that is not floating-point.
-        ValueError: params on several devices.
+        ValueError: params on several devices; two params sharing one storage; a
+            non-contiguous param (a transposed view made a Parameter: it crashed in the first
+            flat view, "view size is not compatible").
     """
+    storages: dict[int, int] = {}
     for i, p in enumerate(all_params):
         if not p.is_floating_point():
             raise TypeError(f"HybridAdam: param {i} has dtype {p.dtype}; only floating-point "
                             f"params can be optimized")
+        if type(p) in (torch.Tensor, torch.nn.Parameter) and not p.is_contiguous():
+            raise ValueError(f"HybridAdam: param {i} (shape {tuple(p.shape)}, stride {p.stride()})"
+                             f" is not contiguous; HybridAdam steps params through flat views: "
+                             f"make it contiguous (nn.Parameter(t.contiguous()))")
+        if type(p) in (torch.Tensor, torch.nn.Parameter) and p.numel() and p.device.type != "meta":
+            j = storages.setdefault(p.untyped_storage().data_ptr(), i)
+            if j != i:
+                raise ValueError(f"HybridAdam: params {j} and {i} (shapes "
+                                 f"{tuple(all_params[j].shape)} and {tuple(p.shape)}) share one "
+                                 f"storage; HybridAdam keeps one "
+                                 f"master per param: give each its own (nn.Parameter(t.clone())), "
+                                 f"or use one Parameter for a tied weight (Note [shared storage])")
     devices = {p.device for p in all_params}
     if len(devices) != 1:
         raise ValueError(f"HybridAdam: params are on several devices {sorted(map(str, devices))}; "

@@ -529,8 +529,9 @@ class StateLayout:
                 continue
             dtype = local_view(g, g.plan.cpu_pieces[0].param).dtype
             if any(local_view(g, pc.param).dtype != dtype for pc in g.plan.cpu_pieces):
-                raise ValueError(f"HybridAdam: param group {g.index} mixes dtypes; put params of "
-                                 f"different dtypes in different param groups")
+                mixed = sorted({str(local_view(g, pc.param).dtype) for pc in g.plan.cpu_pieces})
+                raise ValueError(f"HybridAdam: param group {g.index} mixes dtypes {mixed}; put "
+                                 f"params of different dtypes in different param groups")
             g.grad_key = ("hybrid_adam", self.owner, g.index, "grad")
             g.out_key = ("hybrid_adam", self.owner, g.index, "out")
             slot_numel = max(c.numel for c in g.plan.chunks)
