@@ -326,14 +326,14 @@ def test_a_new_scaler_after_the_first_was_dropped(one_thread):
     opt.close()
 
 
-def test_a_plain_step_after_a_scaler_rolls_the_unscaled_chunks_back(one_thread):
-    """A registered scaler, then plain ``opt.step()`` calls: the chunks stepped during backward
-    unscaled their gradients by the scaler's scale, which this step was not given: they are
-    rolled back and stepped again from the gradients as they are, as AdamW steps them."""
+def plain_steps_after_a_scaler(**kw):
+    """Three steps under a GradScaler, then five plain ``opt.step()`` calls, for AdamW and for a
+    speculating HybridAdam (``kw``: more of its arguments); returns ``(model, ref, opt, rolled
+    back chunks of each plain step)``."""
     ref, model = _model(torch.float32), _model(torch.float32)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
     opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
-                     rollback_bytes=BIG)
+                     rollback_bytes=BIG, **kw)
     rolled = []
     for m, o in ((ref, ref_opt), (model, opt)):
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -351,6 +351,14 @@ def test_a_plain_step_after_a_scaler_rolls_the_unscaled_chunks_back(one_thread):
                 if o is opt:
                     rolled.append(opt.step_stats()["rolled_back_chunks"])
             o.zero_grad(set_to_none=True)
+    return model, ref, opt, rolled
+
+
+def test_a_plain_step_after_a_scaler_rolls_the_unscaled_chunks_back(one_thread):
+    """A registered scaler, then plain ``opt.step()`` calls: the chunks stepped during backward
+    unscaled their gradients by the scaler's scale, which this step was not given: they are
+    rolled back and stepped again from the gradients as they are, as AdamW steps them."""
+    model, ref, opt, rolled = plain_steps_after_a_scaler()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
     n_chunks = sum(opt.chunk_tiers().values())

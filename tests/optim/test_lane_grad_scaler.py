@@ -22,7 +22,7 @@ import torch
 
 from models import make_batch
 from optim.test_grad_scaler_overlap import (BIG, HP, INF_STEPS, SMALL, _admitted_done, _bits,
-                                            _check, _model)
+                                            _check, _model, plain_steps_after_a_scaler)
 from tiermem.optim import HybridAdam, gpu_lane, speculate
 
 LANE = dict(gpu_step_fraction=1.0)
@@ -116,27 +116,7 @@ def test_a_plain_step_after_a_scaler_rolls_the_lane_chunks_back(one_thread):
     unscaled their copies by the scaler's scale, which this step was not given (the scale
     differs): rolled back from their device slots and stepped again from the gradients as they
     are, as AdamW steps them."""
-    ref, model = _model(torch.float32), _model(torch.float32)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HP, fused=True)
-    opt = HybridAdam(model.parameters(), **HP, offload_fraction=1.0, chunk_numel=1024,
-                     rollback_bytes=BIG, **LANE)
-    rolled = []
-    for m, o in ((ref, ref_opt), (model, opt)):
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        for step in range(8):
-            idx, tgt = make_batch(step)
-            if step < 3:
-                scaler.scale(m(idx, tgt)[1]).backward()
-                scaler.step(o)
-                scaler.update()
-            else:
-                m(idx, tgt)[1].backward()
-                if o is opt and opt._spec.active:
-                    _admitted_done(opt)
-                o.step()
-                if o is opt:
-                    rolled.append(opt.step_stats()["rolled_back_chunks"])
-            o.zero_grad(set_to_none=True)
+    model, ref, opt, rolled = plain_steps_after_a_scaler(**LANE)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
     n_chunks = sum(opt.chunk_tiers().values())
