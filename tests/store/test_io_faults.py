@@ -63,10 +63,16 @@ def _step(model, opt, batch):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _reference(tmp_path, tier):
+def _fresh(tier, nvme_dir):
+    """A run's model (seed 0), optimizer, its store (or None) and the batches."""
     torch.manual_seed(0)
     model = TinyGPT()
-    opt, store = _optimizer(model, tier, str(tmp_path))
+    opt, store = _optimizer(model, tier, str(nvme_dir))
+    return model, opt, store, _batches()
+
+
+def _reference(tmp_path, tier):
+    model, opt, store, _ = _fresh(tier, tmp_path)
     assert opt.memory_bytes()["nvme"] > 0, "no state on NVMe: the test tests nothing"
     out = [_step(model, opt, b) for b in _batches()]
     opt.close()
@@ -103,10 +109,7 @@ def test_a_failed_state_read_or_write_refuses_the_mixed_state_and_resumes_exactl
     nvme_dir = tmp_path / "run"
     nvme_dir.mkdir()
     (nvme_dir / FOREIGN).write_text("keep me")
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt, store = _optimizer(model, tier, str(nvme_dir))
-    batches = _batches()
+    model, opt, store, batches = _fresh(tier, nvme_dir)
     spill = None
     try:
         for step in range(GOOD):
@@ -151,10 +154,7 @@ def test_the_refusal_is_needed_continuing_diverges(tmp_path, monkeypatch):
     old code did) gives other parameters than the run without the fault."""
     (tmp_path / "ref").mkdir()
     ref = _reference(tmp_path / "ref", "nvme")
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt, _ = _optimizer(model, "nvme", str(tmp_path))
-    batches = _batches()
+    model, opt, _, batches = _fresh("nvme", tmp_path)
     try:
         for step in range(GOOD):
             _step(model, opt, batches[step])
@@ -177,10 +177,7 @@ def test_a_resume_over_a_truncated_spill_file_loads_and_trains_exactly(tmp_path)
     the run goes on bit for bit like the one without the damage."""
     (tmp_path / "ref").mkdir()
     ref = _reference(tmp_path / "ref", "nvme")
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt, _ = _optimizer(model, "nvme", str(tmp_path))
-    batches = _batches()
+    model, opt, _, batches = _fresh("nvme", tmp_path)
     try:
         for step in range(GOOD):
             _step(model, opt, batches[step])
@@ -198,10 +195,7 @@ def test_a_load_that_fails_partway_refuses_the_mixed_state(tmp_path, monkeypatch
     """A load_state_dict whose write-back fails after some chunks were loaded leaves a state
     of two checkpoints: step() refuses it (the old code stepped from it), and a load that
     succeeds clears the refusal."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt, _ = _optimizer(model, "nvme", str(tmp_path))
-    batches = _batches()
+    model, opt, _, batches = _fresh("nvme", tmp_path)
     try:
         _step(model, opt, batches[0])
         state = opt.state_dict()
